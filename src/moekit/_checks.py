@@ -1,0 +1,74 @@
+"""Argument validation shared by every public op.
+
+All checks run on the host, before any launch, and raise errors that name the argument and
+give the expected and actual value (the engines' reverted kernels failed on inputs nobody
+checked: wrong strides, a rebound ``out``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: int | tuple[int, ...] | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    device: torch.device | None = None,
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else ndim
+        if t.dim() not in allowed:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {_names(dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of the input), got {t.device}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def check_out(name: str, out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              inputs: dict[str, torch.Tensor]) -> None:
+    """``out=`` contract: exact shape, dtype and device; unit stride in the last dim; no aliasing."""
+    check_tensor(name, out, device=device)
+    check_shape(name, out, shape)
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
+    if out.numel() and out.dim() and out.stride(-1) != 1 and out.shape[-1] != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {out.stride()}")
+    for other_name, other in inputs.items():
+        if other is not None and out.numel() and other.numel() and _overlaps(out, other):
+            raise ValueError(f"{name} must not overlap the memory of {other_name}")
+
+
+def check_top_k(top_k, num_experts: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return start, start + (extent + 1) * t.element_size()
+
+
+def _names(dtypes) -> str:
+    return "(" + ", ".join(str(d).replace("torch.", "") for d in dtypes) + ")"

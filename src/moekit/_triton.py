@@ -1,0 +1,56 @@
+"""Whether Triton kernels can serve a call, and the per-stream scratch they share."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through numpy (``TRITON_INTERPRET=1``), e.g. in CPU tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def can_launch(t: torch.Tensor) -> bool:
+    """A Triton kernel can run on ``t``'s device: CUDA, or the CPU under the interpreter."""
+    if not triton_importable():
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+NUM_COUNTERS = 4096
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the 'last program finishes the job' kernels.
+
+    One buffer per (device, stream): kernels on one stream run in order and each kernel resets
+    the counters it used, so they are zero again at the next launch (also on CUDA-graph replay).
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

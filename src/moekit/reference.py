@@ -1,0 +1,241 @@
+"""Float64 references for every moekit op.
+
+These are the definitions (../shared/reference/semantics.md) written as plainly as possible, in
+float64, on whatever device the inputs live on. Every fast path is tested against them. They are
+slow by design; never call them on a hot path.
+
+Selection rules shared by all routing methods (the fast paths follow the same rules):
+  * experts are ranked by their choice score, highest first; ties go to the lower expert id;
+  * a NaN score ranks like -inf (so ids are always valid, even for NaN/Inf logits);
+  * weights follow IEEE arithmetic, so a row with non-finite logits may get NaN weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------------- router
+def router_logits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_a: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    """logits[..., E] = x @ weight^T + bias + lora_scale * (x @ lora_a^T) @ lora_b^T, in float64."""
+    x64 = x.to(F64)
+    logits = x64 @ weight.to(F64).T
+    if bias is not None:
+        logits = logits + bias.to(F64)
+    if lora_a is not None:
+        logits = logits + lora_scale * ((x64 @ lora_a.to(F64).T) @ lora_b.to(F64).T)
+    return logits
+
+
+# ---------------------------------------------------------------------------------- routing
+def _rank(key: torch.Tensor, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """Column order of each row: eligible first, then by key descending, then by lower index."""
+    key = torch.nan_to_num(key.to(F64), nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    if eligible is not None:
+        rank_eligible = torch.gather((~eligible).to(torch.int8), -1, order)
+        order = torch.gather(order, -1, torch.sort(rank_eligible, dim=-1, stable=True).indices)
+    return order
+
+
+def _softmax(v: torch.Tensor) -> torch.Tensor:
+    # Written out (not torch.softmax) so the IEEE behaviour on inf/NaN is explicit.
+    e = torch.exp(v - v.max(dim=-1, keepdim=True).values)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    *,
+    renormalize: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference routing. Returns (weights float64 [T, k], ids int64 [T, k]).
+
+    Methods (semantics.md): softmax_topk, topk_softmax, sigmoid_grouped, sigmoid_top1.
+    """
+    l64 = logits.to(F64)
+    num_tokens, num_experts = l64.shape
+    if method in ("softmax_topk", "topk_softmax"):
+        ids = _rank(l64)[:, :top_k]
+        if method == "softmax_topk" and not renormalize:
+            w = torch.gather(_softmax(l64), 1, ids)
+        else:
+            # softmax over all E then renormalized over the k chosen == softmax over the k chosen;
+            # written this way a NaN logit of an unchosen expert does not poison the weights.
+            w = _softmax(torch.gather(l64, 1, ids))
+    elif method == "sigmoid_top1":
+        ids = _rank(l64)[:, :top_k]
+        w = torch.sigmoid(torch.gather(l64, 1, ids))
+    elif method == "sigmoid_grouped":
+        s = torch.sigmoid(l64)
+        choice = s if correction_bias is None else s + correction_bias.to(F64)
+        choice = torch.nan_to_num(choice, nan=-torch.inf)
+        group_size = num_experts // num_groups
+        grouped = choice.view(num_tokens, num_groups, group_size)
+        top2 = torch.sort(grouped, dim=-1, descending=True).values[..., : min(2, group_size)]
+        group_score = top2.sum(dim=-1)
+        kept_groups = _rank(group_score)[:, :topk_groups]
+        kept = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=l64.device)
+        kept.scatter_(1, kept_groups, True)
+        kept = kept.repeat_interleave(group_size, dim=1)
+        ids = _rank(choice, eligible=kept)[:, :top_k]
+        w = torch.gather(s, 1, ids)
+        if renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        w = w * scaling
+    else:
+        raise ValueError(f"unknown routing method {method!r}")
+    return w, ids
+
+
+def choice_scores(
+    logits: torch.Tensor, method: str, correction_bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The per-expert score each method ranks by (float64), used to measure near-ties."""
+    l64 = logits.to(F64)
+    if method == "sigmoid_grouped":
+        s = torch.sigmoid(l64)
+        return s if correction_bias is None else s + correction_bias.to(F64)
+    return l64
+
+
+# ------------------------------------------------------------------------------ activations
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """h[..., 2I] with rows [gate; up] -> silu(gate) * up, float64."""
+    h = h.to(F64)
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def swiglu_oai(h: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss activation. h[..., 2I] interleaved (gate j at 2j, up j at 2j+1), float64."""
+    h = h.to(F64)
+    gate = h[..., 0::2].clamp(max=limit)
+    up = h[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1.0) * gate * torch.sigmoid(alpha * gate)
+
+
+ACTIVATION_FNS = {"silu_and_mul": silu_and_mul, "swiglu_oai": swiglu_oai}
+
+
+# ---------------------------------------------------------------------------------- experts
+def expert_mlp(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One expert: w2 @ act(w13 @ x + b13) + b2 on rows of x [n, H]; float64 [n, H]."""
+    h = x.to(F64) @ w13.to(F64).T
+    if b13 is not None:
+        h = h + b13.to(F64)
+    y = ACTIVATION_FNS[activation](h) @ w2.to(F64).T
+    if b2 is not None:
+        y = y + b2.to(F64)
+    return y
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu_and_mul",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Standard format: out[t] = sum_j w[t, j] * expert_{id[t, j]}(x[t]); float64 [T, H].
+
+    ``expert_map`` maps global ids to local weight indices (-1: not here, contributes zero).
+    """
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=F64, device=x.device)
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        y = expert_mlp(
+            x[tok], w13[e], w2[e], activation,
+            None if w13_bias is None else w13_bias[e],
+            None if w2_bias is None else w2_bias[e],
+        )
+        out.index_add_(0, tok, y * topk_weights[tok, slot].to(F64)[:, None])
+    return out
+
+
+def batched_experts(
+    x: torch.Tensor,
+    expert_num_tokens: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: str = "silu_and_mul",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Batched (masked) format: x [E, M, H]; valid rows [0, n_e) per expert; float64 [E, M, H].
+
+    Padding rows of the reference output are zero (fast paths leave them undefined).
+    """
+    num_experts, max_tokens, _ = x.shape
+    out = torch.zeros(num_experts, max_tokens, w2.shape[1], dtype=F64, device=x.device)
+    for e in range(num_experts):
+        n = int(expert_num_tokens[e])
+        if n:
+            out[e, :n] = expert_mlp(
+                x[e, :n], w13[e], w2[e], activation,
+                None if w13_bias is None else w13_bias[e],
+                None if w2_bias is None else w2_bias[e],
+            )
+    return out
+
+
+# ------------------------------------------------------------------------------ whole layer
+def moe_layer(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    spec,
+    *,
+    router_bias: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole MoE layer of a :class:`moekit.presets.MoESpec` in float64: router, routing,
+    experts, plus the shared expert (``shared_w13 [2I_s, H]``, ``shared_w2 [H, I_s]``) if given."""
+    logits = router_logits(x, router_weight, router_bias)
+    weights, ids = route(
+        logits, spec.top_k, spec.routing, correction_bias=correction_bias, **spec.routing_kwargs()
+    )
+    out = fused_experts(
+        x, w13, w2, weights, ids, activation=spec.activation, w13_bias=w13_bias, w2_bias=w2_bias
+    )
+    if shared_w13 is not None:
+        out = out + expert_mlp(x, shared_w13, shared_w2, "silu_and_mul")
+    return out

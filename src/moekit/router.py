@@ -1,0 +1,287 @@
+"""The router: logits = x @ W^T + b (+ LoRA) in fp32, and the fused router (GEMM + top-k).
+
+Logits are produced in fp32 with fp32 accumulation and the bias added in fp32: rounding logits
+to bf16 flips expert choices on near-ties (the accuracy loss that got a serving engine's router
+kernel reverted). Tiers: a small-batch Triton kernel at decode sizes, cuBLAS above the measured
+crossover, plain torch on other devices (see :mod:`moekit.router_tiers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import _triton, router_tiers
+from ._checks import check_out, check_shape, check_tensor
+from .routing import FLOAT_DTYPES, RoutingOptions, route_with, validate_routing
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_LORA_RANK = 64
+
+
+@dataclass(frozen=True)
+class RouterLoRA:
+    """Low-rank adapter on the router: logits += scale * (x @ a^T) @ b^T.
+
+    a: [r, H] in the router weight's dtype; b: [E, r] any float dtype; r <= 64.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class _GemmArgs:
+    x: torch.Tensor  # [T, H], any strides
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora: RouterLoRA | None
+
+
+def _validate_gemm(x, weight, bias, lora) -> _GemmArgs:
+    check_tensor("weight", weight, ndim=2, dtypes=INPUT_DTYPES)
+    num_experts, hidden = weight.shape
+    if num_experts == 0 or hidden == 0:
+        raise ValueError(f"weight must be a non-empty [E, H] matrix, got shape {tuple(weight.shape)}")
+    check_tensor("x", x, dtypes=INPUT_DTYPES, device=weight.device)
+    if x.dim() < 1 or x.shape[-1] != hidden:
+        raise ValueError(f"x must have shape [..., H={hidden}] (H from weight [E, H]), got {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x must have the weight's dtype {weight.dtype}, got {x.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=weight.device)
+        check_shape("bias", bias, (num_experts,))
+    if lora is not None:
+        if not isinstance(lora, RouterLoRA):
+            raise TypeError(f"lora must be a RouterLoRA, got {type(lora).__name__}")
+        check_tensor("lora.a", lora.a, ndim=2, dtypes=(weight.dtype,), device=weight.device)
+        rank = lora.a.shape[0]
+        if not 1 <= rank <= MAX_LORA_RANK:
+            raise ValueError(f"lora rank must be in [1, {MAX_LORA_RANK}], got {rank}")
+        check_shape("lora.a", lora.a, (rank, hidden))
+        check_tensor("lora.b", lora.b, ndim=2, dtypes=FLOAT_DTYPES, device=weight.device)
+        check_shape("lora.b", lora.b, (num_experts, rank))
+    x2 = x.reshape(-1, hidden)  # a view when possible; a copy otherwise, never a misread
+    return _GemmArgs(x2, weight, bias, lora)
+
+
+def router_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    lora: RouterLoRA | None = None,
+    tier: str = "auto",
+) -> torch.Tensor:
+    """Router logits ``x @ weight^T + bias (+ lora)`` with fp32 accumulation.
+
+    Args:
+        x: [..., H] bf16/fp16/fp32, any strides and storage offset.
+        weight: [E, H], same dtype as ``x``.
+        bias: [E], any float dtype; added in fp32.
+        out_dtype: fp32 (default, recommended), bf16 or fp16.
+        out: optional [..., E] tensor of ``out_dtype`` (unit stride in the last dim); written in
+            place and returned.
+        lora: optional :class:`RouterLoRA`.
+        tier: ``"auto"`` or one of ``"triton"``, ``"cublas"``, ``"torch"``
+            (:func:`moekit.router_tiers.explain` says which one auto picks and why).
+
+    Returns:
+        logits [..., E] in ``out_dtype``.
+    """
+    args = _validate_gemm(x, weight, bias, lora)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    num_experts = weight.shape[0]
+    out_shape = tuple(x.shape[:-1]) + (num_experts,)
+    if out is not None:
+        check_out("out", out, out_shape, out_dtype, weight.device, {"x": x, "weight": weight, "bias": bias})
+        try:
+            out2 = out.view(-1, num_experts)
+        except RuntimeError:
+            raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
+    else:
+        out2 = torch.empty(args.x.shape[0], num_experts, dtype=out_dtype, device=weight.device)
+    choice = router_tiers.choose_tier(args.x.shape[0], weight.shape[1], num_experts, weight.device, tier)
+    if args.x.shape[0] > 0:
+        _RUNNERS[choice.tier](args, out2)
+    return out if out is not None else out2.view(out_shape)
+
+
+def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
+    x32 = args.x.float()
+    logits = x32 @ args.weight.float().T
+    if args.bias is not None:
+        logits += args.bias.float()
+    if args.lora is not None:
+        logits += args.lora.scale * ((x32 @ args.lora.a.float().T) @ args.lora.b.float().T)
+    out2.copy_(logits)
+
+
+def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
+    wt = args.weight.T
+    fp32 = torch.float32 if args.x.dtype != torch.float32 else None
+    kwargs = {"out_dtype": fp32} if fp32 is not None else {}
+    if args.bias is not None:
+        logits = torch.addmm(args.bias.float(), args.x, wt, **kwargs) if fp32 else torch.addmm(args.bias.float(), args.x, wt)
+    else:
+        logits = torch.mm(args.x, wt, **kwargs)
+    if args.lora is not None:
+        xa = torch.mm(args.x, args.lora.a.T, **kwargs)
+        logits.addmm_(xa, args.lora.b.float().T, alpha=args.lora.scale)
+    out2.copy_(logits)
+
+
+def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
+            topk_weights=None, topk_ids=None) -> None:
+    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``."""
+    from .kernels.router import router_kernel
+
+    x, weight, bias, lora = args.x, args.weight, args.bias, args.lora
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    rank = lora.a.shape[0] if lora is not None else 0
+    fuse = routing is not None
+    cfg = router_tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, _num_sms(x.device))
+    t_blocks = _triton.cdiv(num_tokens, cfg.block_t)
+    if t_blocks > _triton.NUM_COUNTERS:
+        raise ValueError(f"T={num_tokens} is too large for the small-batch router kernel; use tier='cublas'")
+    direct = cfg.splits == 1 and rank == 0 and not fuse
+    total_rows = num_experts + rank
+    ws = x if direct else torch.empty(cfg.splits * num_tokens * total_rows, dtype=torch.float32, device=x.device)
+    counters = x if direct else _triton.counters(x.device)
+    a = lora.a if lora is not None else weight
+    b = lora.b if lora is not None else weight
+    if routing is None:
+        routing = RoutingOptions(top_k=1, method="softmax_topk")
+        topk_weights = topk_ids = x
+    else:
+        out2 = x
+    grid = (_triton.cdiv(num_experts, cfg.block_r) + _triton.cdiv(rank, cfg.block_r), cfg.splits, t_blocks)
+    router_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        weight, weight.stride(0), weight.stride(1),
+        a, a.stride(0), a.stride(1),
+        b, b.stride(0), b.stride(1),
+        bias if bias is not None else x, corr_bias if corr_bias is not None else x,
+        ws, counters,
+        out2, out2.stride(0), out2.stride(1),
+        topk_weights, topk_ids,
+        num_tokens, hidden, num_experts, rank, cfg.k_per_split, num_tokens * total_rows,
+        float(lora.scale) if lora is not None else 0.0, routing.scaling,
+        BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
+        E_PAD=_triton.next_pow2(num_experts), S_PAD=cfg.s_pad, R_PAD=cfg.r_pad,
+        HAS_BIAS=bias is not None, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
+        IEEE=x.dtype == torch.float32, FENCE=not _triton.interpreting(),
+        **routing.kernel_constants(num_experts, corr_bias is not None),
+        num_warps=cfg.num_warps,
+    )
+
+
+def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
+    _launch(args, out2=out2)
+
+
+_RUNNERS = {"torch": _run_torch, "cublas": _run_cublas, "triton": _run_triton}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    top_k: int,
+    method: str,
+    lora: RouterLoRA | None = None,
+    impl: str = "auto",
+    **routing_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router GEMM + bias + top-k routing; one Triton launch at decode sizes.
+
+    Args:
+        x: [T, H] (or [..., H]) in the weight's dtype, any strides.
+        weight: [E, H]; bias: [E] (added in fp32).
+        top_k, method, routing_kwargs: as :func:`moekit.route` (``renormalize``,
+            ``correction_bias``, ``num_groups``, ``topk_groups``, ``scaling``).
+        lora: optional :class:`RouterLoRA`.
+        impl: ``"auto"`` (fused kernel on CUDA for T <= 128, else router_gemm + route),
+            ``"fused"`` (the kernel; CUDA or TRITON_INTERPRET=1) or ``"unfused"``.
+
+    Returns:
+        (topk_weights float32 [T, k], topk_ids int32 [T, k]) with T = x.numel() // H.
+    """
+    args = _validate_gemm(x, weight, bias, lora)
+    num_tokens = args.x.shape[0]
+    opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
+    corr_bias = routing_kwargs.get("correction_bias")
+    if impl not in ("auto", "fused", "unfused"):
+        raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', got {impl!r}")
+    if impl == "fused" and not _triton.can_launch(weight):
+        raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
+    fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(num_tokens, weight.device))
+    if not fused:
+        logits = router_gemm(args.x, weight, bias, lora=lora)
+        return route_with(logits, opts, corr_bias)
+    topk_weights = torch.empty(num_tokens, opts.top_k, dtype=torch.float32, device=weight.device)
+    topk_ids = torch.empty(num_tokens, opts.top_k, dtype=torch.int32, device=weight.device)
+    if num_tokens:
+        _launch(args, routing=opts, corr_bias=corr_bias, topk_weights=topk_weights, topk_ids=topk_ids)
+    return topk_weights, topk_ids
+
+
+class GateLinear(nn.Module):
+    """The MoE router as a module: ``forward(x [..., H]) -> logits [..., E]`` in ``out_dtype``.
+
+    fp32 accumulation, bias added in fp32, fp32 logits by default. ``weight`` is [E, H] in
+    ``params_dtype``; ``bias`` is [E] (``None`` unless ``bias=True``). An optional LoRA adapter
+    (:meth:`set_lora`) is applied in every tier.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False,
+                 params_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if hidden_size < 1 or num_experts < 1:
+            raise ValueError(f"hidden_size and num_experts must be >= 1, got {hidden_size}, {num_experts}")
+        if params_dtype not in INPUT_DTYPES:
+            raise TypeError(f"params_dtype must be one of {INPUT_DTYPES}, got {params_dtype}")
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+        self.hidden_size, self.num_experts, self.out_dtype = hidden_size, num_experts, out_dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=params_dtype, device=device)) if bias else None
+        self.lora: RouterLoRA | None = None
+        self.tier = "auto"
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.hidden_size ** -0.5)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
+        """Attach (or with ``a=None`` remove) a LoRA adapter: logits += scale * (x a^T) b^T."""
+        self.lora = None if a is None else RouterLoRA(a, b, float(scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return router_gemm(x, self.weight, self.bias, out_dtype=self.out_dtype, lora=self.lora, tier=self.tier)
+
+    def explain(self, num_tokens: int) -> str:
+        """Which tier serves ``num_tokens`` tokens on this module's device, and why."""
+        return router_tiers.explain(num_tokens, self.hidden_size, self.num_experts, self.weight.device)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, "
+                f"bias={self.bias is not None}, out_dtype={self.out_dtype}, lora={self.lora is not None}")

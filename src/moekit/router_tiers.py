@@ -1,0 +1,127 @@
+"""Which implementation serves a router GEMM call, and why.
+
+The decision is data plus one function: the token count above which cuBLAS beats moekit's
+small-batch Triton kernel was measured on each GPU by ``benchmarks/bench_router.py`` and is kept
+in ``configs/router_tiers.json``; GPUs without a measurement use the default entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from . import _triton
+
+TIERS = ("triton", "cublas", "torch")
+FUSED_MAX_TOKENS = 128
+"""fused_router runs GEMM + routing in one launch up to this many tokens (then GEMM + route)."""
+
+_REGISTER_BUDGET = 16384  # fp32 elements one program may hold in the finishing step
+
+
+@dataclass(frozen=True)
+class TierChoice:
+    tier: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RouterKernelConfig:
+    """Launch shape of the small-batch router kernel (see kernels/router.py)."""
+
+    block_t: int
+    block_r: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    fin_t: int
+    s_pad: int
+    r_pad: int
+    num_warps: int = 4
+
+
+@functools.cache
+def _crossover_table() -> dict:
+    text = resources.files("moekit.configs").joinpath("router_tiers.json").read_text()
+    return json.loads(text)
+
+
+def crossover_tokens(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
+    """(largest T the Triton tier serves, where that number comes from) for this GPU and shape."""
+    table = _crossover_table()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    entry = table["gpus"].get(gpu)
+    if entry is None:
+        return table["default"]["max_tokens"], f"default (no measurement for {gpu!r})"
+    shape_key = f"H{hidden}_E{num_experts}"
+    if shape_key in entry.get("shapes", {}):
+        return entry["shapes"][shape_key], f"measured on {gpu} for {shape_key} ({entry['source']})"
+    return entry["max_tokens"], f"measured on {gpu}, all shapes ({entry['source']})"
+
+
+def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.device,
+                tier: str = "auto") -> TierChoice:
+    """The tier that serves a router GEMM of ``num_tokens`` x [E=num_experts, H=hidden]."""
+    if tier not in ("auto",) + TIERS:
+        raise ValueError(f"tier must be 'auto' or one of {TIERS}, got {tier!r}")
+    if tier != "auto":
+        if tier == "cublas" and device.type != "cuda":
+            raise ValueError(f"tier='cublas' needs a CUDA device, got {device}")
+        if tier == "triton" and not _triton.can_launch(torch.empty(0, device=device)):
+            raise ValueError(f"tier='triton' needs a CUDA device or TRITON_INTERPRET=1, got {device}")
+        return TierChoice(tier, "requested explicitly")
+    if device.type != "cuda":
+        return TierChoice("torch", f"device {device.type}: plain torch in fp32")
+    if not _triton.triton_importable():
+        return TierChoice("cublas", "triton is not installed")
+    limit, source = crossover_tokens(device, hidden, num_experts)
+    if num_tokens <= limit:
+        return TierChoice("triton", f"T={num_tokens} <= {limit}: small-batch kernel ({source})")
+    return TierChoice("cublas", f"T={num_tokens} > {limit}: cuBLAS with fp32 output ({source})")
+
+
+def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
+                  num_sms: int = 132) -> RouterKernelConfig:
+    """Heuristic launch shape: enough programs to cover every SM twice, bounded registers."""
+    e_pad = _triton.next_pow2(num_experts)
+    r_pad = _triton.next_pow2(rank) if rank else 1
+    if num_tokens <= 8:
+        block_t = _triton.next_pow2(num_tokens)
+        block_r = 16
+        block_k = max(32, 8192 // (block_t * block_r))  # fp32 product tile of the GEMV path
+    else:
+        block_t = 16 if fuse_topk else min(64, _triton.next_pow2(num_tokens))
+        block_r = 32
+        block_k = 128
+    row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
+    base = row_blocks * _triton.cdiv(num_tokens, block_t)
+    max_splits = max(1, _REGISTER_BUDGET // (e_pad * min(block_t, 4)))
+    splits = min(_triton.cdiv(2 * num_sms, base), _triton.cdiv(hidden, block_k), max_splits)
+    splits = max(1, splits)
+    k_per_split = _triton.cdiv(_triton.cdiv(hidden, splits), block_k) * block_k
+    splits = _triton.cdiv(hidden, k_per_split)
+    s_pad = _triton.next_pow2(splits)
+    fin_t = max(1, min(block_t, _REGISTER_BUDGET // (s_pad * e_pad), _REGISTER_BUDGET // (r_pad * e_pad)))
+    fin_t = 1 << (fin_t.bit_length() - 1)
+    return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_pad, r_pad)
+
+
+def fused_applies(num_tokens: int, device: torch.device) -> bool:
+    """fused_router uses its single-launch kernel (else it runs router_gemm + route)."""
+    return device.type == "cuda" and _triton.triton_importable() and num_tokens <= FUSED_MAX_TOKENS
+
+
+def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device | str = "cuda") -> str:
+    """One line per op: which tier serves a router call of this shape and why."""
+    device = torch.device(device)
+    gemm = choose_tier(num_tokens, hidden, num_experts, device)
+    if fused_applies(num_tokens, device):
+        fused = f"one Triton launch (GEMM + bias + top-k), T={num_tokens} <= {FUSED_MAX_TOKENS}"
+    else:
+        fused = f"router_gemm ({gemm.tier}) + route (T={num_tokens}, device {device.type})"
+    return (f"router_gemm T={num_tokens} H={hidden} E={num_experts}: {gemm.tier} -- {gemm.reason}\n"
+            f"fused_router: {fused}")

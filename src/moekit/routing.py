@@ -1,0 +1,166 @@
+"""Top-k routing: which experts each token goes to, and with what weight.
+
+``route`` runs a Triton kernel on CUDA (one launch, any E up to 4096) and a float64 torch
+path elsewhere. Both follow the selection rules of :mod:`moekit.reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _triton, reference
+from ._checks import check_tensor, check_top_k
+from .presets import ROUTING_METHODS
+
+METHOD_CODES = {name: code for code, name in enumerate(ROUTING_METHODS)}
+MAX_EXPERTS = 4096
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """Everything that defines a routing function besides the logits (host-side, hashable)."""
+
+    top_k: int
+    method: str
+    renormalize: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
+
+    def kernel_constants(self, num_experts: int, has_corr_bias: bool) -> dict:
+        return dict(
+            TOP_K=self.top_k,
+            K_PAD=_triton.next_pow2(self.top_k),
+            METHOD=METHOD_CODES[self.method],
+            RENORMALIZE=self.renormalize,
+            HAS_CORR_BIAS=has_corr_bias,
+            NUM_GROUPS=self.num_groups,
+            TOPK_GROUPS=self.topk_groups,
+            GROUP_SIZE=num_experts // self.num_groups,
+            G_PAD=_triton.next_pow2(self.num_groups),
+        )
+
+
+def validate_routing(
+    num_experts: int,
+    device: torch.device,
+    top_k,
+    method,
+    *,
+    renormalize=True,
+    correction_bias=None,
+    num_groups=1,
+    topk_groups=1,
+    scaling=1.0,
+) -> RoutingOptions:
+    """Check the routing arguments for E experts; returns the options as a frozen dataclass."""
+    if method not in ROUTING_METHODS:
+        raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
+    check_top_k(top_k, num_experts)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts must be <= {MAX_EXPERTS}, got {num_experts}")
+    for name, value in (("num_groups", num_groups), ("topk_groups", topk_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if method == "sigmoid_grouped":
+        if num_experts % num_groups:
+            raise ValueError(f"num_groups must divide num_experts={num_experts}, got num_groups={num_groups}")
+        if topk_groups > num_groups:
+            raise ValueError(f"topk_groups must be <= num_groups={num_groups}, got {topk_groups}")
+        if topk_groups * (num_experts // num_groups) < top_k:
+            raise ValueError(
+                f"top_k={top_k} exceeds the {topk_groups * (num_experts // num_groups)} experts "
+                f"in the kept groups (topk_groups={topk_groups} x group size {num_experts // num_groups})"
+            )
+    elif correction_bias is not None or num_groups != 1 or topk_groups != 1:
+        raise ValueError(f"correction_bias, num_groups and topk_groups apply only to sigmoid_grouped, not {method}")
+    if correction_bias is not None:
+        check_tensor("correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        if correction_bias.shape[0] != num_experts:
+            raise ValueError(f"correction_bias must have shape ({num_experts},), got {tuple(correction_bias.shape)}")
+    return RoutingOptions(top_k, method, bool(renormalize), num_groups, topk_groups, float(scaling))
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    *,
+    renormalize: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    scaling: float = 1.0,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select ``top_k`` experts per token and their weights.
+
+    Args:
+        logits: [T, E] router logits, fp32 (recommended), bf16, fp16 or fp64; any strides.
+        top_k: experts per token, 1 <= top_k <= E.
+        method: ``softmax_topk`` | ``topk_softmax`` | ``sigmoid_grouped`` | ``sigmoid_top1``
+            (definitions in :mod:`moekit.reference`).
+        renormalize: rescale the k weights to sum to one (softmax_topk, sigmoid_grouped).
+        correction_bias: [E] float, added to sigmoid scores for selection only (sigmoid_grouped).
+        num_groups, topk_groups: group-limited selection (sigmoid_grouped).
+        scaling: routed scaling factor applied to the final weights (sigmoid_grouped).
+        impl: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        (topk_weights float32 [T, k], topk_ids int32 [T, k]), contiguous. Ids are always in [0, E).
+    """
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    opts = validate_routing(
+        logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
+        correction_bias=correction_bias, num_groups=num_groups, topk_groups=topk_groups, scaling=scaling,
+    )
+    return route_with(logits, opts, correction_bias, impl=impl)
+
+
+def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str = "auto"):
+    """:func:`route` on already validated arguments (used by the router)."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    use_triton = impl == "triton" or (impl == "auto" and logits.is_cuda and _triton.can_launch(logits))
+    if use_triton and not _triton.can_launch(logits):
+        raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
+    if use_triton:
+        return _route_triton(logits, opts, correction_bias)
+    return _route_torch(logits, opts, correction_bias)
+
+
+def _route_torch(logits, opts: RoutingOptions, correction_bias):
+    weights, ids = reference.route(
+        logits, opts.top_k, opts.method, renormalize=opts.renormalize, correction_bias=correction_bias,
+        num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling,
+    )
+    return weights.to(torch.float32), ids.to(torch.int32)
+
+
+def routing_block_tokens(num_experts: int) -> int:
+    """Tokens per program: keep about 2048 scores in registers per program."""
+    return max(1, min(16, 2048 // _triton.next_pow2(num_experts)))
+
+
+def _route_triton(logits, opts: RoutingOptions, correction_bias):
+    from .kernels.routing import routing_kernel
+
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, opts.top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, opts.top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_t = routing_block_tokens(num_experts)
+    grid = (_triton.cdiv(num_tokens, block_t),)
+    routing_kernel[grid](
+        logits, logits.stride(0), logits.stride(1),
+        correction_bias if correction_bias is not None else logits,
+        weights, ids, num_tokens, num_experts, opts.scaling,
+        BLOCK_T=block_t, E_PAD=_triton.next_pow2(num_experts),
+        **opts.kernel_constants(num_experts, correction_bias is not None),
+        num_warps=4,
+    )
+    return weights, ids
