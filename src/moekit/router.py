@@ -66,7 +66,8 @@ def _validate_gemm(x, weight, bias, lora) -> _GemmArgs:
         check_tensor("lora.b", lora.b, ndim=2, dtypes=FLOAT_DTYPES, device=weight.device)
         check_shape("lora.b", lora.b, (num_experts, rank))
     x2 = x.reshape(-1, hidden)  # a view when possible; a copy otherwise, never a misread
-    return _GemmArgs(x2, weight, bias, lora)
+    # Kernels index [E] vectors with unit stride; a strided one is copied (no-op when contiguous).
+    return _GemmArgs(x2, weight, None if bias is None else bias.contiguous(), lora)
 
 
 def router_gemm(
@@ -226,6 +227,7 @@ def fused_router(
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
     corr_bias = routing_kwargs.get("correction_bias")
+    corr_bias = None if corr_bias is None else corr_bias.contiguous()
     if impl not in ("auto", "fused", "unfused"):
         raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', got {impl!r}")
     if impl == "fused" and not _triton.can_launch(weight):

@@ -128,7 +128,7 @@ def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str 
     if use_triton and not _triton.can_launch(logits):
         raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
     if use_triton:
-        return _route_triton(logits, opts, correction_bias)
+        return _route_triton(logits, opts, None if correction_bias is None else correction_bias.contiguous())
     return _route_torch(logits, opts, correction_bias)
 
 
