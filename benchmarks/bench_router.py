@@ -1,0 +1,191 @@
+"""Router benchmark (GPU): fused_router and GateLinear against the chains users write today.
+
+Timing: a CUDA graph of 20 consecutive calls, each on a different layer's router weights and
+input, replayed many times; us per call = median replay / 20.
+
+  python benchmarks/bench_router.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from moekit import presets, reference  # noqa: E402
+from moekit.bench.timing import environment, graph_time_us  # noqa: E402
+from moekit.router import fused_router, router_gemm  # noqa: E402
+from moekit.verify.metrics import routes_agree, separable_tokens  # noqa: E402
+
+PRESETS = ["gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2", "qwen3-30b-a3b"]
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+COPY_BW = 4.2e12  # measured device-to-device copy, bytes read + written per second (gpu.md)
+
+
+def torch_routing(logits, spec, corr_bias):
+    """The routing users write in torch (Hugging Face style)."""
+    k = spec.top_k
+    if spec.routing == "topk_softmax":
+        v, i = torch.topk(logits, k, dim=-1)
+        return torch.softmax(v, dim=-1, dtype=torch.float32), i
+    if spec.routing == "softmax_topk":
+        p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, i = torch.topk(p, k, dim=-1)
+        return (w / w.sum(-1, keepdim=True) if spec.renormalize else w), i
+    s = logits.float().sigmoid()
+    c = s + corr_bias
+    T, E, G = c.shape[0], c.shape[1], spec.num_groups
+    gscore = c.view(T, G, E // G).topk(2, dim=-1)[0].sum(-1)
+    gidx = gscore.topk(spec.topk_groups, dim=-1, sorted=False)[1]
+    gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1)
+    emask = gmask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+    i = torch.topk(c.masked_fill(emask == 0, 0.0), k, dim=-1, sorted=False)[1]
+    w = s.gather(1, i)
+    return w / w.sum(-1, keepdim=True) * spec.routed_scaling_factor, i
+
+
+def make_layers(spec, T, n, device="cuda"):
+    layers = []
+    for _ in range(n):
+        x = torch.randn(T, spec.hidden_size, device=device, dtype=torch.bfloat16)
+        w = (torch.randn(spec.num_experts, spec.hidden_size, device=device) * spec.hidden_size ** -0.5).bfloat16()
+        b = torch.randn(spec.num_experts, device=device).bfloat16() * 0.1 if spec.router_bias else None
+        cb = torch.rand(spec.num_experts, device=device) * 0.1 if spec.correction_bias else None
+        layers.append((x, w, b, cb))
+    return layers
+
+
+def implementations(spec, compiled_chain):
+    rk = spec.routing_kwargs()
+
+    def chain_a(x, w, b, cb):
+        return torch_routing(F.linear(x, w, b), spec, cb)
+
+    def chain_b(x, w, b, cb):
+        logits = torch.mm(x, w.T, out_dtype=torch.float32)
+        if b is not None:
+            logits = logits + b.float()
+        return torch_routing(logits, spec, cb)
+
+    def ours_fused(x, w, b, cb):
+        kw = dict(rk, correction_bias=cb) if cb is not None else rk
+        return fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, **kw)
+
+    return {
+        "fused_router": ours_fused,
+        "chain_a_bf16": chain_a,
+        "chain_b_fp32": chain_b,
+        "chain_c_compiled": lambda *a: compiled_chain(*a),
+        "gate_linear": lambda x, w, b, cb: router_gemm(x, w, b),
+        "gate_triton": lambda x, w, b, cb: router_gemm(x, w, b, tier="triton"),
+        "gate_cublas": lambda x, w, b, cb: router_gemm(x, w, b, tier="cublas"),
+        "linear_bf16": lambda x, w, b, cb: F.linear(x, w, b),
+    }
+
+
+def agreement(spec, layer, fn):
+    x, w, b, cb = layer
+    logits64 = reference.router_logits(x, w, b)
+    kw = spec.routing_kwargs() | ({"correction_bias": cb} if cb is not None else {})
+    rw, rid = reference.route(logits64, spec.top_k, spec.routing, **kw)
+    mask = separable_tokens(logits64, spec.top_k, spec.routing, **kw)
+    tw, tid = fn(*layer)
+    return routes_agree(tw, tid, rw, rid)[0], routes_agree(tw, tid, rw, rid, mask)[0]
+
+
+def run(args):
+    records = []
+    for name in args.presets:
+        spec = presets.get(name)
+        chain_for_compile = implementations(spec, None)["chain_a_bf16"]
+        compiled = torch.compile(chain_for_compile, dynamic=True)
+        for T in args.tokens:
+            layers = make_layers(spec, T, args.layers)
+            impls = implementations(spec, compiled)
+            w_bytes = spec.num_experts * spec.hidden_size * 2
+            floor_us = (w_bytes + T * spec.hidden_size * 2 + T * spec.num_experts * 4) / COPY_BW * 1e6
+            row = {"preset": name, "T": T, "floor_us": floor_us}
+            for impl, fn in impls.items():
+                if impl in args.skip:
+                    continue
+                try:
+                    us = graph_time_us([lambda layer=layer, fn=fn: fn(*layer) for layer in layers], replays=args.replays)
+                except Exception as exc:  # a peer that cannot be captured is reported, not fatal
+                    print(f"  {name} T={T} {impl}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    us = float("nan")
+                row[impl] = us
+            for impl in ("fused_router", "chain_a_bf16", "chain_b_fp32"):
+                agree_all, agree_sep = agreement(spec, layers[0], impls[impl])
+                row[f"agree_{impl}"] = agree_all
+                row[f"agree_sep_{impl}"] = agree_sep
+            records.append(row)
+            print(f"{name:14s} T={T:5d} fused={row.get('fused_router', float('nan')):6.2f} "
+                  f"chain_a={row.get('chain_a_bf16', float('nan')):6.2f} compiled={row.get('chain_c_compiled', float('nan')):6.2f} "
+                  f"gate={row.get('gate_linear', float('nan')):6.2f} tri={row.get('gate_triton', float('nan')):6.2f} "
+                  f"cub={row.get('gate_cublas', float('nan')):6.2f} lin16={row.get('linear_bf16', float('nan')):6.2f} "
+                  f"agree_a={row['agree_chain_a_bf16']:.3f} agree_ours={row['agree_fused_router']:.3f}", flush=True)
+    return records
+
+
+def crossovers(records):
+    """Per preset: largest T such that the Triton tier is no slower than cuBLAS at every T up to it."""
+    out = {}
+    for name in sorted({r["preset"] for r in records}):
+        rows = sorted((r for r in records if r["preset"] == name), key=lambda r: r["T"])
+        best = 0
+        for r in rows:
+            if r.get("gate_triton", float("inf")) <= r.get("gate_cublas", 0.0):
+                best = r["T"]
+            else:
+                break
+        out[name] = best
+    return out
+
+
+def markdown(records, env, cross):
+    lines = [f"# Router benchmark ({env['gpu']}, {env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. CUDA-graph replay of 20 consecutive calls",
+             "on 20 layers' weights; us per call (median replay / 20). Ratio = ours / chain (a).", "",
+             "| preset | T | fused_router | chain (a) bf16 | chain (b) fp32 | chain (c) compiled | fused / (a) | "
+             "GateLinear | F.linear bf16 | Gate / linear | triton tier | cuBLAS tier | floor | agree (a) | agree ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        f = lambda k: f"{r.get(k, float('nan')):.2f}"  # noqa: E731
+        lines.append(
+            f"| {r['preset']} | {r['T']} | {f('fused_router')} | {f('chain_a_bf16')} | {f('chain_b_fp32')} | "
+            f"{f('chain_c_compiled')} | {r['fused_router'] / r['chain_a_bf16']:.2f} | {f('gate_linear')} | "
+            f"{f('linear_bf16')} | {r['gate_linear'] / r['linear_bf16']:.2f} | {f('gate_triton')} | {f('gate_cublas')} | "
+            f"{r['floor_us']:.2f} | {r['agree_chain_a_bf16']:.3f} | {r['agree_fused_router']:.3f} |")
+    lines += ["", "Triton-tier crossover (largest T where the small-batch kernel is no slower than cuBLAS): " +
+              ", ".join(f"{k}: {v}" for k, v in cross.items())]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=PRESETS)
+    p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--skip", nargs="*", default=[])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
+    p.add_argument("--name", default="router")
+    args = p.parse_args()
+    env = environment()
+    records = run(args)
+    cross = crossovers(records)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "crossover": cross, "records": records}, indent=1))
+    (args.out / f"{args.name}.md").write_text(markdown(records, env, cross))
+    print(markdown(records, env, cross))
+
+
+if __name__ == "__main__":
+    main()

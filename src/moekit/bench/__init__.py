@@ -1,0 +1,1 @@
+"""Timing harness shared by benchmarks/ and `moekit bench`."""

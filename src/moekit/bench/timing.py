@@ -1,0 +1,78 @@
+"""CUDA-graph timing of latency-bound calls.
+
+A graph holding ``calls`` consecutive invocations (each on different inputs, e.g. a different
+layer's weights) is replayed many times; time per call = median replay time / calls. A lone
+replay timed with events carries several microseconds of timer overhead, so single-call
+timings of small kernels measure the timer, not the kernel.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def graph_time_us(fns: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3) -> float:
+    """Median microseconds per call of ``fns`` (one call each) captured into one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return statistics.median(times) / len(fns)
+
+
+def eager_time_us(fns: Sequence[Callable[[], object]], *, reps: int = 20, warmup: int = 3) -> float:
+    """Median microseconds per call without a graph (for implementations that cannot be captured)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for fn in fns:
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times) / len(fns)
+
+
+def environment() -> dict:
+    """GPU, versions and date for result files."""
+    import datetime
+    import platform
+
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
