@@ -9,8 +9,9 @@ from moekit.router import GateLinear, RouterLoRA, fused_router, router_gemm
 from moekit.verify.metrics import Tolerance, check_close, routes_agree, separable_tokens
 
 TOKENS = [0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129]
-# fp32 accumulation of exact bf16/fp16 products: errors are fp32 summation noise.
-LOGITS_TOL = Tolerance(max_rel=2e-5, rms_rel=2e-6)
+# fp32 accumulation of exact bf16/fp16 products: errors are fp32 summation noise (cuBLAS at
+# H=2880 measured rms 2.3e-6), far below the 4e-3 of rounding logits to bf16.
+LOGITS_TOL = Tolerance(max_rel=1e-4, rms_rel=1e-5)
 CPU_TIERS = ["triton", "torch"]  # triton = the real kernel through the interpreter
 
 

@@ -97,22 +97,27 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
         block_t = 16 if fuse_topk else min(64, _triton.next_pow2(num_tokens))
         block_r = 32
         block_k = 128
+    # The finishing program holds a [fin_t, E_PAD] logits tile (and, routing, several siblings of
+    # it) plus one [S_PAD, fin_t, E_PAD] load of partial sums; sm90_compile.py shows spills past these.
+    tile_budget, parts_budget = (2048, 8192) if fuse_topk else (_REGISTER_BUDGET, _REGISTER_BUDGET)
+    fin_t = _prev_pow2(max(1, min(block_t, tile_budget // e_pad, parts_budget // (r_pad * e_pad))))
+    max_splits = _prev_pow2(max(1, parts_budget // (fin_t * e_pad)))
     row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
     base = row_blocks * _triton.cdiv(num_tokens, block_t)
-    max_splits = max(1, _REGISTER_BUDGET // (e_pad * min(block_t, 4)))
-    splits = min(_triton.cdiv(2 * num_sms, base), _triton.cdiv(hidden, block_k), max_splits)
-    splits = max(1, splits)
+    splits = max(1, min(_triton.cdiv(2 * num_sms, base), _triton.cdiv(hidden, block_k), max_splits))
     k_per_split = _triton.cdiv(_triton.cdiv(hidden, splits), block_k) * block_k
     splits = _triton.cdiv(hidden, k_per_split)
     s_pad = _triton.next_pow2(splits)
-    fin_t = max(1, min(block_t, _REGISTER_BUDGET // (s_pad * e_pad), _REGISTER_BUDGET // (r_pad * e_pad)))
-    fin_t = 1 << (fin_t.bit_length() - 1)
     return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_pad, r_pad)
 
 
 def fused_applies(num_tokens: int, device: torch.device) -> bool:
     """fused_router uses its single-launch kernel (else it runs router_gemm + route)."""
     return device.type == "cuda" and _triton.triton_importable() and num_tokens <= FUSED_MAX_TOKENS
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device | str = "cuda") -> str:

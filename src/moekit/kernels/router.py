@@ -47,7 +47,8 @@ def _partial_dot(x_ptr, stride_xt, stride_xh, rows_ptr, stride_rr, stride_rh, n_
     return acc
 
 
-@triton.jit
+# Token counts and workspace strides change every call: don't compile a variant per value.
+@triton.jit(do_not_specialize=["num_tokens", "split_stride"])
 def router_kernel(
     x_ptr, stride_xt, stride_xh,
     w_ptr, stride_we, stride_wh,
@@ -139,7 +140,7 @@ def _finish(ws_ptr, split_stride, total_rows, num_splits,
         rr = tl.arange(0, R_PAD)
         b_t = tl.load(b_ptr + rr[:, None] * stride_br + cols.to(tl.int64)[None, :] * stride_be,
                       mask=(rr < rank)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    for t0 in tl.static_range(0, BLOCK_T, FIN_T):
+    for t0 in range(0, BLOCK_T, FIN_T):  # a loop, not unrolled: the routing code is large
         tok = t_start + t0 + tl.arange(0, FIN_T)
         tmask = (tok < num_tokens)[None, :, None]
         base = ws_ptr + s_off + tok.to(tl.int64)[None, :, None] * total_rows

@@ -8,10 +8,10 @@ masked-out experts (padding columns, dropped groups) never selected.
 import triton
 import triton.language as tl
 
-SOFTMAX_TOPK: tl.constexpr = 0
-TOPK_SOFTMAX: tl.constexpr = 1
-SIGMOID_GROUPED: tl.constexpr = 2
-SIGMOID_TOP1: tl.constexpr = 3
+SOFTMAX_TOPK = tl.constexpr(0)
+TOPK_SOFTMAX = tl.constexpr(1)
+SIGMOID_GROUPED = tl.constexpr(2)
+SIGMOID_TOP1 = tl.constexpr(3)
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def store_routes(weights, ids, rows, num_rows, w_ptr, id_ptr, TOP_K: tl.constexp
     tl.store(id_ptr + offs, ids, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def routing_kernel(
     logits_ptr, stride_lt, stride_le, corr_bias_ptr, w_ptr, id_ptr,
     num_tokens, num_experts, scaling,
