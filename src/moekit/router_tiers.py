@@ -99,8 +99,8 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
         block_k = 128
     # The finishing program holds a [fin_t, E_PAD] logits tile (and, routing, several siblings of
     # it) plus one [S_PAD, fin_t, E_PAD] load of partial sums; sm90_compile.py shows spills past these.
-    tile_budget, parts_budget = (2048, 8192) if fuse_topk else (_REGISTER_BUDGET, _REGISTER_BUDGET)
-    lora_budget = 4096  # the [fin_t, R_PAD, E_PAD] product of the LoRA term
+    tile_budget, parts_budget = (2048, 4096) if fuse_topk else (_REGISTER_BUDGET, _REGISTER_BUDGET)
+    lora_budget = 2048 if fuse_topk else 4096  # the [fin_t, R_PAD, E_PAD] product of the LoRA term
     fin_t = _prev_pow2(max(1, min(block_t, tile_budget // e_pad, lora_budget // (r_pad * e_pad))))
     max_splits = _prev_pow2(max(1, parts_budget // (fin_t * e_pad)))
     row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
