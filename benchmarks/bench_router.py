@@ -58,40 +58,41 @@ def make_layers(spec, T, n, device="cuda"):
         w = (torch.randn(spec.num_experts, spec.hidden_size, device=device) * spec.hidden_size ** -0.5).bfloat16()
         b = torch.randn(spec.num_experts, device=device).bfloat16() * 0.1 if spec.router_bias else None
         cb = torch.rand(spec.num_experts, device=device) * 0.1 if spec.correction_bias else None
-        layers.append((x, w, b, cb))
+        layers.append((x, w, b, cb, None if b is None else b.float()))
     return layers
 
 
 def implementations(spec, compiled_chain):
     rk = spec.routing_kwargs()
 
-    def chain_a(x, w, b, cb):
+    # Layers carry the bf16 bias (b, for the peers) and its fp32 copy (b32, as GateLinear keeps it).
+    def chain_a(x, w, b, cb, b32):
         return torch_routing(F.linear(x, w, b), spec, cb)
 
-    def chain_b(x, w, b, cb):
+    def chain_b(x, w, b, cb, b32):
         logits = torch.mm(x, w.T, out_dtype=torch.float32)
-        if b is not None:
-            logits = logits + b.float()
+        if b32 is not None:
+            logits = logits + b32
         return torch_routing(logits, spec, cb)
 
-    def ours_fused(x, w, b, cb):
+    def ours_fused(x, w, b, cb, b32):
         kw = dict(rk, correction_bias=cb) if cb is not None else rk
-        return fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, **kw)
+        return fused_router(x, w, b32, top_k=spec.top_k, method=spec.routing, **kw)
 
     return {
         "fused_router": ours_fused,
         "chain_a_bf16": chain_a,
         "chain_b_fp32": chain_b,
         "chain_c_compiled": lambda *a: compiled_chain(*a),
-        "gate_linear": lambda x, w, b, cb: router_gemm(x, w, b),
-        "gate_triton": lambda x, w, b, cb: router_gemm(x, w, b, tier="triton"),
-        "gate_cublas": lambda x, w, b, cb: router_gemm(x, w, b, tier="cublas"),
-        "linear_bf16": lambda x, w, b, cb: F.linear(x, w, b),
+        "gate_linear": lambda x, w, b, cb, b32: router_gemm(x, w, b32),
+        "gate_triton": lambda x, w, b, cb, b32: router_gemm(x, w, b32, tier="triton"),
+        "gate_cublas": lambda x, w, b, cb, b32: router_gemm(x, w, b32, tier="cublas"),
+        "linear_bf16": lambda x, w, b, cb, b32: F.linear(x, w, b),
     }
 
 
 def agreement(spec, layer, fn):
-    x, w, b, cb = layer
+    x, w, b, cb, _ = layer
     logits64 = reference.router_logits(x, w, b)
     kw = spec.routing_kwargs() | ({"correction_bias": cb} if cb is not None else {})
     rw, rid = reference.route(logits64, spec.top_k, spec.routing, **kw)

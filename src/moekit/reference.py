@@ -6,7 +6,8 @@ slow by design; never call them on a hot path.
 
 Selection rules shared by all routing methods (the fast paths follow the same rules):
   * experts are ranked by their choice score, highest first; ties go to the lower expert id;
-  * a NaN score ranks like -inf (so ids are always valid, even for NaN/Inf logits);
+  * a NaN or -inf score ranks like the lowest finite float32 number (so ids are always valid,
+    even for NaN/Inf logits, and such experts tie with each other, broken by the lower id);
   * weights follow IEEE arithmetic, so a row with non-finite logits may get NaN weights.
 """
 
@@ -37,9 +38,17 @@ def router_logits(
 
 
 # ---------------------------------------------------------------------------------- routing
+FLT_LOWEST = torch.finfo(torch.float32).min
+
+
+def selection_key(score: torch.Tensor) -> torch.Tensor:
+    """The value a score is ranked by: NaN and -inf become the lowest finite float32."""
+    return torch.nan_to_num(score.to(F64), nan=FLT_LOWEST).clamp(min=FLT_LOWEST)
+
+
 def _rank(key: torch.Tensor, eligible: torch.Tensor | None = None) -> torch.Tensor:
     """Column order of each row: eligible first, then by key descending, then by lower index."""
-    key = torch.nan_to_num(key.to(F64), nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+    key = selection_key(key)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     if eligible is not None:
         rank_eligible = torch.gather((~eligible).to(torch.int8), -1, order)
@@ -84,11 +93,11 @@ def route(
     elif method == "sigmoid_grouped":
         s = torch.sigmoid(l64)
         choice = s if correction_bias is None else s + correction_bias.to(F64)
-        choice = torch.nan_to_num(choice, nan=-torch.inf)
+        choice = selection_key(choice)
         group_size = num_experts // num_groups
         grouped = choice.view(num_tokens, num_groups, group_size)
         top2 = torch.sort(grouped, dim=-1, descending=True).values[..., : min(2, group_size)]
-        group_score = top2.sum(dim=-1)
+        group_score = top2.sum(dim=-1)  # ranked through selection_key like any score
         kept_groups = _rank(group_score)[:, :topk_groups]
         kept = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=l64.device)
         kept.scatter_(1, kept_groups, True)

@@ -126,17 +126,17 @@ def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
 
 
 def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
+    # bf16/fp16 inputs with an fp32 result straight from cuBLAS (fp32 accumulation, no copy).
     wt = args.weight.T
-    fp32 = torch.float32 if args.x.dtype != torch.float32 else None
-    kwargs = {"out_dtype": fp32} if fp32 is not None else {}
+    kwargs = {"out_dtype": out2.dtype} if out2.dtype != args.x.dtype else {}
     if args.bias is not None:
-        logits = torch.addmm(args.bias.float(), args.x, wt, **kwargs) if fp32 else torch.addmm(args.bias.float(), args.x, wt)
+        torch.addmm(args.bias.to(out2.dtype), args.x, wt, out=out2, **kwargs)
     else:
-        logits = torch.mm(args.x, wt, **kwargs)
+        torch.mm(args.x, wt, out=out2, **kwargs)
     if args.lora is not None:
-        xa = torch.mm(args.x, args.lora.a.T, **kwargs)
-        logits.addmm_(xa, args.lora.b.float().T, alpha=args.lora.scale)
-    out2.copy_(logits)
+        xa = torch.mm(args.x, args.lora.a.T, out_dtype=torch.float32) if args.x.dtype != torch.float32 \
+            else torch.mm(args.x, args.lora.a.T)
+        out2.addmm_(xa.to(out2.dtype), args.lora.b.to(out2.dtype).T, alpha=args.lora.scale)
 
 
 def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
@@ -177,7 +177,7 @@ def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None
         num_tokens, hidden, num_experts, rank, cfg.k_per_split, num_tokens * total_rows,
         float(lora.scale) if lora is not None else 0.0, routing.scaling,
         BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
-        E_PAD=_triton.next_pow2(num_experts), S_PAD=cfg.s_pad, R_PAD=cfg.r_pad,
+        E_PAD=_triton.next_pow2(num_experts), S_CHUNK=cfg.s_chunk, R_PAD=cfg.r_pad,
         HAS_BIAS=bias is not None, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
         IEEE=x.dtype == torch.float32, FENCE=not _triton.interpreting(),
         **routing.kernel_constants(num_experts, corr_bias is not None),
@@ -247,8 +247,8 @@ class GateLinear(nn.Module):
     """The MoE router as a module: ``forward(x [..., H]) -> logits [..., E]`` in ``out_dtype``.
 
     fp32 accumulation, bias added in fp32, fp32 logits by default. ``weight`` is [E, H] in
-    ``params_dtype``; ``bias`` is [E] (``None`` unless ``bias=True``). An optional LoRA adapter
-    (:meth:`set_lora`) is applied in every tier.
+    ``params_dtype``; ``bias`` is [E] fp32 (``None`` unless ``bias=True``; a bf16 checkpoint bias
+    loads into it exactly). An optional LoRA adapter (:meth:`set_lora`) is applied in every tier.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, bias: bool = False,
@@ -263,7 +263,8 @@ class GateLinear(nn.Module):
             raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         self.hidden_size, self.num_experts, self.out_dtype = hidden_size, num_experts, out_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(num_experts, dtype=params_dtype, device=device)) if bias else None
+        # The bias is kept in fp32: it is added in fp32, and a stored copy costs no conversion per call.
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32, device=device)) if bias else None
         self.lora: RouterLoRA | None = None
         self.tier = "auto"
         self.reset_parameters()
@@ -275,7 +276,7 @@ class GateLinear(nn.Module):
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
         """Attach (or with ``a=None`` remove) a LoRA adapter: logits += scale * (x a^T) b^T."""
-        self.lora = None if a is None else RouterLoRA(a, b, float(scale))
+        self.lora = None if a is None else RouterLoRA(a, b.float(), float(scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return router_gemm(x, self.weight, self.bias, out_dtype=self.out_dtype, lora=self.lora, tier=self.tier)

@@ -41,7 +41,12 @@ class RoutingOptions:
             TOPK_GROUPS=self.topk_groups,
             GROUP_SIZE=num_experts // self.num_groups,
             G_PAD=_triton.next_pow2(self.num_groups),
+            GROUPS_RESHAPE=_is_pow2(self.num_groups) and _is_pow2(num_experts // self.num_groups),
         )
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def validate_routing(

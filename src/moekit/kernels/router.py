@@ -25,6 +25,8 @@ def _partial_dot(x_ptr, stride_xt, stride_xh, rows_ptr, stride_rr, stride_rh, n_
                  tok, row, k_lo, k_hi, num_tokens,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr):
+    # Tensor-core tiles even for one token: padded rows are masked (never loaded) and the MMA is
+    # idle time next to the weight stream, which is what decode sizes are bound by.
     acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
     kk = tl.arange(0, BLOCK_K)
     x_base = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
@@ -36,14 +38,10 @@ def _partial_dot(x_ptr, stride_xt, stride_xh, rows_ptr, stride_rr, stride_rh, n_
         kmask = (ks < k_hi)[None, :]
         xs = tl.load(x_base + ks.to(tl.int64)[None, :] * stride_xh, mask=tmask & kmask, other=0.0)
         ws = tl.load(r_base + ks.to(tl.int64)[None, :] * stride_rh, mask=rmask & kmask, other=0.0)
-        if BLOCK_T >= 16:
-            if IEEE:
-                acc = tl.dot(xs, tl.trans(ws), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xs, tl.trans(ws), acc)
+        if IEEE:
+            acc = tl.dot(xs, tl.trans(ws), acc, input_precision="ieee")
         else:
-            # GEMV-like: too few tokens for a tensor-core tile; multiply-add in fp32.
-            acc += tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], axis=2)
+            acc = tl.dot(xs, tl.trans(ws), acc)
     return acc
 
 
@@ -60,12 +58,12 @@ def router_kernel(
     tw_ptr, tid_ptr,
     num_tokens, hidden, num_experts, rank, k_per_split, split_stride, lora_scale, scaling,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    FIN_T: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    FIN_T: tl.constexpr, E_PAD: tl.constexpr, S_CHUNK: tl.constexpr, R_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, FUSE_TOPK: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, FENCE: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, METHOD: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_CORR_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, GROUPS_RESHAPE: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -107,9 +105,9 @@ def router_kernel(
                     b_ptr, stride_be, stride_br, bias_ptr, corr_bias_ptr,
                     out_ptr, stride_ot, stride_oe, tw_ptr, tid_ptr,
                     pid_t * BLOCK_T, num_tokens, num_experts, rank, lora_scale, scaling,
-                    BLOCK_T, FIN_T, E_PAD, S_PAD, R_PAD, HAS_BIAS, HAS_LORA, FUSE_TOPK,
+                    BLOCK_T, FIN_T, E_PAD, S_CHUNK, R_PAD, HAS_BIAS, HAS_LORA, FUSE_TOPK,
                     TOP_K, K_PAD, METHOD, RENORMALIZE, HAS_CORR_BIAS,
-                    NUM_GROUPS, TOPK_GROUPS, GROUP_SIZE, G_PAD)
+                    NUM_GROUPS, TOPK_GROUPS, GROUP_SIZE, G_PAD, GROUPS_RESHAPE)
             tl.atomic_xchg(cnt_ptr + pid_t, 0)  # ready for the next launch on this stream
 
 
@@ -119,52 +117,54 @@ def _finish(ws_ptr, split_stride, total_rows, num_splits,
             out_ptr, stride_ot, stride_oe, tw_ptr, tid_ptr,
             t_start, num_tokens, num_experts, rank, lora_scale, scaling,
             BLOCK_T: tl.constexpr, FIN_T: tl.constexpr, E_PAD: tl.constexpr,
-            S_PAD: tl.constexpr, R_PAD: tl.constexpr,
+            S_CHUNK: tl.constexpr, R_PAD: tl.constexpr,
             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, FUSE_TOPK: tl.constexpr,
             TOP_K: tl.constexpr, K_PAD: tl.constexpr, METHOD: tl.constexpr, RENORMALIZE: tl.constexpr,
             HAS_CORR_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-            GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr):
+            GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, GROUPS_RESHAPE: tl.constexpr):
     cols = tl.arange(0, E_PAD)
     cmask = cols < num_experts
-    splits = tl.arange(0, S_PAD)
-    smask = (splits < num_splits)[:, None, None]
-    s_off = splits.to(tl.int64)[:, None, None] * split_stride
+    chunk = tl.arange(0, S_CHUNK)
     bias = None
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     corr_bias = None
     if HAS_CORR_BIAS:
         corr_bias = tl.load(corr_bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    rr = tl.arange(0, R_PAD)
     b_t = None
     if HAS_LORA:
-        rr = tl.arange(0, R_PAD)
         b_t = tl.load(b_ptr + rr[:, None] * stride_br + cols.to(tl.int64)[None, :] * stride_be,
                       mask=(rr < rank)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     for t0 in range(0, BLOCK_T, FIN_T):  # a loop, not unrolled: the routing code is large
         tok = t_start + t0 + tl.arange(0, FIN_T)
         tmask = (tok < num_tokens)[None, :, None]
-        base = ws_ptr + s_off + tok.to(tl.int64)[None, :, None] * total_rows
-        # All splits load at once and reduce in a fixed tree: one L2 round trip, bit-identical
-        # results from run to run.
-        parts = tl.load(base + cols[None, None, :], mask=smask & tmask & cmask[None, None, :],
-                        other=0.0, cache_modifier=".cg")
-        logits = tl.sum(parts, axis=0)
+        base = ws_ptr + tok.to(tl.int64)[None, :, None] * total_rows
+        logits = tl.zeros([FIN_T, E_PAD], tl.float32)
+        xa = tl.zeros([FIN_T, R_PAD], tl.float32)
+        # Splits are summed S_CHUNK at a time, in a fixed order: bit-identical from run to run.
+        for s0 in range(0, num_splits, S_CHUNK):
+            splits = s0 + chunk
+            s_off = splits.to(tl.int64)[:, None, None] * split_stride
+            smask = (splits < num_splits)[:, None, None] & tmask
+            parts = tl.load(base + s_off + cols[None, None, :], mask=smask & cmask[None, None, :],
+                            other=0.0, cache_modifier=".cg")
+            logits += tl.sum(parts, axis=0)
+            if HAS_LORA:
+                xa_parts = tl.load(base + s_off + num_experts + rr[None, None, :],
+                                   mask=smask & (rr < rank)[None, None, :], other=0.0, cache_modifier=".cg")
+                xa += tl.sum(xa_parts, axis=0)
         if HAS_BIAS:
             logits += bias[None, :]
         if HAS_LORA:
-            rr = tl.arange(0, R_PAD)
-            xa_parts = tl.load(base + num_experts + rr[None, None, :],
-                               mask=smask & tmask & (rr < rank)[None, None, :], other=0.0,
-                               cache_modifier=".cg")
-            xa = tl.sum(xa_parts, axis=0) * lora_scale
-            logits += tl.sum(xa[:, :, None] * b_t[None, :, :], axis=1)
-        tok1 = t_start + t0 + tl.arange(0, FIN_T)
+            logits += tl.sum((xa * lora_scale)[:, :, None] * b_t[None, :, :], axis=1)
+        rows = t_start + t0 + tl.arange(0, FIN_T)
         if FUSE_TOPK:
             weights, ids = route_tile(logits, cols, num_experts, corr_bias, TOP_K, K_PAD, METHOD,
                                       RENORMALIZE, HAS_CORR_BIAS, NUM_GROUPS, TOPK_GROUPS,
-                                      GROUP_SIZE, G_PAD, scaling)
-            store_routes(weights, ids, tok1, num_tokens, tw_ptr, tid_ptr, TOP_K, K_PAD)
+                                      GROUP_SIZE, G_PAD, GROUPS_RESHAPE, scaling)
+            store_routes(weights, ids, rows, num_tokens, tw_ptr, tid_ptr, TOP_K, K_PAD)
         else:
-            offs = tok1.to(tl.int64)[:, None] * stride_ot + cols.to(tl.int64)[None, :] * stride_oe
+            offs = rows.to(tl.int64)[:, None] * stride_ot + cols.to(tl.int64)[None, :] * stride_oe
             tl.store(out_ptr + offs, logits.to(out_ptr.dtype.element_ty),
-                     mask=(tok1 < num_tokens)[:, None] & cmask[None, :])
+                     mask=(rows < num_tokens)[:, None] & cmask[None, :])

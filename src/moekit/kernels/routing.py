@@ -1,8 +1,9 @@
 """Top-k routing on a tile of logits held in registers.
 
 ``route_tile`` is shared by the standalone routing kernel and the fused router's epilogue, so
-both select exactly alike: highest score first, ties to the lower expert id, NaN ranked as -inf,
-masked-out experts (padding columns, dropped groups) never selected.
+both select exactly alike: highest score first, ties to the lower expert id, NaN and -inf ranked
+as the lowest finite fp32 number, masked-out experts (padding, dropped groups) never selected.
+Each pick is a single arg-max reduction: the epilogue's latency is a chain of them.
 """
 
 import triton
@@ -14,19 +15,67 @@ SIGMOID_GROUPED = tl.constexpr(2)
 SIGMOID_TOP1 = tl.constexpr(3)
 
 
-@triton.jit
-def _pick(key, eligible, cols):
-    """Per row, the lowest column holding the largest key among eligible columns."""
-    masked = tl.where(eligible, key, float("-inf"))
-    best = tl.max(masked, axis=1)
-    hit = eligible & (masked == best[:, None])
-    return tl.min(tl.where(hit, cols[None, :], 2147483647), axis=1)
+FLT_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
-def _column(values, cols, idx):
-    """values[row, idx[row]] for every row (sum of one non-zero term, so NaN/inf survive)."""
-    return tl.sum(tl.where(cols[None, :] == idx[:, None], values, 0.0), axis=1)
+def _selection_key(score):
+    """NaN and -inf rank as the lowest finite fp32 number; -inf is reserved for 'not eligible'."""
+    return tl.where((score != score) | (score < FLT_LOWEST), FLT_LOWEST, score)
+
+
+@triton.jit
+def _pick(key, eligible, axis: tl.constexpr):
+    """(best key, lowest index holding it) among eligible entries, in ONE reduction.
+
+    Eligible keys are finite or +inf and ineligible ones -inf, so a tie at -inf never picks an
+    ineligible entry; the left tie-break gives the lower expert id.
+    """
+    return tl.max(tl.where(eligible, key, float("-inf")), axis=axis, return_indices=True,
+                  return_indices_tie_break_left=True)
+
+
+@triton.jit
+def _kept_groups(key, eligible, cols, FIN_T: tl.constexpr, E_PAD: tl.constexpr,
+                 NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                 G_PAD: tl.constexpr, GROUPS_RESHAPE: tl.constexpr):
+    """bool [rows, E_PAD]: experts of the TOPK_GROUPS groups with the best top-2 sum."""
+    gcols = tl.arange(0, G_PAD)
+    if GROUPS_RESHAPE:
+        # E == G * group size, both powers of two: all groups reduce at once along a third axis.
+        grouped = tl.reshape(tl.where(eligible, key, float("-inf")), [FIN_T, G_PAD, GROUP_SIZE])
+        first, first_idx = tl.max(grouped, axis=2, return_indices=True, return_indices_tie_break_left=True)
+        score = first
+        if GROUP_SIZE > 1:
+            inner = tl.arange(0, GROUP_SIZE)
+            score += tl.max(tl.where(inner[None, None, :] == first_idx[:, :, None], float("-inf"), grouped), axis=2)
+    else:
+        group_of = cols // GROUP_SIZE
+        score = tl.zeros([FIN_T, G_PAD], tl.float32)
+        for g in tl.static_range(NUM_GROUPS):
+            in_group = eligible & (group_of[None, :] == g)
+            first, first_idx = _pick(key, in_group, 1)
+            total = first
+            if GROUP_SIZE > 1:
+                second, _ = _pick(key, in_group & (cols[None, :] != first_idx[:, None]), 1)
+                total += second
+            score = tl.where(gcols[None, :] == g, total[:, None], score)
+    score = _selection_key(score)
+    group_open = (gcols < NUM_GROUPS)[None, :] & (score == score)
+    kept_group = group_open & (gcols < 0)[None, :]
+    for _ in tl.static_range(TOPK_GROUPS):
+        _, g_best = _pick(score, group_open, 1)
+        hit = gcols[None, :] == g_best[:, None]
+        kept_group = kept_group | hit
+        group_open = group_open & ~hit
+    if GROUPS_RESHAPE:
+        inner = tl.arange(0, GROUP_SIZE)
+        kept3 = kept_group[:, :, None] & (inner >= 0)[None, None, :]
+        return tl.reshape(kept3, [FIN_T, E_PAD])
+    else:
+        group_of = tl.minimum(cols // GROUP_SIZE, G_PAD - 1)  # padding columns are never eligible
+        group_of = tl.broadcast_to(group_of[None, :], [FIN_T, E_PAD])
+        return tl.gather(kept_group.to(tl.int32), group_of, axis=1) > 0
 
 
 @triton.jit
@@ -34,52 +83,34 @@ def route_tile(
     logits, cols, num_experts, corr_bias,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, METHOD: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_CORR_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, scaling,
+    GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, GROUPS_RESHAPE: tl.constexpr, scaling,
 ):
     """Route a [rows, E_PAD] fp32 tile. Returns (weights fp32 [rows, K_PAD], ids int32 [rows, K_PAD])."""
+    FIN_T: tl.constexpr = logits.shape[0]
+    E_PAD: tl.constexpr = logits.shape[1]
     valid = (cols < num_experts)[None, :]
     if METHOD == SIGMOID_GROUPED:
-        probs = tl.sigmoid(logits)
-        choice = probs
+        source = tl.sigmoid(logits)
+        choice = source
         if HAS_CORR_BIAS:
-            choice = probs + corr_bias[None, :]
-        source = probs
+            choice = source + corr_bias[None, :]
     else:
-        choice = logits
         source = logits
-    key = tl.where(choice != choice, float("-inf"), choice)
+        choice = logits
+    key = _selection_key(choice)
     eligible = valid & (key == key)  # broadcast to the tile's shape
-
     if METHOD == SIGMOID_GROUPED:
         if TOPK_GROUPS < NUM_GROUPS:
-            group_of = cols // GROUP_SIZE
-            gcols = tl.arange(0, G_PAD)
-            group_score = tl.zeros([logits.shape[0], G_PAD], tl.float32) + float("-inf")
-            for g in tl.static_range(NUM_GROUPS):
-                in_group = eligible & (group_of[None, :] == g)
-                first = _pick(key, in_group, cols)
-                score = _column(key, cols, first)
-                if GROUP_SIZE > 1:
-                    second = _pick(key, in_group & (cols[None, :] != first[:, None]), cols)
-                    score = score + _column(key, cols, second)
-                group_score = tl.where(gcols[None, :] == g, score[:, None], group_score)
-            group_score = tl.where(group_score != group_score, float("-inf"), group_score)
-            group_open = (gcols < NUM_GROUPS)[None, :] & (group_score == group_score)
-            kept = eligible & (cols[None, :] < 0)
-            for _ in tl.static_range(TOPK_GROUPS):
-                g_best = _pick(group_score, group_open, gcols)
-                kept = kept | (group_of[None, :] == g_best[:, None])
-                group_open = group_open & (gcols[None, :] != g_best[:, None])
-            eligible = eligible & kept
+            eligible = eligible & _kept_groups(key, eligible, cols, FIN_T, E_PAD, NUM_GROUPS, TOPK_GROUPS,
+                                               GROUP_SIZE, G_PAD, GROUPS_RESHAPE)
 
     kcols = tl.arange(0, K_PAD)
-    ids = tl.zeros([logits.shape[0], K_PAD], tl.int32)
-    vals = tl.zeros([logits.shape[0], K_PAD], tl.float32)
+    ids = tl.zeros([FIN_T, K_PAD], tl.int32)
     for j in tl.static_range(TOP_K):
-        idx = _pick(key, eligible, cols)
+        _, idx = _pick(key, eligible, 1)
         ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
-        vals = tl.where(kcols[None, :] == j, _column(source, cols, idx)[:, None], vals)
         eligible = eligible & (cols[None, :] != idx[:, None])
+    vals = tl.gather(source, ids, axis=1)
     kvalid = (kcols < TOP_K)[None, :]
 
     # Maxima are taken over NaN-free keys: the result must not depend on how max() treats NaN.
@@ -89,7 +120,7 @@ def route_tile(
         denom = tl.sum(tl.where(valid, tl.exp(logits - row_max[:, None]), 0.0), axis=1)
         weights = weights / denom[:, None]
     elif METHOD == SOFTMAX_TOPK or METHOD == TOPK_SOFTMAX:
-        top_max = tl.max(tl.where(kvalid & (vals == vals), vals, float("-inf")), axis=1)
+        top_max = tl.max(tl.where(kvalid, _selection_key(vals), float("-inf")), axis=1)
         weights = tl.where(kvalid, tl.exp(vals - top_max[:, None]), 0.0)
         weights = weights / tl.sum(weights, axis=1)[:, None]
     elif METHOD == SIGMOID_TOP1:
@@ -118,7 +149,7 @@ def routing_kernel(
     BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, METHOD: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_CORR_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, GROUPS_RESHAPE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
@@ -130,6 +161,6 @@ def routing_kernel(
         corr_bias = tl.load(corr_bias_ptr + cols, mask=cols < num_experts, other=0.0).to(tl.float32)
     weights, ids = route_tile(
         logits, cols, num_experts, corr_bias, TOP_K, K_PAD, METHOD, RENORMALIZE, HAS_CORR_BIAS,
-        NUM_GROUPS, TOPK_GROUPS, GROUP_SIZE, G_PAD, scaling,
+        NUM_GROUPS, TOPK_GROUPS, GROUP_SIZE, G_PAD, GROUPS_RESHAPE, scaling,
     )
     store_routes(weights, ids, rows, num_tokens, w_ptr, id_ptr, TOP_K, K_PAD)

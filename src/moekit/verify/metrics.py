@@ -55,8 +55,7 @@ def separable_tokens(logits64: torch.Tensor, top_k: int, method: str, *, correct
     grouped routing, between the last kept and the first dropped group score) exceeds
     ``rel_gap * max |logit|`` of that token. Only on those tokens must fast paths agree exactly.
     """
-    scores = reference.choice_scores(logits64, method, correction_bias)
-    scores = torch.nan_to_num(scores, nan=-torch.inf)
+    scores = reference.selection_key(reference.choice_scores(logits64, method, correction_bias))
     num_tokens, num_experts = scores.shape
     scale = logits64.abs().nan_to_num(posinf=0.0).amax(dim=-1).clamp_min(1e-30)
     ok = torch.ones(num_tokens, dtype=torch.bool, device=scores.device)
