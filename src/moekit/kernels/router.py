@@ -136,7 +136,8 @@ def _finish(ws_ptr, split_stride, total_rows, num_splits,
     if HAS_LORA:
         b_t = tl.load(b_ptr + rr[:, None] * stride_br + cols.to(tl.int64)[None, :] * stride_be,
                       mask=(rr < rank)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    for t0 in range(0, BLOCK_T, FIN_T):  # a loop, not unrolled: the routing code is large
+    # A loop, not unrolled (the routing code is large), over this block's real tokens only.
+    for t0 in range(0, tl.minimum(BLOCK_T, num_tokens - t_start), FIN_T):
         tok = t_start + t0 + tl.arange(0, FIN_T)
         tmask = (tok < num_tokens)[None, :, None]
         base = ws_ptr + tok.to(tl.int64)[None, :, None] * total_rows
