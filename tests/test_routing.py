@@ -117,16 +117,22 @@ def test_bad_input_is_named(bad, kwargs, err, match):
     ("softmax_topk", {}, 128, 8), ("softmax_topk", {}, 8, 2), ("sigmoid_top1", {}, 16, 1),
 ])
 def test_route_gpu_presets(method, kwargs, E, k):
-    # fp32 arithmetic can reorder experts whose float64 scores differ by ~1e-7 (seen at T=4096,
-    # E=384): exact agreement is required on separable tokens, which must be nearly all of them.
     for T in TOKENS + [1000, 4096]:
         for dtype in (torch.float32, torch.bfloat16):
             logits = (torch.randn(T, E, device="cuda") * 3).to(dtype)
             cb = _corr_bias(method, E, "cuda")
+            if method != "sigmoid_grouped":
+                # Selection compares the logits themselves: exact on every token, ties included
+                # (bf16 logits tie often; the lower id must win exactly as in float64).
+                _check(logits, k, method, kwargs, "triton")
+                continue
+            # sigmoid in fp32 can reorder experts whose float64 scores differ by ~1e-7 (seen at
+            # T=4096, E=384): exact agreement is required on separable tokens.
             w, ids = moekit.route(logits, k, method, correction_bias=cb, impl="triton", **kwargs)
             rw, rids = reference.route(logits, k, method, correction_bias=cb, **kwargs)
             mask = separable_tokens(logits.double(), k, method, correction_bias=cb, **kwargs)
             agree, werr = routes_agree(w, ids, rw, rids, mask)
             assert agree == 1.0 and werr < 2e-6, (T, dtype, agree, werr)
-            assert T == 0 or mask.float().mean() > 0.95
+            if dtype == torch.float32 and T >= 64:
+                assert mask.float().mean() > 0.9  # the check is not vacuous
             assert T == 0 or (ids.min() >= 0 and ids.max() < E)

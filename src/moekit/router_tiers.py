@@ -20,7 +20,9 @@ TIERS = ("triton", "cublas", "torch")
 FUSED_MAX_TOKENS = 128
 """fused_router runs GEMM + routing in one launch up to this many tokens (then GEMM + route)."""
 
-_REGISTER_BUDGET = 16384  # fp32 elements one program may hold in the finishing step (no routing)
+GEMV_MAX_TOKENS = 2
+"""Up to this many tokens the router GEMM runs as a GEMV (fp32 FMAs), above it on tensor cores."""
+_REGISTER_BUDGET = 4096  # fp32 elements one program may hold in the finishing step (no routing)
 
 
 @dataclass(frozen=True)
@@ -90,15 +92,20 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     e_pad = _triton.next_pow2(num_experts)
     r_pad = _triton.next_pow2(rank) if rank else 1
     small = num_tokens <= 16
-    block_t = 16 if small or fuse_topk else min(64, _triton.next_pow2(num_tokens))
-    block_r = 16 if small else 32
-    block_k = 256 if small else 128
+    if num_tokens <= GEMV_MAX_TOKENS:
+        block_t, block_r = _triton.next_pow2(num_tokens), 16
+        block_k = 8192 // (block_t * block_r)  # the GEMV path's fp32 product tile: 8192 elements
+    else:
+        block_t = 16 if small or fuse_topk else min(64, _triton.next_pow2(num_tokens))
+        block_r = 16 if small else 32
+        block_k = 256 if small else 128
     # The finishing program holds a [fin_t, E_PAD] logits tile (routing: several siblings of it),
     # the LoRA product [fin_t, R_PAD, E_PAD] and one [s_chunk, fin_t, E_PAD] load of partial sums;
     # tests/sm90_compile.py shows spills past these budgets (fp32 elements, 4 warps).
     tile_budget, parts_budget = (2048, 4096) if fuse_topk else (_REGISTER_BUDGET, _REGISTER_BUDGET)
     lora_budget = 2048 if fuse_topk else 4096
-    fin_t = _prev_pow2(max(1, min(block_t, tile_budget // e_pad, lora_budget // (r_pad * e_pad))))
+    fin_t = _prev_pow2(max(1, min(block_t, _triton.next_pow2(num_tokens), tile_budget // e_pad,
+                                  lora_budget // (r_pad * e_pad))))
     # It also reads every split's partial sums alone, so keep them to ~64 KB per token block.
     max_splits = max(2, 16384 // (min(num_tokens, block_t) * e_pad))
     row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
