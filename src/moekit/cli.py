@@ -1,0 +1,118 @@
+"""The `moekit` command: verify (the accuracy gate), explain, presets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cmd_presets(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import presets
+
+    table = Table(title="moekit presets")
+    for col in ("preset", "H", "I", "E", "k", "routing", "activation", "router bias", "groups"):
+        table.add_column(col)
+    for name in presets.names():
+        s = presets.get(name)
+        groups = f"{s.num_groups} keep {s.topk_groups}, x{s.routed_scaling_factor}" if s.routing == "sigmoid_grouped" else ""
+        table.add_row(name, str(s.hidden_size), str(s.intermediate_size), str(s.num_experts), str(s.top_k),
+                      s.routing + (" (renorm)" if s.renormalize and s.routing == "softmax_topk" else ""),
+                      s.activation, "yes" if s.router_bias else "", groups)
+    Console().print(table)
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from . import presets, router_tiers
+
+    device = _device()
+    for name in args.preset or presets.names():
+        spec = presets.get(name)
+        for T in args.tokens:
+            print(f"[{name}] " + router_tiers.explain(T, spec.hidden_size, spec.num_experts, device).replace("\n", f"\n[{name}] "))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from rich.console import Console
+    from rich.progress import track
+    from rich.table import Table
+
+    from . import presets
+    from .verify.router_checks import check_router, implementations
+
+    device = _device()
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    on_gpu = device.type == "cuda"
+    names = args.preset or presets.names()
+    tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
+    # The interpreter computes bf16 dots wrongly: CPU runs check the kernels in fp16.
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float16)
+    impls = implementations(device)
+    served = "; ".join(f"{op}: {', '.join(v)}" for op, v in impls.items())
+    console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'} ({served}); "
+                  f"{'real' if on_gpu else 'scaled-down'} presets, dtype {str(dtype).replace('torch.', '')}")
+    start = time.time()
+    results = []
+    jobs = [(n, T) for n in names for T in tokens]
+    for name, T in track(jobs, description="checking", console=console, disable=not console.is_terminal):
+        spec = presets.get(name) if on_gpu else presets.get(name).scaled()
+        torch.manual_seed(len(results) + 1)
+        results += check_router(spec, T, dtype, device, impls)
+    table = Table(title=f"accuracy against float64 ({time.time() - start:.0f} s)")
+    for col in ("op", "impl", "preset", "T", "max err", "rms rel", "top-k agree", "status"):
+        table.add_column(col)
+    for r in results:
+        status = "[green]PASS[/]" if r.ok else f"[red]FAIL[/] {r.detail}"
+        table.add_row(r.op, r.impl, r.preset, str(r.tokens), f"{r.max_rel:.1e}",
+                      f"{r.rms_rel:.1e}" if r.op == "router_gemm" else "", f"{r.agree:.3f}", status)
+    console.print(table)
+    failed = [r for r in results if not r.ok]
+    console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moekit", description="Accurate, fast MoE inference layers.")
+    sub = p.add_subparsers(dest="command")
+    v = sub.add_parser("verify", help="check every implementation on this machine against float64 references")
+    v.add_argument("--preset", nargs="+", help="presets to check (default: all)")
+    v.add_argument("--tokens", nargs="+", type=int, help="token counts (default: 1 7 33 on CPU, 1 8 64 129 1000 on GPU)")
+    v.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="activation/weight dtype")
+    v.add_argument("--json", help="write the full report here")
+    v.set_defaults(func=cmd_verify)
+    e = sub.add_parser("explain", help="which implementation serves each op, and why")
+    e.add_argument("--preset", nargs="+")
+    e.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 4096])
+    e.set_defaults(func=cmd_explain)
+    sub.add_parser("presets", help="the table of model presets").set_defaults(func=cmd_presets)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU through numpy
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        build_parser().print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Router and routing checks of `moekit verify`: every implementation this machine can run,
+on fresh random data, against the float64 reference."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import _triton, presets, reference
+from ..router import fused_router, router_gemm
+from ..routing import route
+from .metrics import Tolerance, rel_errors, routes_agree, separable_tokens
+
+LOGITS_TOL = Tolerance(max_rel=1e-4, rms_rel=1e-5)
+WEIGHT_TOL = 1e-4  # absolute, on routing weights in [0, scaling]
+
+
+@dataclass
+class CheckResult:
+    op: str
+    impl: str
+    preset: str
+    tokens: int
+    max_rel: float = 0.0
+    rms_rel: float = 0.0
+    agree: float = 1.0
+    ok: bool = True
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def implementations(device: torch.device) -> dict[str, list[str]]:
+    """What can serve each op here: the CPU has torch paths, plus kernels when Triton can run."""
+    kernels = _triton.can_launch(torch.empty(0, device=device))
+    gemm = ["torch"] + (["triton"] if kernels else []) + (["cublas"] if device.type == "cuda" else [])
+    return {
+        "route": ["torch"] + (["triton"] if kernels else []),
+        "router_gemm": gemm,
+        "fused_router": ["unfused"] + (["fused"] if kernels else []),
+    }
+
+
+def _inputs(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device):
+    H, E = spec.hidden_size, spec.num_experts
+    # A strided, offset view: kernels must honour strides or copy, never misread.
+    x = torch.randn(num_tokens, H + 8, dtype=dtype, device=device)[:, 8:]
+    w = (torch.randn(E, H, device=device) * H ** -0.5).to(dtype)
+    b = torch.randn(E, device=device) if spec.router_bias else None
+    kwargs = spec.routing_kwargs()
+    if spec.correction_bias:
+        kwargs["correction_bias"] = torch.rand(E, device=device) * 0.1
+    return x, w, b, kwargs
+
+
+def check_router(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device,
+                 impls: dict[str, list[str]] | None = None) -> list[CheckResult]:
+    impls = impls or implementations(device)
+    x, w, b, kwargs = _inputs(spec, num_tokens, dtype, device)
+    logits64 = reference.router_logits(x, w, b)
+    ref_w, ref_ids = reference.route(logits64, spec.top_k, spec.routing, **kwargs)
+    separable = separable_tokens(logits64, spec.top_k, spec.routing, **kwargs)
+    results = []
+    for tier in impls["router_gemm"]:
+        r = CheckResult("router_gemm", tier, spec.name, num_tokens)
+        out = torch.full((num_tokens, spec.num_experts), float("nan"), device=device)
+        got = router_gemm(x, w, b, out=out, tier=tier)
+        r.max_rel, r.rms_rel = rel_errors(got, logits64)
+        r.ok = got is out and r.max_rel <= LOGITS_TOL.max_rel and r.rms_rel <= LOGITS_TOL.rms_rel
+        r.detail = "" if got is out else "out= not written in place"
+        results.append(r)
+    for impl in impls["route"]:
+        r = CheckResult("route", impl, spec.name, num_tokens)
+        tw, tid = route(logits64.float(), spec.top_k, spec.routing, impl=impl, **kwargs)
+        _score_routes(r, tw, tid, logits64.float(), spec, kwargs, separable)
+        results.append(r)
+    for impl in impls["fused_router"]:
+        r = CheckResult("fused_router", impl, spec.name, num_tokens)
+        tw, tid = fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, impl=impl, **kwargs)
+        r.agree, werr = routes_agree(tw, tid, ref_w, ref_ids, separable)
+        r.max_rel = werr
+        r.ok = r.agree == 1.0 and werr <= WEIGHT_TOL and _ids_valid(tid, spec)
+        results.append(r)
+    return results
+
+
+def _score_routes(r: CheckResult, tw, tid, logits, spec, kwargs, separable) -> None:
+    ref_w, ref_ids = reference.route(logits, spec.top_k, spec.routing, **kwargs)
+    r.agree, werr = routes_agree(tw, tid, ref_w, ref_ids, separable)
+    r.max_rel = werr
+    r.ok = r.agree == 1.0 and werr <= WEIGHT_TOL and _ids_valid(tid, spec)
+
+
+def _ids_valid(ids: torch.Tensor, spec: presets.MoESpec) -> bool:
+    return ids.numel() == 0 or bool((ids.min() >= 0) & (ids.max() < spec.num_experts))
