@@ -161,6 +161,12 @@ def expert_mlp(
     return y
 
 
+def _expert(e, rows, w13, w2, activation, w13_bias, w2_bias) -> torch.Tensor:
+    """Expert ``e`` of stacked [E, ...] weights (and optional stacked biases) on ``rows``."""
+    return expert_mlp(rows, w13[e], w2[e], activation,
+                      None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -185,11 +191,7 @@ def fused_experts(
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = expert_mlp(
-            x[tok], w13[e], w2[e], activation,
-            None if w13_bias is None else w13_bias[e],
-            None if w2_bias is None else w2_bias[e],
-        )
+        y = _expert(e, x[tok], w13, w2, activation, w13_bias, w2_bias)
         out.index_add_(0, tok, y * topk_weights[tok, slot].to(F64)[:, None])
     return out
 
@@ -213,11 +215,7 @@ def batched_experts(
     for e in range(num_experts):
         n = int(expert_num_tokens[e])
         if n:
-            out[e, :n] = expert_mlp(
-                x[e, :n], w13[e], w2[e], activation,
-                None if w13_bias is None else w13_bias[e],
-                None if w2_bias is None else w2_bias[e],
-            )
+            out[e, :n] = _expert(e, x[e, :n], w13, w2, activation, w13_bias, w2_bias)
     return out
 
 
