@@ -263,3 +263,17 @@ def test_bf16_logits_flip_choices_but_ours_do_not():
     assert routes_agree(w16, id16, rw, rid)[0] < 1.0
     tw, tid = fused_router(x, w, b, top_k=4, method=spec.routing)
     assert routes_agree(tw, tid, rw, rid, separable_tokens(logits64, 4, spec.routing))[0] == 1.0
+
+
+@pytest.mark.gpu
+def test_router_gemm_gpu_past_2_31_elements():
+    # x has 300000 * 7168 > 2^31 elements: 32-bit offsets would wrap on the last rows.
+    T, H, E = 300_000, 7168, 256
+    x = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
+    w = (torch.randn(E, H, device="cuda") * H ** -0.5).bfloat16()
+    b = torch.randn(E, device="cuda")
+    assert x.numel() > 2**31
+    for tier in ("triton", "cublas"):
+        out = router_gemm(x, w, b, tier=tier)
+        check_close(tier, out[-64:], _ref(x[-64:], w, b, None), LOGITS_TOL)
+    del x

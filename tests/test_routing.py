@@ -136,3 +136,13 @@ def test_route_gpu_presets(method, kwargs, E, k):
             if dtype == torch.float32 and T >= 64:
                 assert mask.float().mean() > 0.9  # the check is not vacuous
             assert T == 0 or (ids.min() >= 0 and ids.max() < E)
+
+
+@pytest.mark.gpu
+def test_route_gpu_past_2_31_elements():
+    T, E = 2**31 // 256 + 1000, 256          # logits have more than 2^31 elements
+    logits = torch.randn(T, E, device="cuda")
+    w, ids = moekit.route(logits, 8, "softmax_topk", impl="triton")
+    rw, rids = reference.route(logits[-50:], 8, "softmax_topk")
+    assert torch.equal(ids[-50:].long().cpu(), rids.cpu())
+    torch.testing.assert_close(w[-50:].double(), rw, rtol=2e-6, atol=1e-7)

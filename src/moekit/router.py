@@ -151,9 +151,10 @@ def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None
     fuse = routing is not None
     cfg = router_tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, _num_sms(x.device))
     t_blocks = _triton.cdiv(num_tokens, cfg.block_t)
-    if t_blocks > _triton.NUM_COUNTERS:
-        raise ValueError(f"T={num_tokens} is too large for the small-batch router kernel; use tier='cublas'")
     direct = cfg.splits == 1 and rank == 0 and not fuse
+    if not direct and t_blocks > _triton.NUM_COUNTERS:
+        raise ValueError(f"T={num_tokens} needs {t_blocks} token blocks; the small-batch router kernel "
+                         f"has {_triton.NUM_COUNTERS} (use tier='cublas' or fewer tokens)")
     total_rows = num_experts + rank
     ws = x if direct else torch.empty(cfg.splits * num_tokens * total_rows, dtype=torch.float32, device=x.device)
     counters = x if direct else _triton.counters(x.device)
