@@ -162,10 +162,12 @@ def markdown(records, env, cross):
              "on 20 layers' weights; us per call (median replay / 20). Ratio = ours / chain (a).", "",
              "GateLinear = the tier the measured crossover table (below) picks, timed in this run. Floor = bytes of",
              "weights + input + fp32 logits at the 4.2 TB/s copy rate (decode sizes are launch- and latency-bound).",
-             "Agreement = fraction of tokens whose expert set equals float64's (one layer's random input).", "",
+             "Agreement = fraction of tokens whose expert set equals float64's (one layer's random input); 'separable'",
+             "counts only tokens whose k-th/(k+1)-th score gap exceeds 1e-4 max|logit| (the issue's criterion).", "",
              "| preset | T | fused_router | chain (a) bf16 | chain (b) fp32 | chain (c) compiled | fused / (a) | "
-             "GateLinear | tier | F.linear bf16 | Gate / linear | triton tier | cuBLAS tier | floor | % floor (Gate) | agree (a) | agree ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GateLinear | tier | F.linear bf16 | Gate / linear | triton tier | cuBLAS tier | floor | % floor (Gate) | agree (a) | agree ours | "
+             "agree ours, separable |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         f = lambda k: f"{r.get(k, float('nan')):.2f}"  # noqa: E731
         lines.append(
@@ -173,7 +175,7 @@ def markdown(records, env, cross):
             f"{f('chain_c_compiled')} | {r['fused_router'] / r['chain_a_bf16']:.2f} | {f('gate_tuned')} | "
             f"{r['gate_tuned_tier']} | {f('linear_bf16')} | {r['gate_tuned'] / r['linear_bf16']:.2f} | "
             f"{f('gate_triton')} | {f('gate_cublas')} | {r['floor_us']:.2f} | {100 * r['floor_us'] / r['gate_tuned']:.0f}% | "
-            f"{r['agree_chain_a_bf16']:.3f} | {r['agree_fused_router']:.3f} |")
+            f"{r['agree_chain_a_bf16']:.3f} | {r['agree_fused_router']:.3f} | {r['agree_sep_fused_router']:.3f} |")
     lines += ["", "Triton-tier crossover (largest T where the small-batch kernel is no slower than cuBLAS): " +
               ", ".join(f"{k}: {v}" for k, v in cross.items())]
     return "\n".join(lines) + "\n"
@@ -188,7 +190,13 @@ def main():
     p.add_argument("--skip", nargs="*", default=[])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
     p.add_argument("--name", default="router")
+    p.add_argument("--render", type=Path, help="only re-render the markdown of an existing results JSON")
     args = p.parse_args()
+    if args.render:
+        data = json.loads(args.render.read_text())
+        apply_crossovers(data["records"], data["crossover"])
+        args.render.with_suffix(".md").write_text(markdown(data["records"], data["env"], data["crossover"]))
+        return
     env = environment()
     records = run(args)
     cross = crossovers(records)

@@ -230,7 +230,9 @@ def test_fused_router_gpu(name, why):
         x, w, b, kwargs = _preset_inputs(spec, T, torch.bfloat16, "cuda")
         mask = _check_fused(spec, x, w, b, kwargs, "auto")
         if T >= 64:
-            assert mask.float().mean() > 0.9  # the check is not vacuous
+            # The check is not vacuous. Sigmoid compresses score gaps, so under the criterion
+            # (gap > 1e-4 max|logit|) only 72-88% of grouped-sigmoid tokens are separable (H200 run).
+            assert mask.float().mean() > (0.5 if spec.routing == "sigmoid_grouped" else 0.9)
 
 
 @pytest.mark.gpu
