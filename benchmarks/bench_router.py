@@ -79,8 +79,16 @@ def implementations(spec, compiled_chain):
         kw = dict(rk, correction_bias=cb) if cb is not None else rk
         return fused_router(x, w, b32, top_k=spec.top_k, method=spec.routing, **kw)
 
+    def ours(impl):
+        def run(x, w, b, cb, b32):
+            kw = dict(rk, correction_bias=cb) if cb is not None else rk
+            return fused_router(x, w, b32, top_k=spec.top_k, method=spec.routing, impl=impl, **kw)
+        return run
+
     return {
         "fused_router": ours_fused,
+        "fused_kernel": ours("fused"),
+        "fused_unfused": ours("unfused"),
         "chain_a_bf16": chain_a,
         "chain_b_fp32": chain_b,
         "chain_c_compiled": lambda *a: compiled_chain(*a),
@@ -126,58 +134,84 @@ def run(args):
                 row[f"agree_{impl}"] = agree_all
                 row[f"agree_sep_{impl}"] = agree_sep
             records.append(row)
-            print(f"{name:14s} T={T:5d} fused={row.get('fused_router', float('nan')):6.2f} "
-                  f"chain_a={row.get('chain_a_bf16', float('nan')):6.2f} compiled={row.get('chain_c_compiled', float('nan')):6.2f} "
-                  f"tri={row.get('gate_triton', float('nan')):6.2f} "
-                  f"cub={row.get('gate_cublas', float('nan')):6.2f} lin16={row.get('linear_bf16', float('nan')):6.2f} "
-                  f"agree_a={row['agree_chain_a_bf16']:.3f} agree_ours={row['agree_fused_router']:.3f}", flush=True)
+            print(f"{name:14s} T={T:5d} " + " ".join(f"{k}={v:.2f}" for k, v in row.items() if k not in ("preset", "T")), flush=True)
     return records
 
 
+CROSSOVERS = {  # table name -> (implementation measured for "small T", its alternative)
+    "gemm_triton": ("gate_triton", "gate_cublas"),
+    "fused": ("fused_kernel", "fused_unfused"),
+}
+
+
 def crossovers(records):
-    """Per preset: largest T such that the Triton tier is no slower than cuBLAS at every T up to it."""
+    """Per table and preset: largest T such that the small-T implementation is no slower than its
+    alternative at every T up to it (tables whose implementations were skipped are left out)."""
     out = {}
-    for name in sorted({r["preset"] for r in records}):
-        rows = sorted((r for r in records if r["preset"] == name), key=lambda r: r["T"])
-        best = 0
-        for r in rows:
-            if r.get("gate_triton", float("inf")) <= r.get("gate_cublas", 0.0):
+    for table, (small, other) in CROSSOVERS.items():
+        if not all(small in r and other in r for r in records):
+            continue
+        out[table] = {}
+        for name in sorted({r["preset"] for r in records}):
+            best = 0
+            for r in sorted((r for r in records if r["preset"] == name), key=lambda r: r["T"]):
+                if not r[small] <= r[other]:  # NaN (not servable) ends the run too
+                    break
                 best = r["T"]
-            else:
-                break
-        out[name] = best
+            out[table][name] = best
     return out
 
 
 def apply_crossovers(records, cross):
     """GateLinear's time with the measured table: the tier it picks at each T, timed in this run."""
+    if "gemm_triton" not in cross:
+        return
     for r in records:
-        tier = "gate_triton" if r["T"] <= cross[r["preset"]] else "gate_cublas"
+        tier = "gate_triton" if r["T"] <= cross["gemm_triton"][r["preset"]] else "gate_cublas"
         r["gate_tuned"], r["gate_tuned_tier"] = r[tier], tier.removeprefix("gate_")
 
 
+COLUMNS = [  # (header, record key or function of the record)
+    ("fused_router (auto)", "fused_router"), ("fused kernel", "fused_kernel"), ("GEMM + route", "fused_unfused"),
+    ("chain (a) bf16", "chain_a_bf16"), ("chain (b) fp32", "chain_b_fp32"), ("chain (c) compiled", "chain_c_compiled"),
+    ("fused_router / (a)", lambda r: r["fused_router"] / r["chain_a_bf16"]),
+    ("GateLinear", "gate_tuned"), ("tier", "gate_tuned_tier"), ("F.linear bf16", "linear_bf16"),
+    ("Gate / linear", lambda r: r["gate_tuned"] / r["linear_bf16"]),
+    ("triton tier", "gate_triton"), ("cuBLAS tier", "gate_cublas"), ("floor", "floor_us"),
+    ("% floor (Gate)", lambda r: f"{100 * r['floor_us'] / r['gate_tuned']:.0f}%"),
+    ("agree (a)", "agree_chain_a_bf16"), ("agree ours", "agree_fused_router"),
+    ("agree ours, separable", "agree_sep_fused_router"),
+]
+
+
+def _cell(r, key):
+    try:
+        v = key(r) if callable(key) else r[key]
+    except (KeyError, ZeroDivisionError):
+        return "-"
+    if isinstance(v, str):
+        return v
+    return f"{v:.3f}" if "agree" in str(key) else f"{v:.2f}"
+
+
 def markdown(records, env, cross):
+    cols = [(h, k) for h, k in COLUMNS if any(_cell(r, k) != "-" for r in records)]
     lines = [f"# Router benchmark ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. CUDA-graph replay of 20 consecutive calls",
-             "on 20 layers' weights; us per call (median replay / 20). Ratio = ours / chain (a).", "",
+             "on 20 layers' weights; us per call (median replay / 20). fused_router (auto) is what the default call",
+             "ran with the package's table at the time; 'fused kernel' and 'GEMM + route' are its two paths forced.",
              "GateLinear = the tier the measured crossover table (below) picks, timed in this run. Floor = bytes of",
              "weights + input + fp32 logits at the 4.2 TB/s copy rate (decode sizes are launch- and latency-bound).",
              "Agreement = fraction of tokens whose expert set equals float64's (one layer's random input); 'separable'",
              "counts only tokens whose k-th/(k+1)-th score gap exceeds 1e-4 max|logit| (the issue's criterion).", "",
-             "| preset | T | fused_router | chain (a) bf16 | chain (b) fp32 | chain (c) compiled | fused / (a) | "
-             "GateLinear | tier | F.linear bf16 | Gate / linear | triton tier | cuBLAS tier | floor | % floor (Gate) | agree (a) | agree ours | "
-             "agree ours, separable |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| preset | T | " + " | ".join(h for h, _ in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
     for r in records:
-        f = lambda k: f"{r.get(k, float('nan')):.2f}"  # noqa: E731
-        lines.append(
-            f"| {r['preset']} | {r['T']} | {f('fused_router')} | {f('chain_a_bf16')} | {f('chain_b_fp32')} | "
-            f"{f('chain_c_compiled')} | {r['fused_router'] / r['chain_a_bf16']:.2f} | {f('gate_tuned')} | "
-            f"{r['gate_tuned_tier']} | {f('linear_bf16')} | {r['gate_tuned'] / r['linear_bf16']:.2f} | "
-            f"{f('gate_triton')} | {f('gate_cublas')} | {r['floor_us']:.2f} | {100 * r['floor_us'] / r['gate_tuned']:.0f}% | "
-            f"{r['agree_chain_a_bf16']:.3f} | {r['agree_fused_router']:.3f} | {r['agree_sep_fused_router']:.3f} |")
-    lines += ["", "Triton-tier crossover (largest T where the small-batch kernel is no slower than cuBLAS): " +
-              ", ".join(f"{k}: {v}" for k, v in cross.items())]
+        lines.append(f"| {r['preset']} | {r['T']} | " + " | ".join(_cell(r, k) for _, k in cols) + " |")
+    for table, per_preset in cross.items():
+        what = CROSSOVERS[table]
+        lines += ["", f"Crossover '{table}' (largest T where {what[0]} is no slower than {what[1]} at every T up to it): " +
+                  ", ".join(f"{k}: {v}" for k, v in per_preset.items())]
     return "\n".join(lines) + "\n"
 
 

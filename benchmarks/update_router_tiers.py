@@ -21,19 +21,20 @@ def main():
     args = p.parse_args()
     data = json.loads(args.results.read_text())
     table = json.loads(TABLE.read_text())
-    shapes = {}
-    for name, max_tokens in data["crossover"].items():
-        spec = presets.get(name)
-        shapes[f"H{spec.hidden_size}_E{spec.num_experts}"] = max_tokens
     env = data["env"]
-    table["gpus"][env["gpu"]] = {
-        # Shapes not measured use the smallest crossover seen: cuBLAS is the safe side.
-        "max_tokens": min(shapes.values()),
-        "shapes": shapes,
-        "source": f"benchmarks/results/{args.results.name}, {env['date']}, torch {env['torch']}, triton {env['triton']}",
-    }
+    entry = table["gpus"].setdefault(env["gpu"], {})
+    for name, per_preset in data["crossover"].items():
+        shapes = entry.get(name, {}).get("shapes", {})
+        for preset, max_tokens in per_preset.items():
+            spec = presets.get(preset)
+            shapes[f"H{spec.hidden_size}_E{spec.num_experts}"] = max_tokens
+        # Shapes not measured use the smallest limit seen: the other path is the safe side.
+        entry[name] = {"max_tokens": min(shapes.values()), "shapes": shapes}
+    sources = {s for s in entry.get("source", "").split("; ") if s}
+    sources.add(f"benchmarks/results/{args.results.name}, {env['date']}, torch {env['torch']}, triton {env['triton']}")
+    entry["source"] = "; ".join(sorted(sources))
     TABLE.write_text(json.dumps(table, indent=2) + "\n")
-    print(json.dumps(table["gpus"][env["gpu"]], indent=2))
+    print(json.dumps(entry, indent=2))
 
 
 if __name__ == "__main__":

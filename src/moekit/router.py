@@ -218,8 +218,9 @@ def fused_router(
         top_k, method, routing_kwargs: as :func:`moekit.route` (``renormalize``,
             ``correction_bias``, ``num_groups``, ``topk_groups``, ``scaling``).
         lora: optional :class:`RouterLoRA`.
-        impl: ``"auto"`` (fused kernel on CUDA for T <= 128, else router_gemm + route),
-            ``"fused"`` (the kernel; CUDA or TRITON_INTERPRET=1) or ``"unfused"``.
+        impl: ``"auto"`` (on CUDA the fused kernel up to the measured crossover of
+            :func:`moekit.router_tiers.fused_limit`, else router_gemm + route), ``"fused"`` (the
+            one-launch kernel, T <= 128; CUDA or TRITON_INTERPRET=1) or ``"unfused"``.
 
     Returns:
         (topk_weights float32 [T, k], topk_ids int32 [T, k]) with T = x.numel() // H.
@@ -233,7 +234,10 @@ def fused_router(
         raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', got {impl!r}")
     if impl == "fused" and not _triton.can_launch(weight):
         raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
-    fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(num_tokens, weight.device))
+    if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
+        raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")
+    fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
+        num_tokens, weight.device, weight.shape[1], weight.shape[0]))
     if not fused:
         logits = router_gemm(args.x, weight, bias, lora=lora)
         return route_with(logits, opts, corr_bias)

@@ -18,7 +18,7 @@ from . import _triton
 
 TIERS = ("triton", "cublas", "torch")
 FUSED_MAX_TOKENS = 128
-"""fused_router runs GEMM + routing in one launch up to this many tokens (then GEMM + route)."""
+"""The one-launch fused router kernel serves up to this many tokens."""
 
 GEMV_MAX_TOKENS = 2
 """Up to this many tokens the router GEMM runs as a GEMV (fp32 FMAs), above it on tensor cores."""
@@ -52,17 +52,22 @@ def _crossover_table() -> dict:
     return json.loads(text)
 
 
-def crossover_tokens(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
-    """(largest T the Triton tier serves, where that number comes from) for this GPU and shape."""
-    table = _crossover_table()
+def _measured(device: torch.device, hidden: int, num_experts: int, table: str) -> tuple[int, str]:
+    """(token limit, where it comes from) from configs/router_tiers.json for this GPU and shape."""
+    data = _crossover_table()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    entry = table["gpus"].get(gpu)
-    if entry is None:
-        return table["default"]["max_tokens"], f"default (no measurement for {gpu!r})"
+    entry = data["gpus"].get(gpu)
+    if entry is None or table not in entry:
+        return data["default"][table], f"default (no measurement for {gpu!r})"
     shape_key = f"H{hidden}_E{num_experts}"
-    if shape_key in entry.get("shapes", {}):
-        return entry["shapes"][shape_key], f"measured on {gpu} for {shape_key} ({entry['source']})"
-    return entry["max_tokens"], f"measured on {gpu}, all shapes ({entry['source']})"
+    if shape_key in entry[table]["shapes"]:
+        return entry[table]["shapes"][shape_key], f"measured on {gpu} for {shape_key} ({entry['source']})"
+    return entry[table]["max_tokens"], f"measured on {gpu}, smallest over shapes ({entry['source']})"
+
+
+def crossover_tokens(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
+    """(largest T the Triton GEMM tier serves, where that number comes from) for this GPU and shape."""
+    return _measured(device, hidden, num_experts, "gemm_triton")
 
 
 def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.device,
@@ -117,9 +122,22 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad)
 
 
-def fused_applies(num_tokens: int, device: torch.device) -> bool:
-    """fused_router uses its single-launch kernel (else it runs router_gemm + route)."""
-    return device.type == "cuda" and _triton.triton_importable() and num_tokens <= FUSED_MAX_TOKENS
+def fused_limit(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
+    """Largest T for which fused_router's auto choice is the one-launch kernel, and why.
+
+    The kernel serves any T <= FUSED_MAX_TOKENS on request (impl="fused"); auto takes it only up to
+    the measured point where router_gemm + the routing kernel (which spreads the top-k over many
+    programs) becomes faster.
+    """
+    limit, source = _measured(device, hidden, num_experts, "fused")
+    return min(limit, FUSED_MAX_TOKENS), source
+
+
+def fused_applies(num_tokens: int, device: torch.device, hidden: int, num_experts: int) -> bool:
+    """fused_router(impl="auto") uses its single-launch kernel (else it runs router_gemm + route)."""
+    if device.type != "cuda" or not _triton.triton_importable():
+        return False
+    return num_tokens <= fused_limit(device, hidden, num_experts)[0]
 
 
 def _prev_pow2(n: int) -> int:
@@ -130,9 +148,13 @@ def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device
     """One line per op: which tier serves a router call of this shape and why."""
     device = torch.device(device)
     gemm = choose_tier(num_tokens, hidden, num_experts, device)
-    if fused_applies(num_tokens, device):
-        fused = f"one Triton launch (GEMM + bias + top-k), T={num_tokens} <= {FUSED_MAX_TOKENS}"
+    if fused_applies(num_tokens, device, hidden, num_experts):
+        limit, source = fused_limit(device, hidden, num_experts)
+        fused = f"one Triton launch (GEMM + bias + top-k): T={num_tokens} <= {limit} ({source})"
+    elif device.type == "cuda":
+        limit, source = fused_limit(device, hidden, num_experts)
+        fused = f"router_gemm ({gemm.tier}) + routing kernel: T={num_tokens} > {limit} ({source})"
     else:
-        fused = f"router_gemm ({gemm.tier}) + route (T={num_tokens}, device {device.type})"
+        fused = f"router_gemm ({gemm.tier}) + route on {device.type}"
     return (f"router_gemm T={num_tokens} H={hidden} E={num_experts}: {gemm.tier} -- {gemm.reason}\n"
             f"fused_router: {fused}")

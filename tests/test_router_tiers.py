@@ -1,0 +1,58 @@
+"""The dispatch decision of the router: data lookups, explanations and launch-shape invariants."""
+
+import pytest
+import torch
+
+from moekit import router_tiers
+from moekit.router_tiers import kernel_config
+
+
+def test_cpu_calls_use_torch_and_say_why():
+    choice = router_tiers.choose_tier(16, 2880, 128, torch.device("cpu"))
+    assert choice.tier == "torch" and "cpu" in choice.reason
+    assert not router_tiers.fused_applies(1, torch.device("cpu"), 2880, 128)
+    text = router_tiers.explain(16, 2880, 128, "cpu")
+    assert "router_gemm T=16 H=2880 E=128: torch" in text and "fused_router" in text
+
+
+def test_measured_table_has_the_h200_and_defaults():
+    table = router_tiers._crossover_table()
+    assert set(table["default"]) == {"gemm_triton", "fused"}
+    h200 = table["gpus"]["NVIDIA H200"]
+    assert h200["gemm_triton"]["shapes"]["H2880_E128"] >= 1
+    assert "benchmarks/results/router.json" in h200["source"]
+
+
+def test_unmeasured_gpu_falls_back_to_default(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU")
+    limit, source = router_tiers.crossover_tokens(torch.device("cuda"), 2880, 128)
+    assert limit == router_tiers._crossover_table()["default"]["gemm_triton"] and "no measurement" in source
+
+
+def test_h200_lookup_by_shape_then_smallest(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    entry = router_tiers._crossover_table()["gpus"]["NVIDIA H200"]["gemm_triton"]
+    assert router_tiers.crossover_tokens(torch.device("cuda"), 2880, 128)[0] == entry["shapes"]["H2880_E128"]
+    limit, source = router_tiers.crossover_tokens(torch.device("cuda"), 1000, 7)
+    assert limit == entry["max_tokens"] == min(entry["shapes"].values()) and "smallest" in source
+
+
+def test_explicit_tier_is_honoured_or_refused():
+    assert router_tiers.choose_tier(4, 64, 8, torch.device("cpu"), "torch").reason == "requested explicitly"
+    with pytest.raises(ValueError, match="tier='cublas' needs a CUDA device"):
+        router_tiers.choose_tier(4, 64, 8, torch.device("cpu"), "cublas")
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("rank", [0, 16])
+def test_launch_shapes_respect_their_budgets(fuse, rank):
+    for T in (1, 2, 3, 7, 8, 9, 16, 17, 64, 128, 129, 1000):
+        for H, E in ((64, 8), (2880, 128), (7168, 256), (7168, 384), (2048, 13)):
+            c = kernel_config(T, H, E, rank, fuse)
+            e_pad = 1 << (E - 1).bit_length()
+            assert c.splits * c.k_per_split >= H > (c.splits - 1) * c.k_per_split   # K covered once
+            assert c.k_per_split % c.block_k == 0
+            assert c.block_t % c.fin_t == 0 and c.fin_t <= max(1, 1 << (T - 1).bit_length())
+            assert c.fin_t * e_pad <= (2048 if fuse else router_tiers._REGISTER_BUDGET) or c.fin_t == 1
+            assert c.s_chunk * c.fin_t * e_pad <= (4096 if fuse else router_tiers._REGISTER_BUDGET) or c.s_chunk == 1
+            assert (c.block_t < 16) == (T <= router_tiers.GEMV_MAX_TOKENS)   # GEMV only for 1-2 tokens
