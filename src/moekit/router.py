@@ -20,6 +20,7 @@ from .routing import FLOAT_DTYPES, RoutingOptions, route_with, validate_routing
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_LORA_RANK = 64
+_NO_ROUTING = RoutingOptions(top_k=1, method="softmax_topk")  # fills the routing constexprs of a GEMM-only launch
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,16 @@ def router_gemm(
             raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
     else:
         out2 = torch.empty(args.x.shape[0], num_experts, dtype=out_dtype, device=weight.device)
-    choice = router_tiers.choose_tier(args.x.shape[0], weight.shape[1], num_experts, weight.device, tier)
+    _gemm(args, out2, tier)
+    return out if out is not None else out2.view(out_shape)
+
+
+def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> None:
+    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks."""
+    num_experts, hidden = args.weight.shape
+    choice = router_tiers.choose_tier(args.x.shape[0], hidden, num_experts, args.weight.device, tier)
     if args.x.shape[0] > 0:
         _RUNNERS[choice.tier](args, out2)
-    return out if out is not None else out2.view(out_shape)
 
 
 def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
@@ -161,7 +168,7 @@ def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None
     a = lora.a if lora is not None else weight
     b = lora.b if lora is not None else weight
     if routing is None:
-        routing = RoutingOptions(top_k=1, method="softmax_topk")
+        routing = _NO_ROUTING
         topk_weights = topk_ids = x
     else:
         out2 = x
@@ -239,7 +246,8 @@ def fused_router(
     fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
         num_tokens, weight.device, weight.shape[1], weight.shape[0]))
     if not fused:
-        logits = router_gemm(args.x, weight, bias, lora=lora)
+        logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
+        _gemm(args, logits)
         return route_with(logits, opts, corr_bias)
     topk_weights = torch.empty(num_tokens, opts.top_k, dtype=torch.float32, device=weight.device)
     topk_ids = torch.empty(num_tokens, opts.top_k, dtype=torch.int32, device=weight.device)

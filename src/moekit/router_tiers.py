@@ -52,10 +52,14 @@ def _crossover_table() -> dict:
     return json.loads(text)
 
 
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def _measured(device: torch.device, hidden: int, num_experts: int, table: str) -> tuple[int, str]:
     """(token limit, where it comes from) from configs/router_tiers.json for this GPU and shape."""
     data = _crossover_table()
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu = _gpu_name(device)
     entry = data["gpus"].get(gpu)
     if entry is None or table not in entry:
         return data["default"][table], f"default (no measurement for {gpu!r})"
@@ -91,6 +95,7 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
     return TierChoice("cublas", f"T={num_tokens} > {limit}: cuBLAS with fp32 output ({source})")
 
 
+@functools.lru_cache(maxsize=4096)
 def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
                   num_sms: int = 132) -> RouterKernelConfig:
     """Heuristic launch shape: about two programs per SM, bounded registers and partial sums."""
