@@ -1,9 +1,14 @@
 """moekit: accurate, fast Mixture-of-Experts inference layers (PyTorch + Triton)."""
 
-from . import presets, reference
+from . import layouts, presets, reference
+from .experts import batched_experts, fused_experts
 from .presets import MoESpec
+from .router import GateLinear, RouterLoRA, fused_router, router_gemm
 from .routing import route
 
 __version__ = "0.1.0"
 
-__all__ = ["MoESpec", "presets", "reference", "route"]
+__all__ = [
+    "GateLinear", "MoESpec", "RouterLoRA", "batched_experts", "fused_experts", "fused_router", "layouts",
+    "presets", "reference", "route", "router_gemm",
+]

@@ -1,0 +1,180 @@
+"""Fused MoE experts: y = sum_j w_j * W2_e act(W13_e x + b13_e) + b2_e, in the standard and the
+batched (masked) activation format.
+
+This module holds the public API, its validation and the ``out=`` contract. The torch
+implementation serves every device today (fp32 accumulation, no host synchronization on CUDA);
+the Triton kernels (issue 3) plug in behind the same functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_out, check_shape, check_tensor
+from .presets import ACTIVATIONS
+
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_tensor("w13", w13, ndim=3, dtypes=WEIGHT_DTYPES, device=x.device)
+    E, two_i, H = w13.shape
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"w13 must be [E, 2I, H] with 2I even and > 0, got {tuple(w13.shape)}")
+    if x.shape[-1] != H:
+        raise ValueError(f"x must have hidden size H={H} (from w13 [E, 2I, H]) in its last dim, got {tuple(x.shape)}")
+    check_tensor("w2", w2, ndim=3, dtypes=(w13.dtype,), device=x.device)
+    check_shape("w2", w2, (E, H, two_i // 2))
+    if x.dtype != w13.dtype:
+        raise TypeError(f"x must have the weights' dtype {w13.dtype}, got {x.dtype}")
+    if w13_bias is not None:
+        check_tensor("w13_bias", w13_bias, ndim=2, device=x.device)
+        check_shape("w13_bias", w13_bias, (E, two_i))
+    if w2_bias is not None:
+        check_tensor("w2_bias", w2_bias, ndim=2, device=x.device)
+        check_shape("w2_bias", w2_bias, (E, H))
+    return E, two_i // 2, H
+
+
+def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """fp32 [.., 2I] -> [.., I] (layouts: [gate; up] for silu_and_mul, interleaved for swiglu_oai)."""
+    if activation == "silu_and_mul":
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    gate = h[..., 0::2].clamp(max=SWIGLU_LIMIT)
+    up = h[..., 1::2].clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
+
+
+def _mlp(x32, w13_e, w2_e, activation, b13_e, b2_e):
+    h = x32 @ w13_e.float().T
+    if b13_e is not None:
+        h = h + b13_e.float()
+    y = _activate(h, activation) @ w2_e.float().T
+    return y if b2_e is None else y + b2_e.float()
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu_and_mul",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Standard format: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+
+    Args:
+        x: [T, H] bf16/fp16/fp32, any strides.
+        w13: [E, 2I, H] (K contiguous): rows [gate; up] for silu_and_mul, interleaved for swiglu_oai.
+        w2: [E, H, I], same dtype.
+        topk_weights: [T, k] float32; topk_ids: [T, k] int32 (global expert ids).
+        activation: ``"silu_and_mul"`` or ``"swiglu_oai"``.
+        w13_bias: [E, 2I]; w2_bias: [E, H] (any float dtype; added in fp32).
+        expert_map: int32 [E_global]: global id -> local weight index, -1 = not on this rank
+            (contributes zero). Without it, ids index w13/w2 directly.
+        out: optional [T, H] tensor of x's dtype, contiguous; written in place and returned.
+
+    Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
+    bounds. Contributions are summed in fp32 in a fixed order: results are deterministic. This
+    torch implementation runs every expert on every token (static shapes, no host sync): it is
+    meant for CPUs and small shapes; on GPUs the Triton path (issue 3) replaces it.
+
+    Returns:
+        [T, H] in x's dtype.
+    """
+    check_tensor("x", x, ndim=2, dtypes=WEIGHT_DTYPES)
+    E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=x.device)
+    check_shape("topk_ids", topk_ids, (x.shape[0], topk_weights.shape[1]))
+    check_shape("topk_weights", topk_weights, (x.shape[0], topk_ids.shape[1]))
+    num_global = E
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
+        num_global = expert_map.shape[0]
+    if out is not None:
+        check_out("out", out, tuple(x.shape), x.dtype, x.device,
+                  {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < num_global)
+    local = ids.clamp(0, num_global - 1)
+    if expert_map is not None:
+        local = expert_map.long()[local]
+        valid &= (local >= 0) & (local < E)
+    local = torch.where(valid, local, 0)
+    weights = torch.where(valid, topk_weights, 0.0)
+    acc = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device)
+    x32 = x.float()
+    # A dense pass per expert keeps shapes static (no host sync, graph-capturable); the Triton path
+    # replaces it with token-aligned grouped GEMMs.
+    for e in range(E):
+        y = _mlp(x32, w13[e], w2[e], activation,
+                 None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
+        coeff = (weights * (local == e)).sum(dim=1)  # fixed slot order
+        acc += coeff[:, None] * y
+    result = acc.to(x.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def batched_experts(
+    x: torch.Tensor,
+    expert_num_tokens: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: str = "silu_and_mul",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Batched (masked) format: out[e, m] = expert_e(x[e, m]) for m < expert_num_tokens[e].
+
+    Args:
+        x: [E, M, H]; rows at or past expert_num_tokens[e] are padding and may hold anything,
+            NaN included: they never influence valid rows.
+        expert_num_tokens: int32 [E] (values above M are treated as M).
+        w13, w2, activation, biases: as :func:`fused_experts` (no router weights here: they are
+            applied when combining back to tokens, see :func:`moekit.layouts.combine_batched`).
+        out: optional [E, M, H] contiguous tensor of x's dtype, written in place and returned.
+
+    Returns:
+        [E, M, H] in x's dtype. Padding rows of the output hold zeros in this implementation;
+        callers must not rely on them (kernels may leave them unwritten).
+    """
+    check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
+    E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
+    if x.shape[0] != E:
+        raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
+    check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
+    check_shape("expert_num_tokens", expert_num_tokens, (E,))
+    if out is not None:
+        check_out("out", out, tuple(x.shape), x.dtype, x.device, {"x": x, "w13": w13, "w2": w2})
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    M = x.shape[1]
+    valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.long()[:, None]  # [E, M]
+    # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
+    # them first keeps NaN padding out of the arithmetic altogether.
+    x32 = torch.where(valid[..., None], x.float(), 0.0)
+    ys = [_mlp(x32[e], w13[e], w2[e], activation,
+               None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
+          for e in range(E)]
+    result = torch.where(valid[..., None], torch.stack(ys), 0.0).to(x.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

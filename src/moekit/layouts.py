@@ -1,0 +1,120 @@
+"""Explicit, tested conversions between the expert weight layouts engines use, and between the
+standard ([T, H] + top-k) and batched ([E, M, H] per expert) activation formats.
+
+moekit's layout: w13 [E, 2I, H] and w2 [E, H, I], K (the reduction axis) contiguous.
+  * silu_and_mul: w13 rows are [gate; up] (first I rows gate).
+  * swiglu_oai (gpt-oss): w13 rows are interleaved (row 2j gate j, row 2j+1 up j).
+Other layouts: [up; gate] (FlashInfer CUTLASS), and Hugging Face transformers' transposed
+gate_up_proj [E, H, 2I] / down_proj [E, I, H].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_tensor
+
+
+def _check_w13(w13: torch.Tensor) -> None:
+    check_tensor("w13", w13, ndim=3)
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13 must have an even number of rows (2I), got shape {tuple(w13.shape)}")
+
+
+def swap_halves(w13: torch.Tensor) -> torch.Tensor:
+    """[gate; up] <-> [up; gate] along dim 1 (also for biases [E, 2I] via ``swap_bias_halves``)."""
+    _check_w13(w13)
+    first, second = w13.chunk(2, dim=1)
+    return torch.cat([second, first], dim=1)
+
+
+def interleave(w13: torch.Tensor) -> torch.Tensor:
+    """[gate; up] (concatenated) -> interleaved (row 2j gate j, row 2j+1 up j), along dim 1."""
+    _check_w13(w13)
+    gate, up = w13.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+def deinterleave(w13: torch.Tensor) -> torch.Tensor:
+    """Interleaved -> [gate; up] (concatenated), along dim 1."""
+    _check_w13(w13)
+    return torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1)
+
+
+def swap_bias_halves(b13: torch.Tensor) -> torch.Tensor:
+    return swap_halves(b13.unsqueeze(-1)).squeeze(-1)
+
+
+def interleave_bias(b13: torch.Tensor) -> torch.Tensor:
+    return interleave(b13.unsqueeze(-1)).squeeze(-1)
+
+
+def deinterleave_bias(b13: torch.Tensor) -> torch.Tensor:
+    return deinterleave(b13.unsqueeze(-1)).squeeze(-1)
+
+
+def from_hf(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face transformers' [E, H, 2I] / [E, I, H] (x @ W) -> moekit's [E, 2I, H] / [E, H, I].
+
+    The column order of gate_up_proj is kept (interleaved stays interleaved); contiguous copies.
+    """
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3)
+    check_tensor("down_proj", down_proj, ndim=3)
+    E, H, two_i = gate_up_proj.shape
+    if down_proj.shape != (E, two_i // 2, H):
+        raise ValueError(f"down_proj must have shape ({E}, {two_i // 2}, {H}) for gate_up_proj "
+                         f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}")
+    return gate_up_proj.transpose(1, 2).contiguous(), down_proj.transpose(1, 2).contiguous()
+
+
+def to_hf(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """moekit's [E, 2I, H] / [E, H, I] -> Hugging Face transformers' [E, H, 2I] / [E, I, H]."""
+    _check_w13(w13)
+    check_tensor("w2", w2, ndim=3)
+    return w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------- activation formats
+def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_tokens: int):
+    """Standard -> batched format, without host synchronization.
+
+    Args:
+        x: [T, H]; topk_ids: [T, k] int (ids outside [0, E) are dropped).
+        num_experts: E; max_tokens: M, the per-expert capacity.
+
+    Returns:
+        (xb [E, M, H] with x's dtype, expert_num_tokens int32 [E], slot [T, k] int64): ``slot`` is the
+        flat row ``e * M + m`` each (token, choice) went to, or -1 if dropped (bad id or expert full).
+        Pairs keep token order within an expert. Padding rows of ``xb`` are zero.
+    """
+    check_tensor("x", x, ndim=2)
+    check_tensor("topk_ids", topk_ids, ndim=2, device=x.device)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must have {x.shape[0]} rows (x's tokens), got {topk_ids.shape[0]}")
+    T, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).long()
+    valid = (ids >= 0) & (ids < num_experts)
+    onehot = torch.nn.functional.one_hot(torch.where(valid, ids, 0), num_experts) * valid[:, None]
+    rank = torch.cumsum(onehot, dim=0).gather(1, torch.where(valid, ids, 0)[:, None])[:, 0] - 1
+    keep = valid & (rank < max_tokens)
+    slot = torch.where(keep, torch.where(valid, ids, 0) * max_tokens + rank, -1)
+    counts = onehot.sum(dim=0).clamp(max=max_tokens).to(torch.int32)
+    xb = torch.zeros(num_experts * max_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+    rows = torch.arange(T, device=x.device).repeat_interleave(k)
+    xb.index_copy_(0, slot[keep], x[rows[keep]])
+    return xb.view(num_experts, max_tokens, -1), counts, slot.view(T, k)
+
+
+def combine_batched(yb: torch.Tensor, slot: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Batched outputs -> [T, H]: out[t] = sum_j w[t, j] * yb[slot[t, j]], in a fixed order, fp32 sum.
+
+    Dropped pairs (slot -1) contribute zero. Output dtype is yb's.
+    """
+    check_tensor("yb", yb, ndim=3)
+    check_tensor("slot", slot, ndim=2, device=yb.device)
+    if topk_weights.shape != slot.shape:
+        raise ValueError(f"topk_weights must have shape {tuple(slot.shape)}, got {tuple(topk_weights.shape)}")
+    flat = yb.reshape(-1, yb.shape[-1])
+    gathered = flat[slot.clamp(min=0)].float()                      # [T, k, H]
+    w = torch.where(slot >= 0, topk_weights.float(), 0.0)
+    return (gathered * w[..., None]).sum(dim=1).to(yb.dtype)

@@ -1,0 +1,71 @@
+"""Layout converters: exact round trips, and the formats the engines use."""
+
+import pytest
+import torch
+
+from moekit import layouts, reference
+
+
+def test_interleave_round_trip_and_meaning():
+    w13 = torch.randn(3, 10, 4)
+    inter = layouts.interleave(w13)
+    assert torch.equal(inter[:, 0::2], w13[:, :5]) and torch.equal(inter[:, 1::2], w13[:, 5:])
+    assert torch.equal(layouts.deinterleave(inter), w13)
+    b = torch.randn(3, 10)
+    assert torch.equal(layouts.deinterleave_bias(layouts.interleave_bias(b)), b)
+
+
+def test_swap_halves_is_an_involution():
+    w13 = torch.randn(2, 6, 5)
+    swapped = layouts.swap_halves(w13)
+    assert torch.equal(swapped[:, :3], w13[:, 3:]) and torch.equal(layouts.swap_halves(swapped), w13)
+    assert torch.equal(layouts.swap_bias_halves(layouts.swap_bias_halves(w13[..., 0])), w13[..., 0])
+
+
+def test_activations_agree_across_layouts():
+    # The same expert, stored [gate; up] for silu and interleaved for gpt-oss's swiglu.
+    h = torch.randn(7, 12, dtype=torch.float64)
+    inter = layouts.interleave(h.T.unsqueeze(0)).squeeze(0).T
+    g, u = h.chunk(2, dim=-1)
+    torch.testing.assert_close(reference.swiglu_oai(inter), reference.swiglu_oai(torch.stack([g, u], -1).flatten(-2)))
+
+
+def test_hf_round_trip():
+    gate_up, down = torch.randn(4, 6, 10), torch.randn(4, 5, 6)   # [E, H, 2I], [E, I, H]
+    w13, w2 = layouts.from_hf(gate_up, down)
+    assert w13.shape == (4, 10, 6) and w2.shape == (4, 6, 5) and w13.is_contiguous()
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(x @ gate_up[1], x @ w13[1].T)     # HF computes x @ W
+    back = layouts.to_hf(w13, w2)
+    assert torch.equal(back[0], gate_up) and torch.equal(back[1], down)
+    with pytest.raises(ValueError, match=r"down_proj must have shape \(4, 5, 6\)"):
+        layouts.from_hf(gate_up, down[:, :4])
+
+
+@pytest.mark.parametrize("T,E,k,M,why", [
+    (0, 4, 2, 3, "no tokens"),
+    (9, 5, 2, 9, "capacity never reached"),
+    (9, 3, 3, 4, "capacity overflows: extra pairs dropped"),
+    (7, 7, 6, 7, "k=6, prime E"),
+])
+def test_pack_combine_matches_standard_format(T, E, k, M, why):
+    x = torch.randn(T, 8)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.empty(0, k, dtype=torch.int32)
+    w = torch.rand(T, k)
+    xb, counts, slot = layouts.pack_batched(x, ids, E, M)
+    assert xb.shape == (E, M, 8) and counts.dtype == torch.int32
+    kept = slot >= 0
+    assert torch.equal(counts.long(), torch.bincount(ids.long()[kept], minlength=E)) if T else counts.sum() == 0
+    for t, j in zip(*torch.nonzero(kept, as_tuple=True)):
+        assert torch.equal(xb.view(-1, 8)[slot[t, j]], x[t])
+    # With an identity "expert", combining returns the weighted sum over kept slots.
+    got = layouts.combine_batched(xb, slot, w)
+    expect = (x[:, None, :] * (w * kept)[..., None]).sum(1)
+    torch.testing.assert_close(got, expect)
+
+
+def test_pack_drops_invalid_ids():
+    x = torch.randn(3, 4)
+    ids = torch.tensor([[0, 7], [-1, 1], [1, 1]], dtype=torch.int32)
+    _, counts, slot = layouts.pack_batched(x, ids, 2, 4)
+    assert slot[0, 1] == -1 and slot[1, 0] == -1 and counts.tolist() == [1, 3]
