@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import pytest
 import torch
@@ -19,5 +20,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    # Fresh but reproducible random data per test: seeded from the test's own id.
-    torch.manual_seed(hash(request.node.nodeid) % (2**31))
+    # Fresh random data per test, reproducible from run to run (crc32, unlike hash(), is not salted
+    # per process): a failure seen once can be replayed.
+    # MOEKIT_TEST_SEED=N draws other data everywhere (hunting rare failures; replay with the same N).
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
