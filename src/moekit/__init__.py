@@ -2,6 +2,7 @@
 
 from . import layouts, presets, reference
 from .experts import batched_experts, fused_experts
+from .layer import FusedMoE
 from .presets import MoESpec
 from .router import GateLinear, RouterLoRA, fused_router, router_gemm
 from .routing import route
@@ -9,6 +10,6 @@ from .routing import route
 __version__ = "0.1.0"
 
 __all__ = [
-    "GateLinear", "MoESpec", "RouterLoRA", "batched_experts", "fused_experts", "fused_router", "layouts",
+    "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "batched_experts", "fused_experts", "fused_router", "layouts",
     "presets", "reference", "route", "router_gemm",
 ]

@@ -1,0 +1,109 @@
+"""FusedMoE: the whole MoE layer as a module (router + routing + experts [+ shared expert])."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import presets as _presets
+from ._checks import check_shape, check_tensor
+from .experts import fused_experts
+from .presets import MoESpec
+from .router import GateLinear, fused_router
+
+
+class FusedMoE(nn.Module):
+    """One MoE layer of a :class:`moekit.presets.MoESpec`.
+
+    Parameters (moekit layouts, see :mod:`moekit.layouts`): ``gate`` (a :class:`GateLinear`,
+    weight [E, H]), ``w13`` [E, 2I, H], ``w2`` [E, H, I], optional ``w13_bias`` [E, 2I] and
+    ``w2_bias`` [E, H] (gpt-oss), ``correction_bias`` [E] fp32 (sigmoid_grouped), and for a
+    shared expert ``shared_w13`` [2 * I * n_shared, H], ``shared_w2`` [H, I * n_shared].
+    ``expert_map`` (int32 [E_global], buffer) is None unless experts are split over ranks.
+
+    ``forward(x [..., H]) -> [..., H]`` in the parameters' dtype.
+    """
+
+    def __init__(self, spec: MoESpec, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not isinstance(spec, MoESpec):
+            raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
+        self.spec = spec
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        factory = dict(dtype=dtype, device=device)
+        self.gate = GateLinear(H, E, bias=spec.router_bias, params_dtype=dtype, device=device)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **factory))
+        self.w2 = nn.Parameter(torch.empty(E, H, I, **factory))
+        self.w13_bias = nn.Parameter(torch.empty(E, 2 * I, **factory)) if spec.expert_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(E, H, **factory)) if spec.expert_bias else None
+        self.correction_bias = (nn.Parameter(torch.empty(E, dtype=torch.float32, device=device))
+                                if spec.correction_bias else None)
+        shared = I * spec.num_shared_experts
+        self.shared_w13 = nn.Parameter(torch.empty(2 * shared, H, **factory)) if shared else None
+        self.shared_w2 = nn.Parameter(torch.empty(H, shared, **factory)) if shared else None
+        self.register_buffer("expert_map", None)
+        self.reset_parameters()
+
+    @classmethod
+    def from_preset(cls, name: str, *, dtype: torch.dtype = torch.bfloat16,
+                    device: torch.device | str | None = None, scaled: bool = False) -> "FusedMoE":
+        """A layer with the preset's shapes (``scaled=True``: :meth:`MoESpec.scaled`), random weights."""
+        spec = _presets.get(name)
+        return cls(spec.scaled() if scaled else spec, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random weights with unit-scale activations (benchmarks, tests); real use loads weights."""
+        H, I = self.spec.hidden_size, self.spec.intermediate_size
+        self.gate.reset_parameters()
+        nn.init.normal_(self.w13, std=H ** -0.5)
+        nn.init.normal_(self.w2, std=I ** -0.5)
+        for p in (self.w13_bias, self.w2_bias):
+            if p is not None:
+                nn.init.normal_(p, std=0.02)
+        if self.correction_bias is not None:
+            nn.init.uniform_(self.correction_bias, 0.0, 0.1)
+        if self.shared_w13 is not None:
+            nn.init.normal_(self.shared_w13, std=H ** -0.5)
+            nn.init.normal_(self.shared_w2, std=self.shared_w2.shape[1] ** -0.5)
+
+    @torch.no_grad()
+    def load_weights(self, **tensors: torch.Tensor) -> None:
+        """Copy tensors into parameters by name (``gate_weight``, ``gate_bias``, ``w13``, ``w2``,
+        ``w13_bias``, ``w2_bias``, ``correction_bias``, ``shared_w13``, ``shared_w2``), checking
+        each shape first; dtypes are converted to the parameter's."""
+        targets = {"gate_weight": self.gate.weight, "gate_bias": self.gate.bias}
+        targets.update({name: getattr(self, name) for name in
+                        ("w13", "w2", "w13_bias", "w2_bias", "correction_bias", "shared_w13", "shared_w2")})
+        for name, value in tensors.items():
+            if name not in targets:
+                raise ValueError(f"unknown weight {name!r}; expected one of {sorted(targets)}")
+            target = targets[name]
+            if target is None:
+                raise ValueError(f"{name} is not a parameter of a {self.spec.name} layer")
+            check_tensor(name, value)
+            check_shape(name, value, tuple(target.shape))
+        for name, value in tensors.items():
+            targets[name].copy_(value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        x2 = x.reshape(-1, spec.hidden_size)
+        kwargs = spec.routing_kwargs()
+        if self.correction_bias is not None:
+            kwargs["correction_bias"] = self.correction_bias
+        weights, ids = fused_router(x2, self.gate.weight, self.gate.bias, top_k=spec.top_k,
+                                    method=spec.routing, lora=self.gate.lora, **kwargs)
+        out = fused_experts(x2, self.w13, self.w2, weights, ids, activation=spec.activation,
+                            w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map)
+        if self.shared_w13 is not None:
+            gate, up = F.linear(x2, self.shared_w13).float().chunk(2, dim=-1)
+            out = out + F.linear((F.silu(gate) * up).to(x2.dtype), self.shared_w2)
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"{s.name}: H={s.hidden_size}, I={s.intermediate_size}, E={s.num_experts}, k={s.top_k}, "
+                f"routing={s.routing}, activation={s.activation}, shared={s.num_shared_experts}")
