@@ -94,11 +94,15 @@ def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_
     T, k = topk_ids.shape
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
-    onehot = torch.nn.functional.one_hot(torch.where(valid, ids, 0), num_experts) * valid[:, None]
-    rank = torch.cumsum(onehot, dim=0).gather(1, torch.where(valid, ids, 0)[:, None])[:, 0] - 1
+    key = torch.where(valid, ids, num_experts)               # invalid ids sort last, into a spare bin
+    order = torch.sort(key, stable=True).indices             # stable: token order within an expert
+    per_bin = torch.zeros(num_experts + 1, dtype=torch.long, device=x.device).scatter_add_(
+        0, key, torch.ones_like(key))                        # scatter_add, not bincount: no host sync
+    starts = torch.cumsum(per_bin, 0) - per_bin
+    rank = torch.empty_like(key).scatter_(0, order, torch.arange(key.numel(), device=x.device) - starts[key[order]])
     keep = valid & (rank < max_tokens)
-    slot = torch.where(keep, torch.where(valid, ids, 0) * max_tokens + rank, -1)
-    counts = onehot.sum(dim=0).clamp(max=max_tokens).to(torch.int32)
+    slot = torch.where(keep, key * max_tokens + rank, -1)
+    counts = per_bin[:num_experts].clamp(max=max_tokens).to(torch.int32)
     xb = torch.zeros(num_experts * max_tokens, x.shape[1], dtype=x.dtype, device=x.device)
     rows = torch.arange(T, device=x.device).repeat_interleave(k)
     xb.index_copy_(0, slot[keep], x[rows[keep]])
