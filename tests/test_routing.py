@@ -44,10 +44,14 @@ def test_route_matches_reference(impl, method, kwargs, E, k, why):
         _check(torch.randn(T, E), k, method, kwargs, impl, _corr_bias(method, E))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # GPU max() treats NaN unlike numpy's
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("method,kwargs,E,k,why", CASES)
-def test_route_on_nan_inf_and_ties(impl, method, kwargs, E, k, why):
-    logits = torch.randn(12, E)
+def test_route_on_nan_inf_and_ties(device, impl, method, kwargs, E, k, why):
+    logits = torch.randn(12, E, device=device)
     logits[0, 1] = float("nan")            # one NaN expert: never preferred
     logits[1] = float("nan")               # all NaN: ids still in [0, E)
     logits[2, 0] = float("inf")
@@ -55,8 +59,8 @@ def test_route_on_nan_inf_and_ties(impl, method, kwargs, E, k, why):
     logits[4] = 0.5                        # all tied: lowest ids win
     logits[5, ::2] = logits[5, 1]          # partial ties
     logits[6, -1] = float("-inf")
-    _check(logits, k, method, kwargs, impl, _corr_bias(method, E))
-    w, ids = moekit.route(logits, k, method, correction_bias=_corr_bias(method, E), impl=impl, **kwargs)
+    _check(logits, k, method, kwargs, impl, _corr_bias(method, E, device))
+    w, ids = moekit.route(logits, k, method, correction_bias=_corr_bias(method, E, device), impl=impl, **kwargs)
     assert ids.min() >= 0 and ids.max() < E
 
 
