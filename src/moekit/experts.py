@@ -57,6 +57,22 @@ def _mlp(x32, w13_e, w2_e, activation, b13_e, b2_e):
     return y if b2_e is None else y + b2_e.float()
 
 
+def _check_out(out, x, inputs) -> None:
+    """``out=`` must be x's shape, dtype and device, contiguous, and must not alias any input."""
+    if out is not None:
+        check_out("out", out, tuple(x.shape), x.dtype, x.device, inputs)
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+
+
+def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Write into the caller's tensor itself (never a rebound view) and return it."""
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -101,11 +117,7 @@ def fused_experts(
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
         num_global = expert_map.shape[0]
-    if out is not None:
-        check_out("out", out, tuple(x.shape), x.dtype, x.device,
-                  {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    _check_out(out, x, {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < num_global)
     local = ids.clamp(0, num_global - 1)
@@ -123,11 +135,7 @@ def fused_experts(
                  None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
         coeff = (weights * (local == e)).sum(dim=1)  # fixed slot order
         acc += coeff[:, None] * y
-    result = acc.to(x.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    return _deliver(acc.to(x.dtype), out)
 
 
 def batched_experts(
@@ -161,10 +169,7 @@ def batched_experts(
         raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
-    if out is not None:
-        check_out("out", out, tuple(x.shape), x.dtype, x.device, {"x": x, "w13": w13, "w2": w2})
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    _check_out(out, x, {"x": x, "w13": w13, "w2": w2})
     M = x.shape[1]
     valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.long()[:, None]  # [E, M]
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
@@ -173,8 +178,4 @@ def batched_experts(
     ys = [_mlp(x32[e], w13[e], w2[e], activation,
                None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
           for e in range(E)]
-    result = torch.where(valid[..., None], torch.stack(ys), 0.0).to(x.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    return _deliver(torch.where(valid[..., None], torch.stack(ys), 0.0).to(x.dtype), out)
