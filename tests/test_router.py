@@ -178,6 +178,9 @@ def test_bad_input_is_named():
     _bad(lambda: fused_router(x, w, top_k=2, method="sigmoid_grouped", num_groups=3), ValueError, "num_groups must divide")
     _bad(lambda: fused_router(x, w, top_k=2, method="softmax_topk", impl="magic"), ValueError, "impl must be")
     _bad(lambda: GateLinear(64, 0), ValueError, "num_experts")
+    big = torch.randn(129, 64, dtype=torch.float16)
+    _bad(lambda: fused_router(big, w, top_k=2, method="softmax_topk", impl="fused"), ValueError,
+         "impl='fused' serves at most 128 tokens, got T=129")
 
 
 def test_out_aliasing_an_input_is_refused():
