@@ -12,9 +12,9 @@ import torch
 
 from ._checks import check_out, check_shape, check_tensor
 from .presets import ACTIVATIONS
+from .reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
@@ -49,12 +49,13 @@ def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
 
 
-def _mlp(x32, w13_e, w2_e, activation, b13_e, b2_e):
-    h = x32 @ w13_e.float().T
-    if b13_e is not None:
-        h = h + b13_e.float()
-    y = _activate(h, activation) @ w2_e.float().T
-    return y if b2_e is None else y + b2_e.float()
+def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias):
+    """Expert ``e`` of stacked weights (and optional stacked biases) on fp32 rows, in fp32."""
+    h = x32 @ w13[e].float().T
+    if w13_bias is not None:
+        h = h + w13_bias[e].float()
+    y = _activate(h, activation) @ w2[e].float().T
+    return y if w2_bias is None else y + w2_bias[e].float()
 
 
 def _check_out(out, x, inputs) -> None:
@@ -131,10 +132,9 @@ def fused_experts(
     # A dense pass per expert keeps shapes static (no host sync, graph-capturable); the Triton path
     # replaces it with token-aligned grouped GEMMs.
     for e in range(E):
-        y = _mlp(x32, w13[e], w2[e], activation,
-                 None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
-        coeff = (weights * (local == e)).sum(dim=1)  # fixed slot order
-        acc += coeff[:, None] * y
+        y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias)
+        coeff = (weights * (local == e)).sum(dim=1)
+        acc += coeff[:, None] * y  # experts in a fixed order: deterministic
     return _deliver(acc.to(x.dtype), out)
 
 
@@ -175,7 +175,5 @@ def batched_experts(
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
     # them first keeps NaN padding out of the arithmetic altogether.
     x32 = torch.where(valid[..., None], x.float(), 0.0)
-    ys = [_mlp(x32[e], w13[e], w2[e], activation,
-               None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
-          for e in range(E)]
+    ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias) for e in range(E)]
     return _deliver(torch.where(valid[..., None], torch.stack(ys), 0.0).to(x.dtype), out)

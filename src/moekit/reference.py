@@ -131,7 +131,10 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def swiglu_oai(h: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+def swiglu_oai(h: torch.Tensor, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """gpt-oss activation. h[..., 2I] interleaved (gate j at 2j, up j at 2j+1), float64."""
     h = h.to(F64)
     gate = h[..., 0::2].clamp(max=limit)
