@@ -113,7 +113,7 @@ def main() -> int:
 
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
-    _triton.can_launch = lambda t: True  # CPU tensors stand in for CUDA ones
+    _triton.can_launch = lambda device: True  # CPU tensors stand in for CUDA ones
     failures = 0
     rows = []
     only = sys.argv[1:]

@@ -22,11 +22,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def can_launch(t: torch.Tensor) -> bool:
-    """A Triton kernel can run on ``t``'s device: CUDA, or the CPU under the interpreter."""
+def can_launch(device: torch.device) -> bool:
+    """A Triton kernel can run on ``device``: CUDA, or the CPU under the interpreter."""
     if not triton_importable():
         return False
-    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}

@@ -239,7 +239,7 @@ def fused_router(
     corr_bias = None if corr_bias is None else corr_bias.contiguous()
     if impl not in ("auto", "fused", "unfused"):
         raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', got {impl!r}")
-    if impl == "fused" and not _triton.can_launch(weight):
+    if impl == "fused" and not _triton.can_launch(weight.device):
         raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
     if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
         raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")

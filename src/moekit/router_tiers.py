@@ -82,7 +82,7 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
     if tier != "auto":
         if tier == "cublas" and device.type != "cuda":
             raise ValueError(f"tier='cublas' needs a CUDA device, got {device}")
-        if tier == "triton" and not _triton.can_launch(torch.empty(0, device=device)):
+        if tier == "triton" and not _triton.can_launch(device):
             raise ValueError(f"tier='triton' needs a CUDA device or TRITON_INTERPRET=1, got {device}")
         return TierChoice(tier, "requested explicitly")
     if device.type != "cuda":

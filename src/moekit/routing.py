@@ -129,8 +129,8 @@ def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str 
     """:func:`route` on already validated arguments (used by the router)."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    use_triton = impl == "triton" or (impl == "auto" and logits.is_cuda and _triton.can_launch(logits))
-    if use_triton and not _triton.can_launch(logits):
+    use_triton = impl == "triton" or (impl == "auto" and logits.is_cuda and _triton.can_launch(logits.device))
+    if use_triton and not _triton.can_launch(logits.device):
         raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
     if use_triton:
         return _route_triton(logits, opts, None if correction_bias is None else correction_bias.contiguous())

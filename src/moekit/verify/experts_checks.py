@@ -9,17 +9,10 @@ from .. import presets, reference
 from ..experts import batched_experts, fused_experts
 from ..layer import FusedMoE
 from ..routing import route
-from .metrics import Tolerance, rel_errors
-from .router_checks import CheckResult
+from .metrics import Tolerance
+from .router_checks import CheckResult, score_values
 
 TOL = {torch.float32: Tolerance(1e-4, 1e-5), torch.float16: Tolerance(2e-2, 5e-3), torch.bfloat16: Tolerance(2e-2, 5e-3)}
-
-
-def _scored(r: CheckResult, got, ref, tol: Tolerance, written_in_place: bool = True) -> CheckResult:
-    r.max_rel, r.rms_rel = rel_errors(got, ref)
-    r.ok = written_in_place and r.max_rel <= tol.max_rel and r.rms_rel <= tol.rms_rel
-    r.detail = "" if written_in_place else "out= not written in place"
-    return r
 
 
 def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device) -> list[CheckResult]:
@@ -32,12 +25,12 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
                if spec.expert_bias else (None, None))
     x = torch.randn(num_tokens, H + 3, device=device).to(dtype)[:, 3:]          # strided
     tw, tid = route(torch.randn(num_tokens, E, device=device), spec.top_k, spec.routing,
-                    **{k: v for k, v in spec.routing_kwargs().items()})
+                    **spec.routing_kwargs())
     results = []
     out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
     got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out)
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2)
-    results.append(_scored(CheckResult("fused_experts", "torch", spec.name, num_tokens), got, ref, tol, got is out))
+    results.append(score_values(CheckResult("fused_experts", "torch", spec.name, num_tokens), got, ref, tol, got is out))
 
     M = max(1, num_tokens)
     xb = torch.randn(E, M, H, device=device).to(dtype)
@@ -48,7 +41,7 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     out = torch.full_like(xb, float("nan"))
     got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out)
     ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2)
-    results.append(_scored(CheckResult("batched_experts", "torch", spec.name, num_tokens), got[valid], ref[valid],
+    results.append(score_values(CheckResult("batched_experts", "torch", spec.name, num_tokens), got[valid], ref[valid],
                            tol, got is out))
 
     layer = FusedMoE(spec, dtype=dtype, device=device)
@@ -59,6 +52,6 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
                               correction_bias=layer.correction_bias, w13_bias=layer.w13_bias,
                               w2_bias=layer.w2_bias, shared_w13=layer.shared_w13, shared_w2=layer.shared_w2)
     # bf16/fp16 layers may route a near-tied token differently from float64; the budget is an RMS one.
-    results.append(_scored(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
+    results.append(score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
                            Tolerance(float("inf"), tol.rms_rel * 2) if dtype != torch.float32 else tol))
     return results

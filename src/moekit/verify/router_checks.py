@@ -34,7 +34,7 @@ class CheckResult:
 
 def implementations(device: torch.device) -> dict[str, list[str]]:
     """What can serve each op here: the CPU has torch paths, plus kernels when Triton can run."""
-    kernels = _triton.can_launch(torch.empty(0, device=device))
+    kernels = _triton.can_launch(device)
     gemm = ["torch"] + (["triton"] if kernels else []) + (["cublas"] if device.type == "cuda" else [])
     return {
         "route": ["torch"] + (["triton"] if kernels else []),
@@ -67,30 +67,33 @@ def check_router(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, dev
         r = CheckResult("router_gemm", tier, spec.name, num_tokens)
         out = torch.full((num_tokens, spec.num_experts), float("nan"), device=device)
         got = router_gemm(x, w, b, out=out, tier=tier)
-        r.max_rel, r.rms_rel = rel_errors(got, logits64)
-        r.ok = got is out and r.max_rel <= LOGITS_TOL.max_rel and r.rms_rel <= LOGITS_TOL.rms_rel
-        r.detail = "" if got is out else "out= not written in place"
-        results.append(r)
+        results.append(score_values(r, got, logits64, LOGITS_TOL, got is out))
+    # route() sees the fp32 logits a router produces; its reference routes those same values.
+    logits32 = logits64.float()
+    ref32_w, ref32_ids = reference.route(logits32, spec.top_k, spec.routing, **kwargs)
     for impl in impls["route"]:
-        r = CheckResult("route", impl, spec.name, num_tokens)
-        tw, tid = route(logits64.float(), spec.top_k, spec.routing, impl=impl, **kwargs)
-        _score_routes(r, tw, tid, logits64.float(), spec, kwargs, separable)
-        results.append(r)
+        tw, tid = route(logits32, spec.top_k, spec.routing, impl=impl, **kwargs)
+        results.append(_score_routes(CheckResult("route", impl, spec.name, num_tokens), tw, tid,
+                                     ref32_w, ref32_ids, separable, spec))
     for impl in impls["fused_router"]:
-        r = CheckResult("fused_router", impl, spec.name, num_tokens)
         tw, tid = fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, impl=impl, **kwargs)
-        r.agree, werr = routes_agree(tw, tid, ref_w, ref_ids, separable)
-        r.max_rel = werr
-        r.ok = r.agree == 1.0 and werr <= WEIGHT_TOL and _ids_valid(tid, spec)
-        results.append(r)
+        results.append(_score_routes(CheckResult("fused_router", impl, spec.name, num_tokens), tw, tid,
+                                     ref_w, ref_ids, separable, spec))
     return results
 
 
-def _score_routes(r: CheckResult, tw, tid, logits, spec, kwargs, separable) -> None:
-    ref_w, ref_ids = reference.route(logits, spec.top_k, spec.routing, **kwargs)
-    r.agree, werr = routes_agree(tw, tid, ref_w, ref_ids, separable)
-    r.max_rel = werr
-    r.ok = r.agree == 1.0 and werr <= WEIGHT_TOL and _ids_valid(tid, spec)
+def score_values(r: CheckResult, got, ref, tol: Tolerance, written_in_place: bool = True) -> CheckResult:
+    """Fill ``r`` with the errors of ``got`` against ``ref`` and whether they are within ``tol``."""
+    r.max_rel, r.rms_rel = rel_errors(got, ref)
+    r.ok = written_in_place and r.max_rel <= tol.max_rel and r.rms_rel <= tol.rms_rel
+    r.detail = "" if written_in_place else "out= not written in place"
+    return r
+
+
+def _score_routes(r: CheckResult, tw, tid, ref_w, ref_ids, separable, spec) -> CheckResult:
+    r.agree, r.max_rel = routes_agree(tw, tid, ref_w, ref_ids, separable)
+    r.ok = r.agree == 1.0 and r.max_rel <= WEIGHT_TOL and _ids_valid(tid, spec)
+    return r
 
 
 def _ids_valid(ids: torch.Tensor, spec: presets.MoESpec) -> bool:
