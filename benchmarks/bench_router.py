@@ -75,10 +75,6 @@ def implementations(spec, compiled_chain):
             logits = logits + b32
         return torch_routing(logits, spec, cb)
 
-    def ours_fused(x, w, b, cb, b32):
-        kw = dict(rk, correction_bias=cb) if cb is not None else rk
-        return fused_router(x, w, b32, top_k=spec.top_k, method=spec.routing, **kw)
-
     def ours(impl):
         def run(x, w, b, cb, b32):
             kw = dict(rk, correction_bias=cb) if cb is not None else rk
@@ -86,7 +82,7 @@ def implementations(spec, compiled_chain):
         return run
 
     return {
-        "fused_router": ours_fused,
+        "fused_router": ours("auto"),
         "fused_kernel": ours("fused"),
         "fused_unfused": ours("unfused"),
         "chain_a_bf16": chain_a,
