@@ -106,6 +106,41 @@ def variants():
     yield "fused lora r=16 T=9", lambda: fused_router(x, w, b, top_k=4, method="topk_softmax", lora=lora, impl="fused")
     x32, w32 = torch.randn(33, 64), torch.randn(8, 64)
     yield "gemm fp32 (ieee dot) T=33", lambda: router_gemm(x32, w32, tier="triton")
+    yield from expert_variants()
+
+
+def expert_variants():
+    """The expert kernels at every preset's shapes and the token counts that pick other configs.
+    Weights are one expert expanded to E (stride 0): compiling needs shapes, not gigabytes."""
+    from moekit import presets
+    from moekit.experts import batched_experts, fused_experts
+
+    def weights(spec, dtype=torch.bfloat16):
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        w13 = torch.empty(1, 2 * I, H, dtype=dtype).expand(E, -1, -1)
+        w2 = torch.empty(1, H, I, dtype=dtype).expand(E, -1, -1)
+        biases = (torch.empty(E, 2 * I, dtype=dtype), torch.empty(E, H, dtype=dtype)) if spec.expert_bias else (None, None)
+        return w13, w2, biases
+
+    for name in ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"):
+        spec = presets.get(name)
+        w13, w2, (b13, b2) = weights(spec)
+        for T in (1, 16, 64, 1024, 16384):
+            x = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16)
+            ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
+            yield f"experts {name} T={T}", lambda x=x, ids=ids, w13=w13, w2=w2, b13=b13, b2=b2, s=spec: fused_experts(
+                x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13, w2_bias=b2,
+                backend="triton")
+        xb = torch.empty(spec.num_experts, 64, spec.hidden_size, dtype=torch.bfloat16)
+        counts = torch.zeros(spec.num_experts, dtype=torch.int32)
+        yield f"batched {name} M=64", lambda xb=xb, c=counts, w13=w13, w2=w2, b13=b13, b2=b2, s=spec: batched_experts(
+            xb, c, w13, w2, activation=s.activation, w13_bias=b13, w2_bias=b2, backend="triton")
+    spec = presets.get("mixtral-8x7b").scaled()
+    w13, w2, _ = weights(spec, torch.float32)
+    x = torch.empty(40, spec.hidden_size)
+    emap = torch.zeros(2 * spec.num_experts, dtype=torch.int32)
+    yield "experts fp32 (ieee dot), expert_map", lambda: fused_experts(
+        x, w13, w2, torch.zeros(40, 2), torch.zeros(40, 2, dtype=torch.int32), expert_map=emap, backend="triton")
 
 
 def main() -> int:

@@ -1,20 +1,35 @@
 """Fused MoE experts: y = sum_j w_j * W2_e act(W13_e x + b13_e) + b2_e, in the standard and the
 batched (masked) activation format.
 
-This module holds the public API, its validation and the ``out=`` contract. The torch
-implementation serves every device today (fp32 accumulation, no host synchronization on CUDA);
-the Triton kernels (issue 3) plug in behind the same functions.
+This module holds the public API, its validation, the ``out=`` contract and the choice of
+implementation: the Triton kernels (token alignment, GEMM1 + activation, GEMM2 + router weight,
+fixed-order combine; see :mod:`moekit._experts_triton`) on CUDA, a torch implementation (fp32,
+every expert densely, static shapes) elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _triton
 from ._checks import check_out, check_shape, check_tensor
+from .expert_configs import ExpertsConfig
 from .presets import ACTIVATIONS
 from .reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BACKENDS = ("triton", "torch")
+
+
+def choose_backend(device: torch.device, backend: str = "auto") -> str:
+    """``"triton"`` on CUDA (or when asked for under TRITON_INTERPRET=1), ``"torch"`` elsewhere."""
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and not _triton.can_launch(device):
+        raise ValueError(f"backend='triton' needs a CUDA device or TRITON_INTERPRET=1, got {device}")
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" and _triton.can_launch(device) else "torch"
 
 
 def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
@@ -86,6 +101,8 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
+    config: ExpertsConfig | None = None,
 ) -> torch.Tensor:
     """Standard format: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
@@ -99,11 +116,15 @@ def fused_experts(
         expert_map: int32 [E_global]: global id -> local weight index, -1 = not on this rank
             (contributes zero). Without it, ids index w13/w2 directly.
         out: optional [T, H] tensor of x's dtype, contiguous; written in place and returned.
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
+        config: block configuration for the Triton kernels (default: the tuned table or the
+            heuristic of :mod:`moekit.expert_configs`).
 
     Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
-    bounds. Contributions are summed in fp32 in a fixed order: results are deterministic. This
-    torch implementation runs every expert on every token (static shapes, no host sync): it is
-    meant for CPUs and small shapes; on GPUs the Triton path (issue 3) replaces it.
+    bounds. The k slots are summed in fp32 in slot order, without atomics: results are the same
+    bits on every run. The Triton backend keeps the GEMM1 activations and the weighted per-slot
+    outputs in x's dtype (fp32 accumulation inside each GEMM). The torch backend runs every expert
+    on every token (static shapes, no host sync): it is meant for CPUs and small shapes.
 
     Returns:
         [T, H] in x's dtype.
@@ -119,6 +140,14 @@ def fused_experts(
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
         num_global = expert_map.shape[0]
     _check_out(out, x, {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
+    if choose_backend(x.device, backend) == "triton":
+        from . import _experts_triton
+
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _experts_triton.run_fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias,
+                                  w2_bias, expert_map, config)
+        return out
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < num_global)
     local = ids.clamp(0, num_global - 1)
@@ -148,6 +177,8 @@ def batched_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
+    config: ExpertsConfig | None = None,
 ) -> torch.Tensor:
     """Batched (masked) format: out[e, m] = expert_e(x[e, m]) for m < expert_num_tokens[e].
 
@@ -158,10 +189,12 @@ def batched_experts(
         w13, w2, activation, biases: as :func:`fused_experts` (no router weights here: they are
             applied when combining back to tokens, see :func:`moekit.layouts.combine_batched`).
         out: optional [E, M, H] contiguous tensor of x's dtype, written in place and returned.
+        backend, config: as :func:`fused_experts`.
 
     Returns:
-        [E, M, H] in x's dtype. Padding rows of the output hold zeros in this implementation;
-        callers must not rely on them (kernels may leave them unwritten).
+        [E, M, H] in x's dtype. Padding rows of the output are unspecified: the Triton backend
+        never writes them (an ``out=`` keeps what it held there, a fresh output is uninitialized),
+        the torch backend writes zeros.
     """
     check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
     E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
@@ -170,6 +203,14 @@ def batched_experts(
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
     _check_out(out, x, {"x": x, "w13": w13, "w2": w2})
+    if choose_backend(x.device, backend) == "triton":
+        from . import _experts_triton
+
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _experts_triton.run_batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias,
+                                    w2_bias, config)
+        return out
     M = x.shape[1]
     valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.long()[:, None]  # [E, M]
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing

@@ -1,0 +1,192 @@
+"""Host side of the Triton expert kernels: buffers sized from upper bounds, launches, and the
+torch.library custom ops that make them opaque (and traceable with fake kernels) to torch.compile.
+
+Arguments arrive validated by :mod:`moekit.experts`; nothing here synchronizes with the host, so
+a call can be captured in a CUDA graph and replayed with new inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _triton, expert_configs
+from .expert_configs import ExpertsConfig, GemmConfig
+
+ACTIVATION_IDS = {"silu_and_mul": 0, "swiglu_oai": 1}
+ALIGN_CHUNK = 64  # pairs per step of the alignment: its rank tile is CHUNK x CHUNK
+ALIGN_TILE = 8192  # elements of the alignment's [blocks x experts] owner tile
+ALIGN_WARPS = 8
+COMBINE_BLOCK_H = 1024
+
+
+def num_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the BLOCK_M row blocks after padding each expert's run: each of the at most
+    min(E, pairs) non-empty experts wastes less than one block."""
+    return _triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def _gate_up(activation: str, inter: int) -> tuple[int, int]:
+    """(row step, up offset) of gate column n in w13: [gate; up] halves or interleaved rows."""
+    return (1, inter) if activation == "silu_and_mul" else (2, 1)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor):
+    return (bias, bias.stride(0), bias.stride(1)) if bias is not None else (fallback, 0, 0)
+
+
+def _gemm1(x3, x_strides, w13, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, batched,
+           num_pairs, top_k, rows_per_expert):
+    from .kernels.moe_gemm import gemm1_act_kernel
+
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    step, up_off = _gate_up(activation, inter)
+    grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
+    gemm1_act_kernel[grid](
+        x3, *x_strides,
+        w13, w13.stride(0), w13.stride(1), w13.stride(2),
+        *_bias_args(b13, w13),
+        h, h.stride(0),
+        *rows,
+        num_pairs, top_k, rows_per_expert, num_m_blocks,
+        inter, hidden, step, up_off,
+        HAS_BIAS=b13 is not None, BATCHED=batched, ACTIVATION=ACTIVATION_IDS[activation],
+        DOT_PRECISION=_precision(w13.dtype),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, batched,
+           num_pairs, rows_per_expert):
+    from .kernels.moe_gemm import gemm2_kernel
+
+    hidden, inter = w2.shape[1], w2.shape[2]
+    grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
+    gemm2_kernel[grid](
+        h, h.stride(0),
+        w2, w2.stride(0), w2.stride(1), w2.stride(2),
+        *_bias_args(b2, w2),
+        weights,
+        y, *y_strides,
+        *rows,
+        num_pairs, rows_per_expert, num_m_blocks,
+        hidden, inter,
+        HAS_BIAS=b2 is not None, BATCHED=batched, DOT_PRECISION=_precision(w2.dtype),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int):
+    """(pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks]) for the GEMMs."""
+    from .kernels.align import align_kernel
+
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    blocks = num_row_blocks(num_pairs, num_local, block_m)
+    dev = topk_ids.device
+    pair_expert = torch.empty(num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    num_global = expert_map.shape[0] if expert_map is not None else num_local
+    e_pad = _triton.next_pow2(max(num_local, 2))
+    align_kernel[(1,)](
+        ids, expert_map if expert_map is not None else ids, pair_expert, sorted_pairs, block_expert,
+        num_pairs, num_global, num_local, blocks,
+        HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
+        PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad), num_warps=ALIGN_WARPS,
+    )
+    return pair_expert, sorted_pairs, block_expert
+
+
+def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
+                       config: ExpertsConfig | None = None) -> None:
+    """Standard format, written into ``out`` [T, H] (contiguous)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return
+    if config is None:
+        config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype)
+    bm = config.block_m
+    pair_expert, sorted_pairs, block_expert = align(topk_ids, expert_map, num_experts, bm)
+    blocks = block_expert.shape[0]
+    h = torch.empty(blocks * bm, two_i // 2, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    rows = (block_expert, sorted_pairs, block_expert)
+    _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm,
+           False, num_pairs, top_k, 0)
+    _gemm2(h, w2, w2_bias, topk_weights.reshape(-1).contiguous(), y, (0, y.stride(0)), rows, blocks,
+           config.gemm2, bm, False, num_pairs, 0)
+    from .kernels.moe_gemm import combine_kernel
+
+    combine_kernel[(num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H))](
+        y, pair_expert, out, out.stride(0), hidden, top_k, BLOCK_H=COMBINE_BLOCK_H, num_warps=4)
+
+
+def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias,
+                         config: ExpertsConfig | None = None) -> None:
+    """Batched format, valid rows written into ``out`` [E, M, H] (contiguous); padding rows untouched."""
+    num_experts, rows_per_expert, hidden = x.shape
+    two_i = w13.shape[1]
+    if rows_per_expert == 0:
+        return
+    if config is None:
+        # Each expert runs up to M rows: the regime of M rows per expert.
+        config, _ = expert_configs.choose(rows_per_expert * num_experts, num_experts, 1, two_i, hidden,
+                                          x.device, x.dtype)
+    bm = config.block_m
+    blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
+    h = torch.empty(num_experts * rows_per_expert, two_i // 2, dtype=x.dtype, device=x.device)
+    rows = (expert_num_tokens, expert_num_tokens, expert_num_tokens)
+    _gemm1(x, (x.stride(0), x.stride(1), x.stride(2)), w13, w13_bias, h, rows, activation, blocks, config.gemm1,
+           bm, True, 0, 1, rows_per_expert)
+    _gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, True,
+           0, rows_per_expert)
+
+
+# torch.compile sees each call as one opaque op with a fake (shape-only) implementation.
+
+@torch.library.custom_op("moekit::fused_experts_into", mutates_args=("out",))
+def _fused_experts_op(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                      w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                      expert_map: torch.Tensor | None) -> None:
+    fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map)
+
+
+@_fused_experts_op.register_fake
+def _(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map) -> None:
+    return None
+
+
+@torch.library.custom_op("moekit::batched_experts_into", mutates_args=("out",))
+def _batched_experts_op(out: torch.Tensor, x: torch.Tensor, expert_num_tokens: torch.Tensor, w13: torch.Tensor,
+                        w2: torch.Tensor, activation: str, w13_bias: torch.Tensor | None,
+                        w2_bias: torch.Tensor | None) -> None:
+    batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
+
+
+@_batched_experts_op.register_fake
+def _(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias) -> None:
+    return None
+
+
+def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None):
+    if config is None:
+        torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
+                                            w2_bias, expert_map)
+    else:  # explicit configs (tuning, tests) skip the op: they are not part of its schema
+        fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config)
+
+
+def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None):
+    if config is None:
+        torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
+    else:
+        batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config)

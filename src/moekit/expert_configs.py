@@ -1,0 +1,106 @@
+"""Block configurations of the expert GEMMs: a tuned table shipped as data, and a heuristic.
+
+The table (``configs/experts_tuned.json``) is written by ``python -m moekit.tune`` on a GPU and
+keyed by GPU name, Triton version, dtype, (E, N, K) of GEMM1 and a token bucket; shapes it lacks
+fall back to :func:`heuristic`. :func:`explain` says which one served a call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+import torch
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+TABLE_FILE = "experts_tuned.json"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch shape of one grouped GEMM (kernels/moe_gemm.py). GEMM1 computes BLOCK_N gate and
+    BLOCK_N up columns per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 1
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Both GEMMs of one fused_experts call; they share the row block (the alignment's BLOCK_M)."""
+
+    block_m: int
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ExpertsConfig":
+        return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]))
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The smallest bucket >= num_tokens (the largest bucket beyond it)."""
+    for b in TOKEN_BUCKETS:
+        if num_tokens <= b:
+            return b
+    return TOKEN_BUCKETS[-1]
+
+
+def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int) -> ExpertsConfig:
+    """Rows per expert decide the regime: about one row per expert streams weights (small row
+    block, narrow columns so many programs share the bytes), many rows reuse each weight tile
+    (128-row blocks, wide tiles, L2-grouped ordering)."""
+    rows = num_tokens * top_k / max(num_experts, 1)
+    if rows <= 4:
+        tile = GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+        return ExpertsConfig(16, tile, tile)
+    if rows <= 24:
+        tile = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return ExpertsConfig(32 if rows > 12 else 16, tile, tile)
+    if rows <= 96:
+        tile = GemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, group_m=4)
+        return ExpertsConfig(64, tile, GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=4))
+    return ExpertsConfig(128, GemmConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, group_m=8),
+                         GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8))
+
+
+@functools.cache
+def _table() -> dict:
+    try:
+        return json.loads(resources.files("moekit.configs").joinpath(TABLE_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def table_key(device: torch.device, dtype: torch.dtype) -> str:
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{gpu}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}"
+
+
+def shape_key(num_experts: int, n1: int, k1: int) -> str:
+    return f"E{num_experts}_N{n1}_K{k1}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int):
+    entry = _table().get(key, {}).get(shape, {})
+    bucket = token_bucket(num_tokens)
+    if str(bucket) in entry:
+        return ExpertsConfig.from_dict(entry[str(bucket)]), f"tuned for {shape} at T<={bucket} ({key})"
+    return heuristic(num_tokens, num_experts, top_k, n1, k1), f"heuristic (no tuned entry for {shape} T<={bucket} in {key!r})"
+
+
+def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
+           dtype: torch.dtype) -> tuple[ExpertsConfig, str]:
+    """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens."""
+    return _choose(table_key(device, dtype), shape_key(num_experts, n1, k1), num_tokens, num_experts, top_k, n1, k1)

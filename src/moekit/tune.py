@@ -1,0 +1,140 @@
+"""Tune the expert GEMMs' block configurations on this GPU and write them as a table.
+
+    python -m moekit.tune --preset gpt-oss-120b qwen3-30b-a3b --tokens 1 16 256 4096 --out tuned.json
+    python -m moekit.tune ... --merge   (into the package's configs/experts_tuned.json)
+
+For each shape and token bucket, every row-block size that suits the bucket is tried; for each,
+GEMM1 and GEMM2 candidates are timed separately (CUDA-graph replay over two layers' weights so
+decode sizes are not served from L2) and the pair with the least total time is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from . import _experts_triton as ext
+from . import expert_configs, presets
+from .expert_configs import ExpertsConfig, GemmConfig
+
+
+def row_blocks(num_tokens: int, num_experts: int, top_k: int) -> list[int]:
+    rows = num_tokens * top_k / num_experts
+    if rows <= 4:
+        return [16]
+    if rows <= 24:
+        return [16, 32]
+    if rows <= 96:
+        return [32, 64]
+    return [64, 128]
+
+
+def candidates(block_m: int) -> list[GemmConfig]:
+    if block_m <= 32:  # weight streaming: narrow tiles, deep K, many stages in flight
+        space = itertools.product((32, 64), (128, 256), (4,), (3, 4, 5), (1,))
+    else:  # tensor-core bound: wide tiles, L2-grouped order
+        space = itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (8,))
+    return [GemmConfig(bn, bk, w, s, g) for bn, bk, w, s, g in space]
+
+
+def _time(fn, reps: int = 10) -> float:
+    from .bench.timing import graph_time_us
+
+    return graph_time_us([fn], replays=reps, warmup=2)
+
+
+class _Problem:
+    """Inputs of one (shape, T) case, aligned once per row block."""
+
+    def __init__(self, spec, num_tokens, weights, dtype=torch.bfloat16):
+        E, H = spec.num_experts, spec.hidden_size
+        self.spec, self.T, self.weights = spec, num_tokens, weights
+        self.x = torch.randn(num_tokens, H, device="cuda", dtype=dtype)
+        self.ids = torch.rand(num_tokens, E, device="cuda").argsort(1)[:, :spec.top_k].int().contiguous()
+        self.tw = torch.softmax(torch.randn(num_tokens, spec.top_k, device="cuda"), -1).reshape(-1).contiguous()
+
+    def best(self, block_m: int, which: int) -> tuple[GemmConfig, float]:
+        spec, T = self.spec, self.T
+        pair_expert, sorted_pairs, block_expert = ext.align(self.ids, None, spec.num_experts, block_m)
+        blocks = block_expert.shape[0]
+        rows = (block_expert, sorted_pairs, block_expert)
+        h = torch.randn(blocks * block_m, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
+        y = torch.empty(T * spec.top_k, spec.hidden_size, device="cuda", dtype=self.x.dtype)
+        results = []
+        for cfg in candidates(block_m):
+            def call(w13, w2, cfg=cfg):
+                if which == 1:
+                    ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation, blocks,
+                               cfg, block_m, False, T * spec.top_k, spec.top_k, 0)
+                else:
+                    ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m, False,
+                               T * spec.top_k, 0)
+            try:
+                fns = [lambda w=w: call(*w) for w in self.weights]
+                results.append((sum(_time(f) for f in fns) / len(fns), cfg))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                print(f"    skip {cfg}: {type(exc).__name__}")
+                torch.cuda.synchronize()
+        us, cfg = min(results, key=lambda r: r[0])
+        return cfg, us
+
+
+def random_weights(spec, layers: int = 2, dtype=torch.bfloat16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    return [(torch.randn(E, 2 * I, H, device="cuda", dtype=dtype) * H ** -0.5,
+             torch.randn(E, H, I, device="cuda", dtype=dtype) * I ** -0.5) for _ in range(layers)]
+
+
+def tune(spec, num_tokens: int, weights) -> tuple[ExpertsConfig, dict]:
+    problem = _Problem(spec, num_tokens, weights)
+    best = None
+    for bm in row_blocks(num_tokens, spec.num_experts, spec.top_k):
+        g1, t1 = problem.best(bm, 1)
+        g2, t2 = problem.best(bm, 2)
+        print(f"  T={num_tokens} BLOCK_M={bm}: gemm1 {t1:.1f} us {g1}, gemm2 {t2:.1f} us {g2}", flush=True)
+        if best is None or t1 + t2 < best[0]:
+            best = (t1 + t2, ExpertsConfig(bm, g1, g2))
+    heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size)
+    return best[1], {"gemm_us": best[0], "heuristic": heur.to_dict()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", nargs="+", default=["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
+    p.add_argument("--tokens", nargs="+", type=int, default=list(expert_configs.TOKEN_BUCKETS))
+    p.add_argument("--out", type=Path, default=Path("experts_tuned.json"))
+    p.add_argument("--merge", action="store_true", help="also merge into the package's table")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("moekit.tune needs a CUDA GPU")
+    dtype = torch.bfloat16
+    key = expert_configs.table_key(torch.device("cuda"), dtype)
+    table: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
+    for name in args.preset:
+        spec = presets.get(name)
+        shape = expert_configs.shape_key(spec.num_experts, 2 * spec.intermediate_size, spec.hidden_size)
+        weights = random_weights(spec)
+        for T in args.tokens:
+            bucket = expert_configs.token_bucket(T)
+            print(f"{name} {shape} T<={bucket}", flush=True)
+            cfg, info = tune(spec, bucket, weights)
+            table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = cfg.to_dict() | {"measured": info}
+            args.out.write_text(json.dumps(table, indent=1))  # keep partial results if interrupted
+        del weights
+        torch.cuda.empty_cache()
+    if args.merge:
+        target = Path(__file__).parent / "configs" / expert_configs.TABLE_FILE
+        merged = json.loads(target.read_text()) if target.exists() else {}
+        for k, shapes in table.items():
+            for s, buckets in shapes.items():
+                merged.setdefault(k, {}).setdefault(s, {}).update(buckets)
+        target.write_text(json.dumps(merged, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
