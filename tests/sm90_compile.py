@@ -99,6 +99,13 @@ def variants():
         logits = torch.randn(64, spec.num_experts)
         yield f"route {name}", lambda lg=logits, s=spec, kw=inputs(1, spec)[3]: route(
             lg, s.top_k, s.routing, impl="triton", **kw)
+    for E, G, TG, k in ((21, 3, 2, 6), (24, 3, 2, 6), (12, 4, 2, 3)):  # groups the reshape path cannot take
+        logits = torch.randn(64, E)
+        yield f"route grouped E={E} G={G}", lambda lg=logits, G=G, TG=TG, k=k: route(
+            lg, k, "sigmoid_grouped", num_groups=G, topk_groups=TG, impl="triton")
+        x, w = torch.randn(8, 256).bfloat16(), torch.randn(E, 256).bfloat16()
+        yield f"fused grouped E={E} G={G}", lambda x=x, w=w, G=G, TG=TG, k=k: fused_router(
+            x, w, top_k=k, method="sigmoid_grouped", num_groups=G, topk_groups=TG, impl="fused")
     spec = presets.get("gpt-oss-120b")
     x, w, b, _ = inputs(9, spec)
     lora = RouterLoRA(torch.randn(16, spec.hidden_size).bfloat16(), torch.randn(spec.num_experts, 16), 0.5)

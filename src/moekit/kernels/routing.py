@@ -63,19 +63,23 @@ def _kept_groups(key, eligible, cols, FIN_T: tl.constexpr, E_PAD: tl.constexpr,
     score = _selection_key(score)
     group_open = (gcols < NUM_GROUPS)[None, :] & (score == score)
     kept_group = group_open & (gcols < 0)[None, :]
+    # Without the reshape, experts are marked per kept group directly: a gather from the [rows, G]
+    # tile to [rows, E] crashes Triton 3.6's sm_90 compiler (OptimizeThreadLocality assertion).
+    group_of = cols // GROUP_SIZE
+    kept_experts = (key != key) & (key == key)  # all False, the tile's shape
     for _ in tl.static_range(TOPK_GROUPS):
         _, g_best = _pick(score, group_open, 1)
         hit = gcols[None, :] == g_best[:, None]
         kept_group = kept_group | hit
         group_open = group_open & ~hit
+        if not GROUPS_RESHAPE:
+            kept_experts = kept_experts | (group_of[None, :] == g_best[:, None])
     if GROUPS_RESHAPE:
         inner = tl.arange(0, GROUP_SIZE)
         kept3 = kept_group[:, :, None] & (inner >= 0)[None, None, :]
         return tl.reshape(kept3, [FIN_T, E_PAD])
     else:
-        group_of = tl.minimum(cols // GROUP_SIZE, G_PAD - 1)  # padding columns are never eligible
-        group_of = tl.broadcast_to(group_of[None, :], [FIN_T, E_PAD])
-        return tl.gather(kept_group.to(tl.int32), group_of, axis=1) > 0
+        return kept_experts
 
 
 @triton.jit
