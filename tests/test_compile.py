@@ -26,3 +26,20 @@ def test_fused_moe_compiles_fullgraph(device):
     x = torch.randn(7, layer.spec.hidden_size, device=device, dtype=dtype)
     with torch.no_grad():
         check_close("compiled FusedMoE", torch.compile(layer, fullgraph=True)(x), layer(x), Tolerance(1e-5, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_experts_triton_op_compiles_fullgraph(device):
+    torch._dynamo.reset()
+    from moekit.experts import fused_experts
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    E, H, I, T, k = 6, 32, 16, 9, 2
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) * 0.2
+    w2 = torch.randn(E, H, I, device=device, dtype=dtype) * 0.2
+    x = torch.randn(T, H, device=device, dtype=dtype)
+    tw = torch.rand(T, k, device=device)
+    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
+    run = lambda x, tw, tid: fused_experts(x, w13, w2, tw, tid, backend="triton")  # noqa: E731
+    check_close("compiled fused_experts", torch.compile(run, fullgraph=True)(x, tw, tid), run(x, tw, tid),
+                Tolerance(1e-6, 1e-6))

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _triton, router_tiers
 from ._checks import check_out, check_shape, check_tensor
-from .routing import FLOAT_DTYPES, RoutingOptions, route_with, validate_routing
+from .routing import FLOAT_DTYPES, RoutingOptions, empty_routes, route_with, validate_routing
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,8 +110,27 @@ def router_gemm(
             raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
     else:
         out2 = torch.empty(args.x.shape[0], num_experts, dtype=out_dtype, device=weight.device)
-    _gemm(args, out2, tier)
+    lora_a, lora_b, lora_scale = _lora_parts(lora)
+    torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, lora_a, lora_b, lora_scale, tier)
     return out if out is not None else out2.view(out_shape)
+
+
+def _lora_parts(lora: RouterLoRA | None):
+    return (None, None, 0.0) if lora is None else (lora.a, lora.b, float(lora.scale))
+
+
+# The launches are opaque ops for torch.compile: the tier decision and launch code (device names,
+# packaged tables) run at call time, never traced; fake kernels give the shapes.
+@torch.library.custom_op("moekit::router_gemm_into", mutates_args=("out",))
+def _router_gemm_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, lora_scale: float, tier: str) -> None:
+    lora = None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale)
+    _gemm(_GemmArgs(x, weight, bias, lora), out, tier)
+
+
+@_router_gemm_op.register_fake
+def _(out, x, weight, bias, lora_a, lora_b, lora_scale, tier) -> None:
+    return None
 
 
 def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> None:
@@ -243,17 +262,35 @@ def fused_router(
         raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
     if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
         raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")
+    return torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
+                                         opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
+                                         opts.scaling, impl)
+
+
+@torch.library.custom_op("moekit::fused_router", mutates_args=())
+def _fused_router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     corr_bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                     lora_scale: float, top_k: int, method: str, renormalize: bool, num_groups: int,
+                     topk_groups: int, scaling: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    args = _GemmArgs(x, weight, bias, None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale))
+    opts = RoutingOptions(top_k, method, renormalize, num_groups, topk_groups, scaling)
+    num_tokens = x.shape[0]
     fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
         num_tokens, weight.device, weight.shape[1], weight.shape[0]))
     if not fused:
         logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
         _gemm(args, logits)
         return route_with(logits, opts, corr_bias)
-    topk_weights = torch.empty(num_tokens, opts.top_k, dtype=torch.float32, device=weight.device)
-    topk_ids = torch.empty(num_tokens, opts.top_k, dtype=torch.int32, device=weight.device)
+    topk_weights, topk_ids = empty_routes(num_tokens, top_k, weight.device)
     if num_tokens:
         _launch(args, routing=opts, corr_bias=corr_bias, topk_weights=topk_weights, topk_ids=topk_ids)
     return topk_weights, topk_ids
+
+
+@_fused_router_op.register_fake
+def _(x, weight, bias, corr_bias, lora_a, lora_b, lora_scale, top_k, method, renormalize, num_groups, topk_groups,
+      scaling, impl):
+    return empty_routes(x.shape[0], top_k, x.device)
 
 
 class GateLinear(nn.Module):

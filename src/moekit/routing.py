@@ -133,8 +133,29 @@ def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str 
     if use_triton and not _triton.can_launch(logits.device):
         raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
     if use_triton:
-        return _route_triton(logits, opts, None if correction_bias is None else correction_bias.contiguous())
+        return torch.ops.moekit.route_triton(logits, None if correction_bias is None else correction_bias.contiguous(),
+                                             opts.top_k, opts.method, opts.renormalize, opts.num_groups,
+                                             opts.topk_groups, opts.scaling)
     return _route_torch(logits, opts, correction_bias)
+
+
+# One opaque op for torch.compile (the launch's host logic is not traced), with a fake kernel.
+@torch.library.custom_op("moekit::route_triton", mutates_args=())
+def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, method: str,
+              renormalize: bool, num_groups: int, topk_groups: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    opts = RoutingOptions(top_k, method, renormalize, num_groups, topk_groups, scaling)
+    return _route_triton(logits, opts, correction_bias)
+
+
+@_route_op.register_fake
+def _(logits, correction_bias, top_k, method, renormalize, num_groups, topk_groups, scaling):
+    return empty_routes(logits.shape[0], top_k, logits.device)
+
+
+def empty_routes(num_tokens: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (topk_weights float32 [T, k], topk_ids int32 [T, k])."""
+    return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=device),
+            torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
 
 
 def _route_torch(logits, opts: RoutingOptions, correction_bias):
@@ -154,8 +175,7 @@ def _route_triton(logits, opts: RoutingOptions, correction_bias):
     from .kernels.routing import routing_kernel
 
     num_tokens, num_experts = logits.shape
-    weights = torch.empty(num_tokens, opts.top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, opts.top_k, dtype=torch.int32, device=logits.device)
+    weights, ids = empty_routes(num_tokens, opts.top_k, logits.device)
     if num_tokens == 0:
         return weights, ids
     block_t = routing_block_tokens(num_experts)
