@@ -55,6 +55,7 @@ CPU_CASES = [
     (9, 5, 40, 24, 1, "silu_and_mul", False, "k=1"),
     (33, 8, 96, 40, 4, "swiglu_oai", True, "gpt-oss activation with biases"),
     (33, 64, 64, 24, 8, "silu_and_mul", False, "many experts: several get no token"),
+    (100, 5, 16, 8, 3, "swiglu_oai", True, "300 pairs: the three-launch alignment"),
 ]
 
 
@@ -116,13 +117,18 @@ def test_triton_results_are_bit_identical_run_to_run():
     assert torch.equal(first, fused_experts(x, w13, w2, tw, tid, backend="triton"))
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_alignment_is_a_stable_sort_padded_per_expert(block_m):
-    E, T, k = 7, 30, 3
+@pytest.mark.parametrize("block_m,T,split,why", [
+    (16, 30, False, "one program"),
+    (32, 30, False, "one program, larger blocks"),
+    (16, 30, True, "three launches, one chunk"),
+    (32, 200, True, "three launches, 3 chunks, the last partial"),
+])
+def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why):
+    E, k = 7, 3
     tid = torch.randint(0, E, (T, k), dtype=torch.int32)
     tid[0, 0], tid[1, 1] = -1, 99                    # invalid ids are left out
     emap = torch.tensor([0, 1, 2, -1, 3, 4, 5], dtype=torch.int32)   # global 3 remote; local 6 unused
-    pair_expert, sorted_pairs, block_expert = _experts_triton.align(tid, emap, 6, block_m)
+    pair_expert, sorted_pairs, block_expert = _experts_triton.align(tid, emap, 6, block_m, split=split)
     ids = tid.reshape(-1).long()
     valid = (ids >= 0) & (ids < E)
     local = torch.where(valid, emap.long()[ids.clamp(0, E - 1)], -1)

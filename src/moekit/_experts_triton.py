@@ -16,6 +16,8 @@ ACTIVATION_IDS = {"silu_and_mul": 0, "swiglu_oai": 1}
 ALIGN_CHUNK = 64  # pairs per step of the alignment: its rank tile is CHUNK x CHUNK
 ALIGN_TILE = 8192  # elements of the alignment's [blocks x experts] owner tile
 ALIGN_WARPS = 8
+ALIGN_ONE_PROGRAM_MAX = 256  # pairs: above, one program's serial chunk steps cost more than 2 extra launches
+ALIGN_PAIRS_PER_PROGRAM = 256
 COMBINE_BLOCK_H = 1024
 
 
@@ -81,9 +83,12 @@ def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig
     )
 
 
-def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int):
-    """(pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks]) for the GEMMs."""
-    from .kernels.align import align_kernel
+def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int,
+          split: bool | None = None):
+    """(pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks]) for the GEMMs.
+
+    ``split``: the three-launch version (default: above ALIGN_ONE_PROGRAM_MAX pairs)."""
+    from .kernels import align as k
 
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
@@ -94,12 +99,25 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
     num_global = expert_map.shape[0] if expert_map is not None else num_local
     e_pad = _triton.next_pow2(max(num_local, 2))
-    align_kernel[(1,)](
-        ids, expert_map if expert_map is not None else ids, pair_expert, sorted_pairs, block_expert,
-        num_pairs, num_global, num_local, blocks,
-        HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
-        PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad), num_warps=ALIGN_WARPS,
-    )
+    emap = expert_map if expert_map is not None else ids
+    layout = dict(PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad))
+    if not (num_pairs > ALIGN_ONE_PROGRAM_MAX if split is None else split):
+        k.align_kernel[(1,)](
+            ids, emap, pair_expert, sorted_pairs, block_expert, num_pairs, num_global, num_local, blocks,
+            HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, **layout,
+            num_warps=ALIGN_WARPS,
+        )
+        return pair_expert, sorted_pairs, block_expert
+    chunks = _triton.cdiv(num_pairs, ALIGN_PAIRS_PER_PROGRAM)
+    chunk_counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
+    per_chunk = dict(PAIRS_PER_PROGRAM=ALIGN_PAIRS_PER_PROGRAM, HAS_MAP=expert_map is not None, E_PAD=e_pad,
+                     CHUNK=ALIGN_CHUNK, num_warps=ALIGN_WARPS)
+    k.align_count_kernel[(chunks,)](ids, emap, pair_expert, chunk_counts, num_pairs, num_global, num_local, **per_chunk)
+    k.align_offsets_kernel[(1,)](chunk_counts, sorted_pairs, block_expert, chunks, num_pairs, blocks,
+                                 BLOCK_M=block_m, E_PAD=e_pad, CHUNK_ROWS=max(1, min(64, ALIGN_TILE // e_pad)),
+                                 **layout, num_warps=ALIGN_WARPS)
+    k.align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, chunk_counts, num_pairs, num_global, num_local,
+                                      **per_chunk)
     return pair_expert, sorted_pairs, block_expert
 
 

@@ -1,8 +1,10 @@
 """Token alignment for the grouped expert GEMMs: (token, slot) pairs sorted by expert, each
 expert's run padded to a multiple of BLOCK_M, and the expert of every BLOCK_M block.
 
-One program does the whole job: the pairs of a decode step fit in a few chunks, and a single
-program needs no cross-program prefix sum (no second launch, no atomics, deterministic order).
+Decode sizes use one program for the whole job (one launch). Above a few hundred pairs one
+program is latency-bound (a serial chain of chunk steps), so three launches split it: per-chunk
+counts, one program for the prefix sums, per-chunk scatter. Both orders are a stable sort
+(pairs keep their order within an expert), deterministic and free of atomics.
 """
 
 import triton
@@ -10,9 +12,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _local_ids(ids_ptr, expert_map_ptr, offs, num_pairs, num_global, num_local, HAS_MAP: tl.constexpr):
+def _local_ids(ids_ptr, expert_map_ptr, offs, end, num_global, num_local, HAS_MAP: tl.constexpr):
     """Local expert of each pair, -1 where the id is out of range or lives on another rank."""
-    in_range = offs < num_pairs
+    in_range = offs < end
     gid = tl.load(ids_ptr + offs, mask=in_range, other=-1)
     ok = in_range & (gid >= 0) & (gid < num_global)
     if HAS_MAP:
@@ -24,53 +26,44 @@ def _local_ids(ids_ptr, expert_map_ptr, offs, num_pairs, num_global, num_local, 
 
 
 @triton.jit
-def align_kernel(
-    ids_ptr,  # int32 [num_pairs]: global expert id of pair p = token * k + slot
-    expert_map_ptr,  # int32 [num_global] (HAS_MAP) global -> local id, -1 = remote
-    pair_expert_ptr,  # out int32 [num_pairs]: local expert of each pair, -1 = contributes nothing
-    sorted_pairs_ptr,  # out int32 [num_blocks * BLOCK_M]: pair ids by expert; padding = num_pairs
-    block_expert_ptr,  # out int32 [num_blocks]: expert of each block, -1 past the last used block
-    num_pairs,
-    num_global,
-    num_local,
-    num_blocks,
-    HAS_MAP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-    PAD_CHUNK: tl.constexpr,
-    OWNER_CHUNK: tl.constexpr,
-):
-    experts = tl.arange(0, E_PAD)
+def _count(ids_ptr, expert_map_ptr, pair_expert_ptr, start, end, num_global, num_local,
+           HAS_MAP: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Per-expert counts of pairs [start, end); stores each pair's local id (the combine reads it)."""
     lanes = tl.arange(0, CHUNK)
-
-    # Pass 1: per-expert counts (and the local id of every pair, which the combine step reads).
     counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + lanes
-        lid, ok = _local_ids(ids_ptr, expert_map_ptr, offs, num_pairs, num_global, num_local, HAS_MAP)
-        tl.store(pair_expert_ptr + offs, lid, mask=offs < num_pairs)
+    for s in range(start, end, CHUNK):
+        offs = s + lanes
+        lid, ok = _local_ids(ids_ptr, expert_map_ptr, offs, end, num_global, num_local, HAS_MAP)
+        tl.store(pair_expert_ptr + offs, lid, mask=offs < end)
         counts += tl.histogram(tl.where(ok, lid, 0), E_PAD, mask=ok)
+    return counts
 
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
 
-    # Pass 2: each pair goes to its expert's start + the number of earlier pairs of that expert,
-    # so pairs keep their order within an expert (deterministic, as a stable sort).
-    cursor = padded_start
+@triton.jit
+def _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_global, num_local,
+             HAS_MAP: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Pair p of [start, end) goes to cursor[its expert] + the number of earlier pairs of that expert."""
+    lanes = tl.arange(0, CHUNK)
     earlier = lanes[None, :] < lanes[:, None]
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + lanes
-        lid, ok = _local_ids(ids_ptr, expert_map_ptr, offs, num_pairs, num_global, num_local, HAS_MAP)
+    for s in range(start, end, CHUNK):
+        offs = s + lanes
+        lid, ok = _local_ids(ids_ptr, expert_map_ptr, offs, end, num_global, num_local, HAS_MAP)
         same = (lid[:, None] == lid[None, :]) & earlier & ok[None, :]
         rank = tl.sum(same.to(tl.int32), axis=1)
         dest = tl.gather(cursor, tl.where(ok, lid, 0), axis=0) + rank
         tl.store(sorted_pairs_ptr + dest, offs, mask=ok)
         cursor += tl.histogram(tl.where(ok, lid, 0), E_PAD, mask=ok)
 
-    # Padding slots of each expert's run (at most BLOCK_M - 1 each) get the sentinel num_pairs.
-    # They are disjoint from the slots written above, so no barrier is needed.
+
+@triton.jit
+def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
+                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
+    """From the per-expert totals: fill each run's padding with the sentinel num_pairs, write the
+    expert of every block (-1 past the last run), and return each run's start."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    # Padding slots (at most BLOCK_M - 1 per expert) are disjoint from the pairs' slots.
     pad_lane = tl.arange(0, PAD_CHUNK)
     first_pad = padded_start + counts
     num_pad = padded - counts
@@ -78,7 +71,6 @@ def align_kernel(
         is_pad = (j + pad_lane)[None, :] < num_pad[:, None]
         tl.store(sorted_pairs_ptr + first_pad[:, None] + (j + pad_lane)[None, :],
                  tl.full([E_PAD, PAD_CHUNK], 0, tl.int32) + num_pairs, mask=is_pad)
-
     # Block b belongs to the expert whose padded run covers position b * BLOCK_M.
     total = tl.sum(padded, axis=0)
     block_lanes = tl.arange(0, OWNER_CHUNK)
@@ -86,5 +78,70 @@ def align_kernel(
         blocks = start + block_lanes
         pos = blocks * BLOCK_M
         owner = tl.sum((pos[:, None] >= padded_end[None, :]).to(tl.int32), axis=1)
-        owner = tl.where(pos < total, owner, -1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
+        tl.store(block_expert_ptr + blocks, tl.where(pos < total, owner, -1), mask=blocks < num_blocks)
+    return padded_start
+
+
+@triton.jit
+def align_kernel(
+    ids_ptr,  # int32 [num_pairs]: global expert id of pair p = token * k + slot
+    expert_map_ptr,  # int32 [num_global] (HAS_MAP) global -> local id, -1 = remote
+    pair_expert_ptr,  # out int32 [num_pairs]: local expert of each pair, -1 = contributes nothing
+    sorted_pairs_ptr,  # out int32 [num_blocks * BLOCK_M]: pair ids by expert; padding = num_pairs
+    block_expert_ptr,  # out int32 [num_blocks]: expert of each block, -1 past the last used block
+    num_pairs, num_global, num_local, num_blocks,
+    HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr,
+):
+    """The whole alignment in one program (decode sizes)."""
+    counts = _count(ids_ptr, expert_map_ptr, pair_expert_ptr, 0, num_pairs, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
+    start = _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks, BLOCK_M, E_PAD,
+                         PAD_CHUNK, OWNER_CHUNK)
+    _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, start, 0, num_pairs, num_global, num_local, HAS_MAP,
+             E_PAD, CHUNK)
+
+
+@triton.jit
+def align_count_kernel(ids_ptr, expert_map_ptr, pair_expert_ptr, chunk_counts_ptr, num_pairs, num_global, num_local,
+                       PAIRS_PER_PROGRAM: tl.constexpr, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """Step 1 of 3: chunk_counts[c, e] = pairs of chunk c on expert e."""
+    c = tl.program_id(0)
+    start = c * PAIRS_PER_PROGRAM
+    end = tl.minimum(start + PAIRS_PER_PROGRAM, num_pairs)
+    counts = _count(ids_ptr, expert_map_ptr, pair_expert_ptr, start, end, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
+    tl.store(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit
+def align_offsets_kernel(chunk_counts_ptr, sorted_pairs_ptr, block_expert_ptr, num_chunks, num_pairs, num_blocks,
+                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                         PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
+    """Step 2 of 3 (one program): chunk_counts becomes each chunk's first slot per expert."""
+    experts = tl.arange(0, E_PAD)
+    rows = tl.arange(0, CHUNK_ROWS)
+    running = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_chunks, CHUNK_ROWS):  # exclusive prefix over chunks, per expert
+        ok = (c0 + rows < num_chunks)[:, None]
+        ptrs = chunk_counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
+        tile = tl.load(ptrs, mask=ok, other=0)
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=ok)
+        running += tl.sum(tile, axis=0)
+    start = _layout_runs(running, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks, BLOCK_M, E_PAD,
+                         PAD_CHUNK, OWNER_CHUNK)
+    for c0 in range(0, num_chunks, CHUNK_ROWS):
+        ok = (c0 + rows < num_chunks)[:, None]
+        ptrs = chunk_counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
+        tl.store(ptrs, tl.load(ptrs, mask=ok, other=0) + start[None, :], mask=ok)
+
+
+@triton.jit
+def align_scatter_kernel(ids_ptr, expert_map_ptr, sorted_pairs_ptr, chunk_counts_ptr, num_pairs, num_global, num_local,
+                         PAIRS_PER_PROGRAM: tl.constexpr, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    """Step 3 of 3: each chunk scatters its pairs from its first slots."""
+    c = tl.program_id(0)
+    start = c * PAIRS_PER_PROGRAM
+    end = tl.minimum(start + PAIRS_PER_PROGRAM, num_pairs)
+    cursor = tl.load(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD))
+    _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
