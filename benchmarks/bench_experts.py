@@ -171,51 +171,59 @@ def run(args):
     print(f"bf16 matmul rate here: {rate / 1e12:.0f} TFLOP/s", flush=True)
     records = []
     for name in args.presets:
-        spec = presets.get(name)
-        n_layers = min(args.layers, 4)
-        layers = [Layer(spec, args.peers) for _ in range(n_layers)]
-        impls = implementations(spec, args.peers)
-        for T in args.tokens:
-            calls, used = (8, n_layers) if T <= 64 else (1, 1)
-            cases = []
-            for i in range(calls):
-                tw, tid = routes(spec, T)
-                cases.append((torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16), layers[i % used], tw, tid))
-            hit = torch.unique(cases[0][3]).numel()
-            expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
-            bw_floor = (hit * expert_bytes + 2 * T * spec.hidden_size * 2) / COPY_BW * 1e6
-            mm_floor = 2 * T * spec.top_k * 3 * spec.hidden_size * spec.intermediate_size / rate * 1e6
-            row = {"preset": name, "T": T, "experts_hit": hit, "floor_us": max(bw_floor, mm_floor),
-                   "floor_kind": "bytes" if bw_floor >= mm_floor else "flops"}
-            ref = None
-            if T in args.accuracy_tokens:
-                x, layer, tw, tid = cases[0]
-                ref = reference.fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
-                                              w13_bias=layer.b13, w2_bias=layer.b2)
-            for impl, fn in impls.items():
-                why = supported(impl, spec, T)
-                if why:
-                    row[impl] = None
-                    row[f"{impl}_note"] = why
-                    continue
-                try:
-                    us, mode = time_impl(fn, cases)
-                    if ref is not None:
-                        row[f"{impl}_err"] = rel_errors(fn(*cases[0]), ref)[1]
-                except torch.OutOfMemoryError:
-                    us, mode = None, "out of memory"
-                    torch.cuda.empty_cache()
-                row[impl], row[f"{impl}_mode"] = us, mode
-            peers = [row[p] for p in impls if p != "moekit" and row.get(p) is not None]
-            if peers and row.get("moekit"):
-                row["best_peer_us"] = min(peers)
-                row["speedup_vs_best_peer"] = min(peers) / row["moekit"]
-                row["floor_ratio"] = row["moekit"] / row["floor_us"]
-            records.append(row)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-        del layers
+        records += run_preset(args, presets.get(name), rate)
         torch.cuda.empty_cache()
     return records, rate
+
+
+def run_preset(args, spec, rate):
+    """Every T of one preset; its weights are freed on return."""
+    records = []
+    name = spec.name
+    n_layers = min(args.layers, 4)
+    layers = [Layer(spec, args.peers) for _ in range(n_layers)]
+    impls = implementations(spec, args.peers)
+    for T in args.tokens:
+        calls, used = (8, n_layers) if T <= 64 else (1, 1)
+        cases = []
+        for i in range(calls):
+            tw, tid = routes(spec, T)
+            cases.append((torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16), layers[i % used], tw, tid))
+        hit = torch.unique(cases[0][3]).numel()
+        expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
+        bw_floor = (hit * expert_bytes + 2 * T * spec.hidden_size * 2) / COPY_BW * 1e6
+        mm_floor = 2 * T * spec.top_k * 3 * spec.hidden_size * spec.intermediate_size / rate * 1e6
+        row = {"preset": name, "T": T, "experts_hit": hit, "floor_us": max(bw_floor, mm_floor),
+               "floor_kind": "bytes" if bw_floor >= mm_floor else "flops"}
+        ref = None
+        if T in args.accuracy_tokens:
+            x, layer, tw, tid = cases[0]
+            ref = reference.fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
+                                          w13_bias=layer.b13, w2_bias=layer.b2)
+        for impl, fn in impls.items():
+            why = supported(impl, spec, T)
+            if why:
+                row[impl] = None
+                row[f"{impl}_note"] = why
+                continue
+            try:
+                us, mode = time_impl(fn, cases)
+                if ref is not None:
+                    row[f"{impl}_err"] = rel_errors(fn(*cases[0]), ref)[1]
+            except torch.OutOfMemoryError:
+                us, mode = None, "out of memory"
+                torch.cuda.empty_cache()
+            row[impl], row[f"{impl}_mode"] = us, mode
+        peers = [row[p] for p in impls if p != "moekit" and row.get(p) is not None]
+        if peers and row.get("moekit"):
+            row["best_peer_us"] = min(peers)
+            row["speedup_vs_best_peer"] = min(peers) / row["moekit"]
+            row["floor_ratio"] = row["moekit"] / row["floor_us"]
+        records.append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        del cases, ref
+        torch.cuda.empty_cache()
+    return records
 
 
 def _fmt(v, digits=1):

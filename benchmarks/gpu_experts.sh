@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton_cache
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton_cache PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 if [ -n "${1:-}" ]; then
   timeout "${PYTEST_LIMIT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider $1 2>&1 | tee "$OUT/pytest.log" | tail -25

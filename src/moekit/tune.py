@@ -33,12 +33,18 @@ def row_blocks(num_tokens: int, num_experts: int, top_k: int) -> list[int]:
     return [64, 128]
 
 
-def candidates(block_m: int) -> list[GemmConfig]:
+SMEM_BYTES = 227 * 1024  # per block on sm_90
+
+
+def candidates(block_m: int, weight_tiles: int) -> list[GemmConfig]:
+    """Configs worth compiling: the pipelined operand tiles (x rows + ``weight_tiles`` weight
+    tiles per stage, 2 bytes each) must fit in shared memory."""
     if block_m <= 32:  # weight streaming: narrow tiles, deep K, many stages in flight
         space = itertools.product((32, 64), (128, 256), (4,), (3, 4, 5), (1,))
     else:  # tensor-core bound: wide tiles, L2-grouped order
         space = itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (8,))
-    return [GemmConfig(bn, bk, w, s, g) for bn, bk, w, s, g in space]
+    fits = lambda bn, bk, s: s * (block_m * bk + weight_tiles * bn * bk) * 2 <= SMEM_BYTES  # noqa: E731
+    return [GemmConfig(bn, bk, w, s, g) for bn, bk, w, s, g in space if fits(bn, bk, s)]
 
 
 def _time(fn, reps: int = 10) -> float:
@@ -65,7 +71,7 @@ class _Problem:
         h = torch.randn(blocks * block_m, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
         y = torch.empty(T * spec.top_k, spec.hidden_size, device="cuda", dtype=self.x.dtype)
         results = []
-        for cfg in candidates(block_m):
+        for cfg in candidates(block_m, 2 if which == 1 else 1):
             def call(w13, w2, cfg=cfg):
                 if which == 1:
                     ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation, blocks,
