@@ -78,6 +78,7 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
     (ExpertsConfig(32, GemmConfig(16, 16, group_m=2), GemmConfig(32, 16, group_m=2)), "K spans several blocks, grouped order"),
     (ExpertsConfig(64, GemmConfig(32, 64, group_m=4), _TILE), "64-row blocks, one K block wider than H"),
     (ExpertsConfig(128, _TILE, GemmConfig(64, 32, group_m=8)), "prefill row block"),
+    (ExpertsConfig(16, _TILE, GemmConfig(16, 16), per_pair=True), "per-pair decode mode, K in several blocks"),
 ])
 def test_every_block_shape(config, why):
     _run_case("triton", torch.float32, 40, 6, 48, 40, 3, "swiglu_oai", True, why, config=config)
@@ -107,6 +108,26 @@ def test_invalid_ids_contribute_zero(backend):
     clean = torch.where((tid >= 0) & (tid < 4), tw, 0.0)
     expect = reference.fused_experts(x, w13, w2, clean, tid.clamp(0, 3))
     check_close("bad ids", fused_experts(x, w13, w2, tw, tid, backend=backend), expect, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_per_pair_mode_with_expert_map_and_invalid_ids(T):
+    E, H, I, k = 6, 32, 24, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    x = torch.randn(T, H)
+    gid = torch.randint(0, 2 * E, (T, k), dtype=torch.int32)
+    gid[0, 0] = 2 * E + 5                                                  # out of range: contributes zero
+    emap = torch.full((2 * E,), -1, dtype=torch.int32)
+    emap[1::2] = torch.arange(E, dtype=torch.int32)                        # even global ids are remote
+    tw = torch.rand(T, k)
+    cfg = ExpertsConfig(16, _TILE, _TILE, per_pair=True)
+    out = _poisoned((T, H), torch.float32)
+    fused_experts(x, w13, w2, tw, gid, w13_bias=b13, w2_bias=b2, expert_map=emap, out=out, backend="triton", config=cfg)
+    valid = (gid >= 0) & (gid < 2 * E)
+    clean_id = torch.where(valid, gid, 1)
+    clean_w = torch.where(valid, tw, 0.0)
+    ref = reference.fused_experts(x, w13, w2, clean_w, clean_id, w13_bias=b13, w2_bias=b2, expert_map=emap)
+    check_close("per pair", out, ref, TOL[torch.float32])
 
 
 def test_triton_results_are_bit_identical_run_to_run():
@@ -177,8 +198,9 @@ def test_batched_round_trip_equals_standard(backend):
 
 def test_heuristic_regimes():
     decode = expert_configs.heuristic(1, 128, 4, 5760, 2880)
+    small = expert_configs.heuristic(16, 128, 4, 5760, 2880)
     prefill = expert_configs.heuristic(16384, 128, 4, 5760, 2880)
-    assert decode.block_m == 16 and prefill.block_m == 128
+    assert decode.per_pair and not small.per_pair and small.block_m == 16 and prefill.block_m == 128
     assert expert_configs.token_bucket(3) == 4 and expert_configs.token_bucket(10**6) == 16384
 
 
@@ -226,6 +248,18 @@ def test_gpu_fused_experts_bf16(T, E, H, I, k, act, biases, why):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_pair", [True, False])
+@pytest.mark.parametrize("T,E,H,I,k,act,biases,why", [
+    (1, 128, 2880, 2880, 4, "swiglu_oai", True, "gpt-oss-120b decode"),
+    (3, 128, 2048, 768, 8, "silu_and_mul", False, "qwen3 decode, shared experts likely"),
+])
+def test_gpu_decode_modes(per_pair, T, E, H, I, k, act, biases, why):
+    tile = GemmConfig(block_n=32, block_k=128, num_stages=4)
+    _run_case("triton", torch.bfloat16, T, E, H, I, k, act, biases, why, device="cuda",
+              config=ExpertsConfig(16, tile, tile, per_pair=per_pair))
+
+
+@pytest.mark.gpu
 def test_gpu_past_2_pow_31_elements():
     # DeepSeek-V3 experts: w13 holds 256 * 4096 * 7168 = 7.5e9 elements; tokens on the last
     # experts index far past 2^31 (int32 offsets would wrap and read the wrong expert).
@@ -235,9 +269,12 @@ def test_gpu_past_2_pow_31_elements():
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     tid = torch.arange(E - T * k, E, device="cuda", dtype=torch.int32).view(T, k)
     tw = torch.softmax(torch.randn(T, k, device="cuda"), -1)
-    out = _poisoned((T, H), torch.bfloat16, "cuda")
-    fused_experts(x, w13, w2, tw, tid, out=out)
-    check_close("past 2^31", out, reference.fused_experts(x, w13, w2, tw, tid), TOL[torch.bfloat16])
+    ref = reference.fused_experts(x, w13, w2, tw, tid)
+    tile = GemmConfig(block_n=64, block_k=128)
+    for cfg in (None, ExpertsConfig(16, tile, tile, per_pair=True), ExpertsConfig(64, tile, tile)):
+        out = _poisoned((T, H), torch.bfloat16, "cuda")
+        fused_experts(x, w13, w2, tw, tid, out=out, config=cfg)
+        check_close(f"past 2^31 {cfg}", out, ref, TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -40,8 +40,12 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor):
     return (bias, bias.stride(0), bias.stride(1)) if bias is not None else (fallback, 0, 0)
 
 
-def _gemm1(x3, x_strides, w13, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, batched,
-           num_pairs, top_k, rows_per_expert):
+ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = 0, 1, 2  # kernels/moe_gemm.py row modes
+PER_PAIR_BLOCK_M = 16  # the smallest tensor-core tile; row 0 is the pair
+
+
+def _gemm1(x3, x_strides, w13, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
+           num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0):
     from .kernels.moe_gemm import gemm1_act_kernel
 
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
@@ -53,16 +57,16 @@ def _gemm1(x3, x_strides, w13, b13, h, rows, activation, num_m_blocks, cfg: Gemm
         *_bias_args(b13, w13),
         h, h.stride(0),
         *rows,
-        num_pairs, top_k, rows_per_expert, num_m_blocks,
+        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w13.shape[0],
         inter, hidden, step, up_off,
-        HAS_BIAS=b13 is not None, BATCHED=batched, ACTIVATION=ACTIVATION_IDS[activation],
+        HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(w13.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, batched,
+def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, rows_per_expert):
     from .kernels.moe_gemm import gemm2_kernel
 
@@ -77,8 +81,26 @@ def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig
         *rows,
         num_pairs, rows_per_expert, num_m_blocks,
         hidden, inter,
-        HAS_BIAS=b2 is not None, BATCHED=batched, DOT_PRECISION=_precision(w2.dtype),
+        HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(w2.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _gemm2_tokens(h, w2, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig):
+    from .kernels.moe_gemm import gemm2_tokens_kernel
+
+    hidden, inter = w2.shape[1], w2.shape[2]
+    grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
+    gemm2_tokens_kernel[grid](
+        h, h.stride(0),
+        w2, w2.stride(0), w2.stride(1), w2.stride(2),
+        *_bias_args(b2, w2),
+        weights, ids, expert_map if expert_map is not None else ids,
+        out, out.stride(0),
+        top_k, num_global, w2.shape[0], hidden, inter,
+        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(w2.dtype),
+        BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -131,6 +153,17 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         return
     if config is None:
         config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype)
+    weights = topk_weights.reshape(-1).contiguous()
+    ids = topk_ids.reshape(-1)
+    num_global = expert_map.shape[0] if expert_map is not None else num_experts
+    if config.per_pair:
+        # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
+        h = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
+        emap = expert_map if expert_map is not None else ids
+        _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
+               config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global)
+        _gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2)
+        return
     bm = config.block_m
     pair_expert, sorted_pairs, block_expert = align(topk_ids, expert_map, num_experts, bm)
     blocks = block_expert.shape[0]
@@ -138,9 +171,8 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     rows = (block_expert, sorted_pairs, block_expert)
     _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm,
-           False, num_pairs, top_k, 0)
-    _gemm2(h, w2, w2_bias, topk_weights.reshape(-1).contiguous(), y, (0, y.stride(0)), rows, blocks,
-           config.gemm2, bm, False, num_pairs, 0)
+           ROWS_ALIGNED, num_pairs, top_k, 0)
+    _gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0)
     from .kernels.moe_gemm import combine_kernel
 
     combine_kernel[(num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H))](
@@ -163,8 +195,8 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
     h = torch.empty(num_experts * rows_per_expert, two_i // 2, dtype=x.dtype, device=x.device)
     rows = (expert_num_tokens, expert_num_tokens, expert_num_tokens)
     _gemm1(x, (x.stride(0), x.stride(1), x.stride(2)), w13, w13_bias, h, rows, activation, blocks, config.gemm1,
-           bm, True, 0, 1, rows_per_expert)
-    _gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, True,
+           bm, ROWS_BATCHED, 0, 1, rows_per_expert)
+    _gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, ROWS_BATCHED,
            0, rows_per_expert)
 
 

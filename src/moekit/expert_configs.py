@@ -16,6 +16,7 @@ import torch
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TABLE_FILE = "experts_tuned.json"
+PER_PAIR_MAX_TOKENS = 2  # heuristic: the per-pair decode mode up to this many tokens
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,17 @@ class ExpertsConfig:
     block_m: int
     gemm1: GemmConfig
     gemm2: GemmConfig
+    per_pair: bool = False
+    """Decode mode: no alignment; GEMM1 per (token, slot) pair, GEMM2 per token over its slots
+    (block_m is then 16 and unused). Two launches instead of four; an expert picked by several
+    tokens is read once per pick."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ExpertsConfig":
-        return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]))
+        return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]), d.get("per_pair", False))
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -59,6 +64,9 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int) -
     block, narrow columns so many programs share the bytes), many rows reuse each weight tile
     (128-row blocks, wide tiles, L2-grouped ordering)."""
     rows = num_tokens * top_k / max(num_experts, 1)
+    if num_tokens <= PER_PAIR_MAX_TOKENS:
+        return ExpertsConfig(16, GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
+                             GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4), per_pair=True)
     if rows <= 4:
         tile = GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
         return ExpertsConfig(16, tile, tile)

@@ -42,8 +42,10 @@ def candidates(block_m: int, weight_tiles: int) -> list[GemmConfig]:
     if block_m <= 32:  # weight streaming: narrow tiles, deep K, many stages in flight
         space = itertools.product((32, 64), (128, 256), (4,), (3, 4, 5), (1,))
     else:  # tensor-core bound: wide tiles, L2-grouped order
-        space = itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (8,))
-    fits = lambda bn, bk, s: s * (block_m * bk + weight_tiles * bn * bk) * 2 <= SMEM_BYTES  # noqa: E731
+        space = itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4), (8,))
+    # GEMM1 holds two accumulators: past 128 columns each they no longer fit in registers.
+    fits = lambda bn, bk, s: (s * (block_m * bk + weight_tiles * bn * bk) * 2 <= SMEM_BYTES  # noqa: E731
+                              and bn * weight_tiles <= 256)
     return [GemmConfig(bn, bk, w, s, g) for bn, bk, w, s, g in space if fits(bn, bk, s)]
 
 
@@ -63,22 +65,32 @@ class _Problem:
         self.ids = torch.rand(num_tokens, E, device="cuda").argsort(1)[:, :spec.top_k].int().contiguous()
         self.tw = torch.softmax(torch.randn(num_tokens, spec.top_k, device="cuda"), -1).reshape(-1).contiguous()
 
-    def best(self, block_m: int, which: int) -> tuple[GemmConfig, float]:
+    def best(self, block_m: int, which: int, per_pair: bool = False) -> tuple[GemmConfig, float]:
+        """Fastest candidate for GEMM ``which`` (1 or 2) with this row block (or the per-pair mode)."""
         spec, T = self.spec, self.T
-        pair_expert, sorted_pairs, block_expert = ext.align(self.ids, None, spec.num_experts, block_m)
-        blocks = block_expert.shape[0]
-        rows = (block_expert, sorted_pairs, block_expert)
-        h = torch.randn(blocks * block_m, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
-        y = torch.empty(T * spec.top_k, spec.hidden_size, device="cuda", dtype=self.x.dtype)
+        num_pairs = T * spec.top_k
+        if per_pair:
+            blocks, block_m = num_pairs, ext.PER_PAIR_BLOCK_M
+            rows, mode = (self.ids, self.ids, self.ids), ext.ROWS_PER_PAIR
+            h = torch.randn(num_pairs, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
+            y = torch.empty(T, spec.hidden_size, device="cuda", dtype=self.x.dtype)
+        else:
+            _, sorted_pairs, block_expert = ext.align(self.ids, None, spec.num_experts, block_m)
+            blocks = block_expert.shape[0]
+            rows, mode = (block_expert, sorted_pairs, block_expert), ext.ROWS_ALIGNED
+            h = torch.randn(blocks * block_m, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
+            y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x.dtype)
         results = []
         for cfg in candidates(block_m, 2 if which == 1 else 1):
             def call(w13, w2, cfg=cfg):
                 if which == 1:
                     ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation, blocks,
-                               cfg, block_m, False, T * spec.top_k, spec.top_k, 0)
+                               cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts)
+                elif per_pair:
+                    ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k, cfg)
                 else:
-                    ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m, False,
-                               T * spec.top_k, 0)
+                    ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m, mode,
+                               num_pairs, 0)
             try:
                 fns = [lambda w=w: call(*w) for w in self.weights]
                 results.append((sum(_time(f) for f in fns) / len(fns), cfg))
@@ -88,11 +100,24 @@ class _Problem:
         us, cfg = min(results, key=lambda r: r[0])
         return cfg, us
 
+    def whole_call_us(self, config: ExpertsConfig) -> float:
+        """A complete fused_experts call (alignment and combine included) with ``config``."""
+        from .experts import fused_experts
+
+        ids = self.ids
+        tw = self.tw.view(ids.shape)
+        fns = [lambda w=w: fused_experts(self.x, w[0], w[1], tw, ids, activation=self.spec.activation, config=config)
+               for w in self.weights]
+        return sum(_time(f) for f in fns) / len(fns)
+
 
 def random_weights(spec, layers: int = 2, dtype=torch.bfloat16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
     return [(torch.randn(E, 2 * I, H, device="cuda", dtype=dtype) * H ** -0.5,
              torch.randn(E, H, I, device="cuda", dtype=dtype) * I ** -0.5) for _ in range(layers)]
+
+
+PER_PAIR_TUNE_MAX = 4  # buckets up to this many tokens also try the per-pair decode mode
 
 
 def tune(spec, num_tokens: int, weights) -> tuple[ExpertsConfig, dict]:
@@ -104,8 +129,19 @@ def tune(spec, num_tokens: int, weights) -> tuple[ExpertsConfig, dict]:
         print(f"  T={num_tokens} BLOCK_M={bm}: gemm1 {t1:.1f} us {g1}, gemm2 {t2:.1f} us {g2}", flush=True)
         if best is None or t1 + t2 < best[0]:
             best = (t1 + t2, ExpertsConfig(bm, g1, g2))
+    info = {"gemm_us": best[0]}
+    if num_tokens <= PER_PAIR_TUNE_MAX:
+        # The modes differ in launches (alignment, combine): compare whole calls.
+        g1, _ = problem.best(16, 1, per_pair=True)
+        g2, _ = problem.best(16, 2, per_pair=True)
+        pair_cfg = ExpertsConfig(16, g1, g2, per_pair=True)
+        aligned_us, pair_us = problem.whole_call_us(best[1]), problem.whole_call_us(pair_cfg)
+        print(f"  T={num_tokens} whole call: aligned {aligned_us:.1f} us, per-pair {pair_us:.1f} us {g1} {g2}", flush=True)
+        info |= {"aligned_call_us": aligned_us, "per_pair_call_us": pair_us}
+        if pair_us < aligned_us:
+            best = (pair_us, pair_cfg)
     heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size)
-    return best[1], {"gemm_us": best[0], "heuristic": heur.to_dict()}
+    return best[1], info | {"heuristic": heur.to_dict()}
 
 
 def main(argv=None) -> None:
