@@ -173,7 +173,17 @@ def run(args):
     for name in args.presets:
         records += run_preset(args, presets.get(name), rate)
         torch.cuda.empty_cache()
+        save(args, records, rate)  # partial results survive a time limit
     return records, rate
+
+
+def save(args, records, rate):
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "matmul_rate": rate, "records": records}, indent=1))
+    md = markdown(records, env, rate, args.peers)
+    (args.out / f"{args.name}.md").write_text(md)
+    return md
 
 
 def run_preset(args, spec, rate):
@@ -263,13 +273,8 @@ def main():
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
     p.add_argument("--name", default="experts")
     args = p.parse_args()
-    env = environment()
     records, rate = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "matmul_rate": rate, "records": records}, indent=1))
-    md = markdown(records, env, rate, args.peers)
-    (args.out / f"{args.name}.md").write_text(md)
-    print(md)
+    print(save(args, records, rate))
 
 
 if __name__ == "__main__":
