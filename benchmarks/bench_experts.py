@@ -52,12 +52,13 @@ class Layer:
         E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
         dev, dt = "cuda", torch.bfloat16
         self.spec = spec
-        self.w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5
-        self.w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5
+        g = _gen(dev)
+        self.w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g).mul_(H ** -0.5)
+        self.w2 = torch.randn(E, H, I, device=dev, dtype=dt, generator=g).mul_(I ** -0.5)
         self.b13 = self.b2 = None
         if spec.expert_bias:
-            self.b13 = torch.randn(E, 2 * I, device=dev, dtype=dt) * 0.02
-            self.b2 = torch.randn(E, H, device=dev, dtype=dt) * 0.02
+            self.b13 = torch.randn(E, 2 * I, device=dev, dtype=dt, generator=g).mul_(0.02)
+            self.b2 = torch.randn(E, H, device=dev, dtype=dt, generator=g).mul_(0.02)
         self.hf = _hf_experts(spec, self) if any(n.startswith("hf_") for n in impl_names) else None
 
 
@@ -151,14 +152,32 @@ def supported(name, spec, T) -> str | None:
     return None
 
 
+_GEN: dict = {}
+
+
+def _gen(device):
+    """Inputs come from a generator of their own: a failed capture of a peer leaves the default
+    CUDA generator unusable ('offset increment outside graph capture')."""
+    if device not in _GEN:
+        _GEN[device] = torch.Generator(device=device)
+        _GEN[device].manual_seed(0)
+    return _GEN[device]
+
+
 def routes(spec, T, device="cuda"):
-    tid = torch.rand(T, spec.num_experts, device=device).argsort(dim=1)[:, :spec.top_k].int().contiguous()
-    return torch.softmax(torch.randn(T, spec.top_k, device=device), -1), tid
+    g = _gen(device)
+    tid = torch.rand(T, spec.num_experts, device=device, generator=g).argsort(dim=1)[:, :spec.top_k].int().contiguous()
+    return torch.softmax(torch.randn(T, spec.top_k, device=device, generator=g), -1), tid
 
 
-def time_impl(fn, cases):
+EAGER_ONLY = {"hf_eager", "liger"}  # host syncs (nonzero, .item()): a capture attempt only leaks its memory pool
+
+
+def time_impl(name, fn, cases):
     """(us per call, mode): a CUDA graph when the implementation can be captured, else eager."""
     calls = [lambda c=c: fn(*c) for c in cases]
+    if name in EAGER_ONLY:
+        return eager_time_us(calls, reps=10), "eager"
     try:
         return graph_time_us(calls, replays=20), "graph"
     except Exception:  # noqa: BLE001 - a host sync or data-dependent shape: time it eagerly
@@ -198,7 +217,8 @@ def run_preset(args, spec, rate):
         cases = []
         for i in range(calls):
             tw, tid = routes(spec, T)
-            cases.append((torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16), layers[i % used], tw, tid))
+            x = torch.randn(T, spec.hidden_size, device="cuda", generator=_gen("cuda")).bfloat16()
+            cases.append((x, layers[i % used], tw, tid))
         hit = torch.unique(cases[0][3]).numel()
         expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
         bw_floor = (hit * expert_bytes + 2 * T * spec.hidden_size * 2) / COPY_BW * 1e6
@@ -217,7 +237,7 @@ def run_preset(args, spec, rate):
                 row[f"{impl}_note"] = why
                 continue
             try:
-                us, mode = time_impl(fn, cases)
+                us, mode = time_impl(impl, fn, cases)
                 if ref is not None:
                     row[f"{impl}_err"] = rel_errors(fn(*cases[0]), ref)[1]
             except torch.OutOfMemoryError:
