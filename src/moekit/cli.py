@@ -43,7 +43,22 @@ def cmd_explain(args) -> int:
         spec = presets.get(name)
         for T in args.tokens:
             print(f"[{name}] " + router_tiers.explain(T, spec.hidden_size, spec.num_experts, device).replace("\n", f"\n[{name}] "))
+            print(f"[{name}] " + explain_experts(spec, T, device))
     return 0
+
+
+def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which experts backend and block configuration serve ``num_tokens`` tokens, and why."""
+    from . import expert_configs
+    from .experts import choose_backend
+
+    backend = choose_backend(device)
+    if backend == "torch":
+        return f"fused_experts T={num_tokens}: torch (device {device.type}: dense fp32 loop over experts)"
+    cfg, source = expert_configs.choose(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
+                                        spec.hidden_size, device, dtype)
+    mode = "per-pair decode mode" if cfg.per_pair else f"aligned, BLOCK_M={cfg.block_m}"
+    return (f"fused_experts T={num_tokens}: triton, {mode}, gemm1 {cfg.gemm1}, gemm2 {cfg.gemm2} -- {source}")
 
 
 def cmd_verify(args) -> int:
@@ -52,7 +67,7 @@ def cmd_verify(args) -> int:
     from rich.table import Table
 
     from . import presets
-    from .verify.experts_checks import check_experts
+    from .verify.experts_checks import check_experts, experts_backends
     from .verify.router_checks import check_router, implementations
 
     device = _device()
@@ -70,8 +85,9 @@ def cmd_verify(args) -> int:
                       "on the CPU (run without --dtype) and in bf16 on a GPU")
     served = "; ".join(f"{op}: {', '.join(v)}" for op, v in impls.items())
     console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'} ({served}); "
-                  f"router on {'real' if on_gpu else 'scaled-down'} presets, experts (torch path) on scaled-down "
-                  f"presets, dtype {str(dtype).replace('torch.', '')}")
+                  f"router on {'real' if on_gpu else 'scaled-down'} presets, experts "
+                  f"({', '.join(experts_backends(device, dtype))}) on scaled-down presets, "
+                  f"dtype {str(dtype).replace('torch.', '')}")
     start = time.time()
     results = []
     jobs = [(n, T) for n in names for T in tokens]

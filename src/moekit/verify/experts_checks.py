@@ -1,5 +1,5 @@
-"""Experts and whole-layer checks of `moekit verify` (torch implementation, scaled-down presets:
-it runs every expert on every token, so real preset sizes wait for the Triton experts path)."""
+"""Experts and whole-layer checks of `moekit verify`: every experts backend of this machine
+(Triton: CUDA, or the interpreter on CPUs; torch) on scaled-down presets."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ from .router_checks import CheckResult, score_values
 TOL = {torch.float32: Tolerance(1e-4, 1e-5), torch.float16: Tolerance(2e-2, 5e-3), torch.bfloat16: Tolerance(2e-2, 5e-3)}
 
 
+def experts_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Backends to check: the interpreter's bf16 dot is wrong, so CPU kernels are checked in fp16/fp32."""
+    from .. import _triton
+
+    kernels = _triton.can_launch(device) and not (device.type == "cpu" and dtype == torch.bfloat16)
+    return (["triton"] if kernels else []) + ["torch"]
+
+
 def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device) -> list[CheckResult]:
     spec = spec if spec.name.endswith("@scaled") else spec.scaled()
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
@@ -27,10 +35,14 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     tw, tid = route(torch.randn(num_tokens, E, device=device), spec.top_k, spec.routing,
                     **spec.routing_kwargs())
     results = []
-    out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
-    got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out)
+    backends = experts_backends(device, dtype)
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2)
-    results.append(score_values(CheckResult("fused_experts", "torch", spec.name, num_tokens), got, ref, tol, got is out))
+    for backend in backends:
+        out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
+        got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                            backend=backend)
+        results.append(score_values(CheckResult("fused_experts", backend, spec.name, num_tokens), got, ref, tol,
+                                    got is out))
 
     M = max(1, num_tokens)
     xb = torch.randn(E, M, H, device=device).to(dtype)
@@ -38,11 +50,13 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     counts[0] = 0                                                                  # an empty expert
     valid = torch.arange(M, device=device)[None, :] < counts[:, None]
     xb[~valid] = float("nan")                                                      # garbage padding
-    out = torch.full_like(xb, float("nan"))
-    got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out)
     ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2)
-    results.append(score_values(CheckResult("batched_experts", "torch", spec.name, num_tokens), got[valid], ref[valid],
-                           tol, got is out))
+    for backend in backends:
+        out = torch.full_like(xb, float("nan"))
+        got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                              backend=backend)
+        results.append(score_values(CheckResult("batched_experts", backend, spec.name, num_tokens), got[valid],
+                                    ref[valid], tol, got is out))
 
     layer = FusedMoE(spec, dtype=dtype, device=device)
     xl = torch.randn(num_tokens, H, device=device).to(dtype)
