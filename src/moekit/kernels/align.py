@@ -102,13 +102,19 @@ def align_kernel(
 
 
 @triton.jit
+def _my_chunk(num_pairs, PAIRS_PER_PROGRAM: tl.constexpr):
+    """(chunk id, first pair, end) of this program's chunk of pairs."""
+    c = tl.program_id(0)
+    start = c * PAIRS_PER_PROGRAM
+    return c, start, tl.minimum(start + PAIRS_PER_PROGRAM, num_pairs)
+
+
+@triton.jit
 def align_count_kernel(ids_ptr, expert_map_ptr, pair_expert_ptr, chunk_counts_ptr, num_pairs, num_global, num_local,
                        PAIRS_PER_PROGRAM: tl.constexpr, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr,
                        CHUNK: tl.constexpr):
     """Step 1 of 3: chunk_counts[c, e] = pairs of chunk c on expert e."""
-    c = tl.program_id(0)
-    start = c * PAIRS_PER_PROGRAM
-    end = tl.minimum(start + PAIRS_PER_PROGRAM, num_pairs)
+    c, start, end = _my_chunk(num_pairs, PAIRS_PER_PROGRAM)
     counts = _count(ids_ptr, expert_map_ptr, pair_expert_ptr, start, end, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
     tl.store(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
 
@@ -140,8 +146,6 @@ def align_scatter_kernel(ids_ptr, expert_map_ptr, sorted_pairs_ptr, chunk_counts
                          PAIRS_PER_PROGRAM: tl.constexpr, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr,
                          CHUNK: tl.constexpr):
     """Step 3 of 3: each chunk scatters its pairs from its first slots."""
-    c = tl.program_id(0)
-    start = c * PAIRS_PER_PROGRAM
-    end = tl.minimum(start + PAIRS_PER_PROGRAM, num_pairs)
+    c, start, end = _my_chunk(num_pairs, PAIRS_PER_PROGRAM)
     cursor = tl.load(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD))
     _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
