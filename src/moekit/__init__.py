@@ -1,6 +1,6 @@
 """moekit: accurate, fast Mixture-of-Experts inference layers (PyTorch + Triton)."""
 
-from . import layouts, presets, reference
+from . import formats, layouts, presets, reference
 from .experts import batched_experts, fused_experts
 from .layer import FusedMoE
 from .presets import MoESpec
@@ -10,6 +10,7 @@ from .routing import route
 __version__ = "0.1.0"
 
 __all__ = [
-    "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "batched_experts", "fused_experts", "fused_router", "layouts",
+    "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "batched_experts", "formats", "fused_experts", "fused_router",
+    "layouts",
     "presets", "reference", "route", "router_gemm",
 ]

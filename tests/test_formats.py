@@ -1,0 +1,235 @@
+"""moekit.formats against the definitions of formats.md, bit for bit."""
+
+import pytest
+import torch
+
+from moekit.formats import fp4, fp8, mxfp4, nvfp4
+
+# ------------------------------------------------------------------------------------- fp4
+def test_every_code_decodes_to_its_value():
+    codes = torch.arange(16, dtype=torch.uint8)
+    expect = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    got = fp4.decode(codes)
+    assert got.tolist() == expect
+    assert torch.signbit(got[8])                                       # code 8 is -0
+
+
+def test_every_value_encodes_to_its_code():
+    values = fp4.code_values()
+    codes = fp4.encode(values)
+    assert codes[:8].tolist() == list(range(8))
+    assert codes[9:].tolist() == list(range(9, 16))                   # -0.0 is not < 0: code 0, also 0
+
+
+@pytest.mark.parametrize("x,code,why", [
+    (0.25, 0, "tie 0 | 0.5 -> even code 0"), (0.2500001, 1, "just past the tie"),
+    (0.75, 2, "tie 0.5 | 1 -> even code 2 (1.0)"), (0.7499999, 1, "just below"),
+    (1.25, 2, "tie 1 | 1.5 -> 1.0"), (1.2500001, 3, "just past"),
+    (1.75, 4, "tie 1.5 | 2 -> 2.0"), (1.7499999, 3, "just below"),
+    (2.5, 4, "tie 2 | 3 -> 2.0"), (2.5000002, 5, "just past"),
+    (3.5, 6, "tie 3 | 4 -> 4.0"), (3.4999998, 5, "just below"),
+    (5.0, 6, "tie 4 | 6 -> 4.0"), (5.0000005, 7, "just past"),
+    (6.0, 7, "largest"), (7.0, 7, "saturates"), (1e30, 7, "saturates far out"),
+    (-0.1, 8, "negative rounding to zero keeps the sign: -0"), (-5.5, 15, "negative, rounds to -6"),
+    (-100.0, 15, "saturates at -6"), (0.0, 0, "zero"),
+])
+def test_rounding_thresholds_ties_and_saturation(x, code, why):
+    assert fp4.encode(torch.tensor([x], dtype=torch.float32)).item() == code, why
+
+
+def test_pack_puts_even_elements_in_the_low_nibble():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    packed = fp4.pack(codes)
+    assert packed.tolist() == [[0x21, 0x0F]]
+    assert torch.equal(fp4.unpack(packed), codes)
+    with pytest.raises(ValueError, match="even last dimension"):
+        fp4.pack(torch.zeros(3, dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------------------------- nvfp4
+def test_nvfp4_follows_the_definition():
+    x = torch.randn(3, 64) * 3
+    x[1, 16:32] = 0                                                   # an all-zero block
+    t = nvfp4.quantize(x)
+    gs = 448 * 6 / x.abs().max()
+    assert torch.equal(t.global_scale, gs)
+    xb = x.reshape(3, 4, 16)
+    sf = (gs * xb.abs().amax(-1) / 6).to(torch.float8_e4m3fn)
+    assert torch.equal(t.scales.view(torch.uint8), sf.view(torch.uint8))
+    assert (t.scales[1, 1].float() == 0).item()
+    sf32 = sf.float()[..., None]
+    expect_codes = fp4.encode(torch.where(sf32 > 0, xb * gs / torch.where(sf32 > 0, sf32, 1), 0.0)).reshape(3, 64)
+    assert torch.equal(fp4.unpack(t.data), expect_codes)
+    assert (fp4.unpack(t.data)[1, 16:32] == 0).all()
+    deq = nvfp4.dequantize(t, torch.float32)
+    assert torch.equal(deq, (fp4.decode(expect_codes).reshape(3, 4, 16) * sf32 / gs).reshape(3, 64))
+
+
+def test_nvfp4_block_max_maps_to_six_and_the_tensor_max_to_448():
+    x = torch.randn(2, 32)
+    t = nvfp4.quantize(x)
+    assert t.scales.float().max().item() == 448.0
+    flat = x.flatten()
+    assert nvfp4.dequantize(t, torch.float32).flatten()[flat.abs().argmax()].item() == pytest.approx(flat[flat.abs().argmax()].item())
+
+
+def test_nvfp4_subnormal_block_scales():
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1.0                                                    # sets gs = 2688
+    x[0, 16] = 2.0 ** -9 * 6 / 2688                                  # block scale 2^-9: e4m3's smallest subnormal
+    t = nvfp4.quantize(x)
+    assert t.scales.float()[0].tolist() == [448.0, 2.0 ** -9]
+    assert nvfp4.dequantize(t, torch.float32)[0, 16].item() == pytest.approx(x[0, 16].item(), rel=1e-6)
+
+
+def test_nvfp4_per_expert_global_scales_and_given_scale():
+    w = torch.randn(3, 8, 32)
+    w[2] *= 100
+    t = nvfp4.quantize(w, scale_dims=1)
+    assert t.global_scale.shape == (3,)
+    assert torch.allclose(t.global_scale, 2688 / w.abs().amax(dim=(1, 2)))
+    given = nvfp4.quantize(w, global_scale=torch.tensor([1.0, 2.0, 3.0]))
+    assert given.global_scale.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="global_scale must be a scalar or have the leading shape"):
+        nvfp4.quantize(w, global_scale=torch.ones(4))
+
+
+def test_nvfp4_all_zero_tensor_and_bad_input():
+    t = nvfp4.quantize(torch.zeros(2, 16))
+    assert t.global_scale.item() == 1.0 and (t.data == 0).all() and (t.scales.float() == 0).all()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        nvfp4.quantize(torch.tensor([[float("nan")] + [0.0] * 15]))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        nvfp4.quantize(torch.tensor([[float("inf")] + [0.0] * 15]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.quantize(torch.zeros(2, 24))
+
+
+def test_swizzle_matches_the_formula_and_zeroes_padding():
+    rows, cols = 130, 6                                               # padded to 256 x 8
+    scales = (torch.rand(rows, cols) * 100 + 1).to(torch.float8_e4m3fn)
+    sw = nvfp4.swizzle(scales)
+    assert sw.shape == (256 * 8,)
+    padded_cols = 8
+    for r in (0, 1, 31, 32, 127, 128, 129):
+        for c in (0, 3, 4, 5):
+            off = ((r // 128) * (padded_cols // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
+            assert sw[off].item() == scales[r, c].view(torch.uint8).item()
+    used = torch.zeros(256 * 8, dtype=torch.bool)
+    used[nvfp4.swizzled_offsets(rows, cols).flatten()] = True
+    assert used.sum().item() == rows * cols                           # a bijection onto the used bytes
+    assert (sw[~used] == 0).all()                                    # padding zero-initialized
+    assert torch.equal(nvfp4.unswizzle(sw, rows, cols).view(torch.uint8), scales.view(torch.uint8))
+
+
+def test_swizzled_quantize_round_trips():
+    w = torch.randn(2, 130, 96)
+    lin, sw = nvfp4.quantize(w, scale_dims=1), nvfp4.quantize(w, swizzled=True, scale_dims=1)
+    assert sw.scales.shape == (2, 256 * 8)
+    assert torch.equal(nvfp4.dequantize(lin), nvfp4.dequantize(sw))
+
+
+def test_modelopt_conversion_round_trips():
+    w = torch.randn(4, 16, 64)
+    t = nvfp4.quantize(w, scale_dims=1)
+    ckpt = nvfp4.to_modelopt(t)
+    assert torch.allclose(ckpt["weight_scale_2"], w.abs().amax(dim=(1, 2)) / 2688)
+    back = nvfp4.from_modelopt(ckpt["weight"], ckpt["weight_scale"], ckpt["weight_scale_2"])
+    ours = nvfp4.dequantize(t, torch.float32)
+    modelopt = (fp4.decode(fp4.unpack(ckpt["weight"])).reshape(4, 16, 4, 16) * ckpt["weight_scale"].float()[..., None]
+                * ckpt["weight_scale_2"][:, None, None, None]).reshape(4, 16, 64)
+    assert torch.allclose(nvfp4.dequantize(back, torch.float32), modelopt, rtol=2 ** -23, atol=0)
+    assert torch.allclose(ours, modelopt, rtol=2 ** -22, atol=0)
+    with pytest.raises(ValueError, match="weight_scale must have shape"):
+        nvfp4.from_modelopt(ckpt["weight"], ckpt["weight_scale"][..., :2], ckpt["weight_scale_2"])
+
+
+# ------------------------------------------------------------------------------------- mxfp4
+@pytest.mark.parametrize("amax,exponent,why", [
+    (6.0, 0, "amax / 6 = 1: a power of two stays"),
+    (6.5, 1, "just above rounds up to 2"),
+    (3.0, -1, "0.5 exactly"),
+    (3.1, 0, "above 0.5 rounds up to 1"),
+    (6.0 * 2.0 ** -130, -127, "below E8M0's range clamps to 2^-127"),
+    (0.0, -127, "an all-zero block"),
+])
+def test_mxfp4_scale_rounds_up_to_a_power_of_two(amax, exponent, why):
+    x = torch.zeros(1, 32)
+    x[0, 5] = -amax
+    t = mxfp4.quantize(x)
+    assert t.scales.item() == exponent + 127, why
+
+
+def test_mxfp4_follows_the_definition_and_never_saturates_in_range():
+    x = torch.randn(5, 128) * 10
+    t = mxfp4.quantize(x)
+    xb = x.reshape(5, 4, 32)
+    e = torch.ceil(torch.log2(xb.abs().amax(-1) / 6))
+    assert torch.equal(t.scales.long(), (e + 127).long())
+    codes = fp4.encode(xb / torch.exp2(e)[..., None]).reshape(5, 128)
+    assert torch.equal(fp4.unpack(t.data), codes)
+    assert (xb.abs() / torch.exp2(e)[..., None]).max() <= 6.0
+    assert torch.equal(mxfp4.dequantize(t, torch.float32),
+                       (fp4.decode(codes).reshape(5, 4, 32) * torch.exp2(e)[..., None]).reshape(5, 128))
+    assert torch.equal(t.scales_e8m0().view(torch.uint8), t.scales)
+
+
+def test_mxfp4_nan_scale_and_bad_input():
+    t = mxfp4.quantize(torch.randn(1, 64))
+    broken = mxfp4.MXFP4Tensor(t.data, torch.tensor([[255, t.scales[0, 1].item()]], dtype=torch.uint8), t.shape)
+    out = mxfp4.dequantize(broken, torch.float32)
+    assert torch.isnan(out[0, :32]).all() and torch.isfinite(out[0, 32:]).all()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        mxfp4.quantize(torch.full((1, 32), float("-inf")))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp4.quantize(torch.zeros(1, 48))
+
+
+def test_gpt_oss_blocks_read_as_transformers_does():
+    E, N, K = 2, 6, 64
+    blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8)
+    scales = torch.randint(118, 136, (E, N, K // 32), dtype=torch.uint8)
+    t = mxfp4.from_gpt_oss(blocks, scales)
+    got = mxfp4.dequantize(t, torch.float32)
+    # The transformers recipe (integrations/mxfp4.py): low nibble -> even element, ldexp by scale - 127.
+    lut = fp4.code_values()
+    lo, hi = lut[(blocks & 0xF).long()], lut[(blocks >> 4).long()]
+    vals = torch.stack([lo, hi], dim=-1).reshape(E, N, K // 32, 32)
+    expect = torch.ldexp(vals, (scales.long() - 127)[..., None].float()).reshape(E, N, K)
+    assert torch.equal(got, expect)
+    b2, s2 = mxfp4.to_gpt_oss(t)
+    assert torch.equal(b2, blocks) and torch.equal(s2, scales)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        mxfp4.from_gpt_oss(blocks, scales[..., :1])
+
+
+# ------------------------------------------------------------------------------------- fp8
+@pytest.mark.parametrize("quantize,scale_shape", [
+    (fp8.quantize_per_tensor, ()), (fp8.quantize_per_channel, (200, 1)),
+    (fp8.quantize_blocks, (2, 3)), (fp8.quantize_groups, (200, 3)),
+])
+def test_fp8_granularities(quantize, scale_shape):
+    w = torch.randn(200, 300) * 5
+    w[:128, :128] = 0                                                 # an all-zero block / groups
+    t = quantize(w)
+    assert t.scale.shape == scale_shape and t.data.dtype == torch.float8_e4m3fn
+    deq = fp8.dequantize(t, torch.float32)
+    assert (deq[:128, :128] == 0).all() if t.granularity == "block" else True
+    assert ((deq - w).norm() / w.norm()).item() < 0.04                # e4m3: 3 mantissa bits
+    assert t.data.float().abs().max().item() == 448.0                 # each scale maps its max to 448
+
+
+def test_fp8_block_scales_are_block_maxima():
+    w = torch.randn(2, 256, 130)
+    t = fp8.quantize_blocks(w)
+    assert t.scale.shape == (2, 2, 2)
+    assert t.scale[1, 0, 1].item() == pytest.approx(w[1, :128, 128:].abs().max().item() / 448, rel=1e-7)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fp8.quantize_groups(torch.tensor([float("nan")]))
+
+
+def test_nvfp4_saturates_scales_at_448_and_codes_at_6():
+    x = torch.ones(1, 16)
+    t = nvfp4.quantize(x, global_scale=10000.0)                     # 10000 / 6 > 448: the scale saturates
+    assert t.scales.float().item() == 448.0
+    assert (fp4.unpack(t.data) == 7).all()                           # 10000 / 448 = 22 > 6: codes saturate
