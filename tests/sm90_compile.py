@@ -142,12 +142,36 @@ def expert_variants():
         counts = torch.zeros(spec.num_experts, dtype=torch.int32)
         yield f"batched {name} M=64", lambda xb=xb, c=counts, w13=w13, w2=w2, b13=b13, b2=b2, s=spec: batched_experts(
             xb, c, w13, w2, activation=s.activation, w13_bias=b13, w2_bias=b2, backend="triton")
+    from moekit.formats import mxfp4, nvfp4
+
+    for name, mod in (("gpt-oss-120b", mxfp4), ("qwen3-30b-a3b", nvfp4)):  # W4A16: each model's 4-bit format
+        spec = presets.get(name)
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        one13, one2 = mod.quantize(torch.randn(1, 2 * I, H)), mod.quantize(torch.randn(1, H, I))
+        q13, q2 = (_expand_quantized(mod, one13, E), _expand_quantized(mod, one2, E))
+        b13, b2 = (torch.empty(E, 2 * I, dtype=torch.bfloat16), torch.empty(E, H, dtype=torch.bfloat16)) \
+            if spec.expert_bias else (None, None)
+        for T in (1, 16, 1024):
+            x = torch.empty(T, H, dtype=torch.bfloat16)
+            ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
+            yield f"{mod.__name__.split('.')[-1]} {name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: \
+                fused_experts(x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13,
+                              w2_bias=b2, backend="triton")
     spec = presets.get("mixtral-8x7b").scaled()
     w13, w2, _ = weights(spec, torch.float32)
     x = torch.empty(40, spec.hidden_size)
     emap = torch.zeros(2 * spec.num_experts, dtype=torch.int32)
     yield "experts fp32 (ieee dot), expert_map", lambda: fused_experts(
         x, w13, w2, torch.zeros(40, 2), torch.zeros(40, 2, dtype=torch.int32), expert_map=emap, backend="triton")
+
+
+def _expand_quantized(mod, one, num_experts):
+    """A 4-bit stack of one expert repeated (stride 0): shapes for compiling, not gigabytes."""
+    grow = lambda t: t.expand(num_experts, *t.shape[1:])  # noqa: E731
+    if mod.__name__.endswith("mxfp4"):
+        return mod.MXFP4Tensor(grow(one.data), grow(one.scales), (num_experts, *one.shape[1:]))
+    return mod.NVFP4Tensor(grow(one.data), grow(one.scales), one.global_scale.expand(num_experts),
+                           (num_experts, *one.shape[1:]))
 
 
 def main() -> int:

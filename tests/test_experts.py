@@ -336,3 +336,65 @@ def test_gpu_cuda_graph_replays_with_new_inputs(T):
         graph.replay()
         ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
         check_close(f"replay T={T}", out, ref, TOL[torch.bfloat16])
+
+
+# --------------------------------------------------------------------------- 4-bit weights (W4A16)
+def _quantized(fmt, w13, w2):
+    from moekit.formats import mxfp4, nvfp4
+
+    if fmt == "mxfp4":
+        q13, q2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        return q13, q2, mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
+    q13, q2 = nvfp4.quantize(w13, scale_dims=1), nvfp4.quantize(w2, scale_dims=1)
+    return q13, q2, nvfp4.dequantize(q13, torch.float32), nvfp4.dequantize(q2, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,H,I,k,act,biases,why", [
+    (1, 6, 64, 32, 2, "swiglu_oai", True, "per-pair decode mode, gpt-oss activation"),
+    (9, 7, 64, 64, 6, "silu_and_mul", False, "aligned, prime E, k=6, K spans two tiles"),
+    (33, 8, 96, 32, 4, "swiglu_oai", True, "many rows, H=96 (3 MXFP4 groups)"),
+])
+def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backend, dtype, T, E, H, I, k, act, biases, why):
+    if backend == "torch" and dtype == torch.float16:
+        pytest.skip("the torch backend computes in fp32 whatever the input dtype")
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    x = torch.randn(T, H).to(dtype)
+    tw, tid = _routes(T, E, k)
+    b13, b2 = (None, None) if b13 is None else (b13.to(dtype), b2.to(dtype))
+    out = _poisoned((T, H), dtype)
+    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out, backend=backend)
+    ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2)
+    check_close(why, out, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_four_bit_batched_and_expert_map(fmt):
+    E, M, H, I = 4, 7, 64, 32
+    w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    xb = torch.randn(E, M, H)
+    counts = torch.tensor([7, 0, 3, 1], dtype=torch.int32)
+    valid = torch.arange(M)[None, :] < counts[:, None].long()
+    xb[~valid] = float("nan")
+    got = batched_experts(xb, counts, q13, q2, backend="triton")
+    check_close("batched", got[valid], reference.batched_experts(xb, counts, d13, d2)[valid], TOL[torch.float32])
+    emap = torch.tensor([-1, 0, 1, -1, 2, 3], dtype=torch.int32)
+    x, tw = torch.randn(5, H), torch.rand(5, 2)
+    tid = torch.tensor([[1, 0], [2, 4], [5, 3], [1, 2], [4, 5]], dtype=torch.int32)
+    got = fused_experts(x, q13, q2, tw, tid, expert_map=emap, backend="triton")
+    check_close("expert_map", got, reference.fused_experts(x, d13, d2, tw, tid, expert_map=emap), TOL[torch.float32])
+
+
+def test_four_bit_weights_bad_input():
+    from moekit.formats import mxfp4
+
+    w13, w2, _, _ = _weights(4, 64, 32, torch.float32, False)
+    q13 = mxfp4.quantize(w13)
+    x, (tw, tid) = torch.randn(3, 64), _routes(3, 4, 2)
+    _bad(lambda: fused_experts(x, q13, w2, tw, tid), TypeError, "w13 and w2 must share one format")
+    _bad(lambda: fused_experts(x, q13, "w2", tw, tid), TypeError, "expert weights must be torch.Tensor")
+    _bad(lambda: fused_experts(x[:, :32], q13, mxfp4.quantize(w2), tw, tid), ValueError, "x must have hidden size H=64")

@@ -7,6 +7,8 @@ a call can be captured in a CUDA graph and replayed with new inputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from . import _triton, expert_configs
@@ -40,6 +42,53 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor):
     return (bias, bias.stride(0), bias.stride(1)) if bias is not None else (fallback, 0, 0)
 
 
+FORMAT_IDS = {"dense": 0, "mxfp4": 1, "nvfp4": 2}  # kernels/moe_gemm.py weight formats
+FOUR_BIT_MIN_BLOCK_K = 32  # a K tile must hold whole scale groups (32 for MXFP4, 16 for NVFP4)
+FOUR_BIT_TILE_BUDGET = 4096  # dequantized weight elements per K step for 4 warps
+
+
+@dataclass(frozen=True)
+class WeightOperand:
+    """One expert stack as the kernels read it: (data, strides), (scales, strides, global scales), format."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    format: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, w) -> "WeightOperand":
+        from .experts import weight_format
+
+        fmt = weight_format(w)
+        if fmt == "dense":
+            return cls(w, w, w, fmt, tuple(w.shape))
+        data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
+        if fmt == "mxfp4":
+            return cls(data, w.scales, data, fmt, tuple(w.shape))
+        # The kernels read linear [E, N, K/16] scale bytes; a swizzled copy is unswizzled here, per call.
+        scales = w.linear_scales().view(torch.uint8)
+        gs = w.global_scale.float().reshape(-1).expand(w.shape[0]).contiguous()
+        return cls(data, scales, gs, fmt, tuple(w.shape))
+
+    def args(self) -> tuple:
+        d, s = self.data, self.scales
+        if self.format == "dense":
+            return (d, d.stride(0), d.stride(1), d.stride(2), d, 0, 0, d)
+        return (d, d.stride(0), d.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
+
+    def config(self, cfg: GemmConfig, tiles: int = 1) -> GemmConfig:
+        """4-bit tiles hold whole scale groups along K, and their dequantized fp32 values (``tiles``
+        of them per K step) must fit in registers (tests/sm90_compile.py shows spills past this)."""
+        if self.format == "dense":
+            return cfg
+        block_k = max(cfg.block_k, FOUR_BIT_MIN_BLOCK_K)
+        while block_k > FOUR_BIT_MIN_BLOCK_K and tiles * cfg.block_n * block_k > FOUR_BIT_TILE_BUDGET * cfg.num_warps // 4:
+            block_k //= 2
+        return replace(cfg, block_k=block_k)
+
+
 ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = 0, 1, 2  # kernels/moe_gemm.py row modes
 PER_PAIR_BLOCK_M = 16  # the smallest tensor-core tile; row 0 is the pair
 
@@ -48,19 +97,21 @@ def _gemm1(x3, x_strides, w13, b13, h, rows, activation, num_m_blocks, cfg: Gemm
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0):
     from .kernels.moe_gemm import gemm1_act_kernel
 
-    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    w = WeightOperand.of(w13)
+    cfg = w.config(cfg, tiles=2)  # gate and up
+    inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
     gemm1_act_kernel[grid](
         x3, *x_strides,
-        w13, w13.stride(0), w13.stride(1), w13.stride(2),
-        *_bias_args(b13, w13),
+        *w.args(),
+        *_bias_args(b13, x3),
         h, h.stride(0),
         *rows,
-        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w13.shape[0],
+        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w.shape[0],
         inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
-        DOT_PRECISION=_precision(w13.dtype),
+        DOT_PRECISION=_precision(x3.dtype), FORMAT=FORMAT_IDS[w.format],
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -70,18 +121,20 @@ def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig
            num_pairs, rows_per_expert):
     from .kernels.moe_gemm import gemm2_kernel
 
-    hidden, inter = w2.shape[1], w2.shape[2]
+    w = WeightOperand.of(w2)
+    cfg = w.config(cfg)
+    hidden, inter = w.shape[1], w.shape[2]
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
     gemm2_kernel[grid](
         h, h.stride(0),
-        w2, w2.stride(0), w2.stride(1), w2.stride(2),
-        *_bias_args(b2, w2),
+        *w.args(),
+        *_bias_args(b2, h),
         weights,
         y, *y_strides,
         *rows,
         num_pairs, rows_per_expert, num_m_blocks,
         hidden, inter,
-        HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(w2.dtype),
+        HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=FORMAT_IDS[w.format],
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -90,16 +143,19 @@ def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig
 def _gemm2_tokens(h, w2, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig):
     from .kernels.moe_gemm import gemm2_tokens_kernel
 
-    hidden, inter = w2.shape[1], w2.shape[2]
+    w = WeightOperand.of(w2)
+    cfg = w.config(cfg)
+    hidden, inter = w.shape[1], w.shape[2]
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
     gemm2_tokens_kernel[grid](
         h, h.stride(0),
-        w2, w2.stride(0), w2.stride(1), w2.stride(2),
-        *_bias_args(b2, w2),
+        *w.args(),
+        *_bias_args(b2, h),
         weights, ids, expert_map if expert_map is not None else ids,
         out, out.stride(0),
-        top_k, num_global, w2.shape[0], hidden, inter,
-        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(w2.dtype),
+        top_k, num_global, w.shape[0], hidden, inter,
+        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(h.dtype),
+        FORMAT=FORMAT_IDS[w.format],
         BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -152,7 +208,8 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     if num_pairs == 0:
         return
     if config is None:
-        config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype)
+        config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype,
+                                          WeightOperand.of(w13).format)
     weights = topk_weights.reshape(-1).contiguous()
     ids = topk_ids.reshape(-1)
     num_global = expert_map.shape[0] if expert_map is not None else num_experts
@@ -189,7 +246,7 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
     if config is None:
         # Each expert runs up to M rows: the regime of M rows per expert.
         config, _ = expert_configs.choose(rows_per_expert * num_experts, num_experts, 1, two_i, hidden,
-                                          x.device, x.dtype)
+                                          x.device, x.dtype, WeightOperand.of(w13).format)
     bm = config.block_m
     blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
     h = torch.empty(num_experts * rows_per_expert, two_i // 2, dtype=x.dtype, device=x.device)
@@ -227,16 +284,20 @@ def _(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias) -> None
     return None
 
 
+def _dense_weights(*ws) -> bool:
+    return all(isinstance(w, torch.Tensor) for w in ws)
+
+
 def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None):
-    if config is None:
+    if config is None and _dense_weights(w13, w2):
         torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                                             w2_bias, expert_map)
-    else:  # explicit configs (tuning, tests) skip the op: they are not part of its schema
+    else:  # explicit configs and 4-bit weight objects skip the op: they are not part of its schema
         fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config)
 
 
 def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None):
-    if config is None:
+    if config is None and _dense_weights(w13, w2):
         torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
     else:
         batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config)

@@ -88,11 +88,12 @@ def _table() -> dict:
         return {}
 
 
-def table_key(device: torch.device, dtype: torch.dtype) -> str:
+def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "dense") -> str:
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{gpu}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}"
+    fmt = "" if weight_format == "dense" else f"|{weight_format}"
+    return f"{gpu}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}{fmt}"
 
 
 def shape_key(num_experts: int, n1: int, k1: int) -> str:
@@ -109,6 +110,8 @@ def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int,
 
 
 def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
-           dtype: torch.dtype) -> tuple[ExpertsConfig, str]:
-    """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens."""
-    return _choose(table_key(device, dtype), shape_key(num_experts, n1, k1), num_tokens, num_experts, top_k, n1, k1)
+           dtype: torch.dtype, weight_format: str = "dense") -> tuple[ExpertsConfig, str]:
+    """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens, with
+    activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4")."""
+    return _choose(table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens, num_experts,
+                   top_k, n1, k1)

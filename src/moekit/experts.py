@@ -32,19 +32,48 @@ def choose_backend(device: torch.device, backend: str = "auto") -> str:
     return "triton" if device.type == "cuda" and _triton.can_launch(device) else "torch"
 
 
+def weight_format(w) -> str:
+    """"dense" for a torch.Tensor, "mxfp4" / "nvfp4" for moekit.formats' quantized tensors."""
+    from .formats.mxfp4 import MXFP4Tensor
+    from .formats.nvfp4 import NVFP4Tensor
+
+    if isinstance(w, torch.Tensor):
+        return "dense"
+    if isinstance(w, MXFP4Tensor):
+        return "mxfp4"
+    if isinstance(w, NVFP4Tensor):
+        return "nvfp4"
+    raise TypeError(f"expert weights must be torch.Tensor, MXFP4Tensor or NVFP4Tensor, got {type(w).__name__}")
+
+
+def _check_quantized(name, w, ndim, device):
+    if len(w.shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(w.shape)}")
+    if w.data.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of the input), got {w.data.device}")
+
+
 def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check_tensor("w13", w13, ndim=3, dtypes=WEIGHT_DTYPES, device=x.device)
+    fmt = weight_format(w13)
+    if weight_format(w2) != fmt:
+        raise TypeError(f"w13 and w2 must share one format, got {fmt} and {weight_format(w2)}")
+    if fmt == "dense":
+        check_tensor("w13", w13, ndim=3, dtypes=WEIGHT_DTYPES, device=x.device)
+        check_tensor("w2", w2, ndim=3, dtypes=(w13.dtype,), device=x.device)
+        if x.dtype != w13.dtype:
+            raise TypeError(f"x must have the weights' dtype {w13.dtype}, got {x.dtype}")
+    else:
+        _check_quantized("w13", w13, 3, x.device)
+        _check_quantized("w2", w2, 3, x.device)
     E, two_i, H = w13.shape
     if two_i % 2 or two_i == 0:
         raise ValueError(f"w13 must be [E, 2I, H] with 2I even and > 0, got {tuple(w13.shape)}")
     if x.shape[-1] != H:
         raise ValueError(f"x must have hidden size H={H} (from w13 [E, 2I, H]) in its last dim, got {tuple(x.shape)}")
-    check_tensor("w2", w2, ndim=3, dtypes=(w13.dtype,), device=x.device)
-    check_shape("w2", w2, (E, H, two_i // 2))
-    if x.dtype != w13.dtype:
-        raise TypeError(f"x must have the weights' dtype {w13.dtype}, got {x.dtype}")
+    if tuple(w2.shape) != (E, H, two_i // 2):
+        raise ValueError(f"w2 must have shape {(E, H, two_i // 2)}, got {tuple(w2.shape)}")
     if w13_bias is not None:
         check_tensor("w13_bias", w13_bias, ndim=2, device=x.device)
         check_shape("w13_bias", w13_bias, (E, two_i))
@@ -52,6 +81,21 @@ def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
         check_tensor("w2_bias", w2_bias, ndim=2, device=x.device)
         check_shape("w2_bias", w2_bias, (E, H))
     return E, two_i // 2, H
+
+
+def _storage(w) -> torch.Tensor:
+    """The tensor holding a weight's values (a quantized weight's packed bytes), for alias checks."""
+    return w if isinstance(w, torch.Tensor) else w.data
+
+
+def _dense(w) -> torch.Tensor:
+    """Quantized weights dequantized to fp32 (the torch backend's reference path); dense as is."""
+    fmt = weight_format(w)
+    if fmt == "dense":
+        return w
+    from .formats import mxfp4, nvfp4
+
+    return (mxfp4 if fmt == "mxfp4" else nvfp4).dequantize(w, torch.float32)
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -109,7 +153,10 @@ def fused_experts(
     Args:
         x: [T, H] bf16/fp16/fp32, any strides.
         w13: [E, 2I, H] (K contiguous): rows [gate; up] for silu_and_mul, interleaved for swiglu_oai.
-        w2: [E, H, I], same dtype.
+            Either a tensor of x's dtype, or 4-bit weights (:class:`moekit.formats.mxfp4.MXFP4Tensor`,
+            :class:`moekit.formats.nvfp4.NVFP4Tensor` with a per-expert global scale), dequantized
+            inside the kernels (W4A16; x bf16/fp16/fp32).
+        w2: [E, H, I], same type/dtype as w13.
         topk_weights: [T, k] float32; topk_ids: [T, k] int32 (global expert ids).
         activation: ``"silu_and_mul"`` or ``"swiglu_oai"``.
         w13_bias: [E, 2I]; w2_bias: [E, H] (any float dtype; added in fp32).
@@ -139,7 +186,7 @@ def fused_experts(
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
         num_global = expert_map.shape[0]
-    _check_out(out, x, {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
+    _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
     if choose_backend(x.device, backend) == "triton":
         from . import _experts_triton
 
@@ -158,6 +205,7 @@ def fused_experts(
     weights = torch.where(valid, topk_weights, 0.0)
     acc = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device)
     x32 = x.float()
+    w13, w2 = _dense(w13), _dense(w2)
     # A dense pass per expert keeps shapes static (no host sync, graph-capturable); the Triton path
     # replaces it with token-aligned grouped GEMMs.
     for e in range(E):
@@ -202,7 +250,7 @@ def batched_experts(
         raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
-    _check_out(out, x, {"x": x, "w13": w13, "w2": w2})
+    _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
     if choose_backend(x.device, backend) == "triton":
         from . import _experts_triton
 
@@ -216,5 +264,6 @@ def batched_experts(
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
     # them first keeps NaN padding out of the arithmetic altogether.
     x32 = torch.where(valid[..., None], x.float(), 0.0)
+    w13, w2 = _dense(w13), _dense(w2)
     ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias) for e in range(E)]
     return _deliver(torch.where(valid[..., None], torch.stack(ys), 0.0).to(x.dtype), out)

@@ -13,6 +13,9 @@ import triton.language as tl
 ALIGNED = tl.constexpr(0)  # row blocks of the aligned pair list (standard format)
 BATCHED = tl.constexpr(1)  # row blocks of each expert's slab (batched format)
 PER_PAIR = tl.constexpr(2)  # one pair per block, no alignment (decode: a launch saved, nothing to pad)
+DENSE = tl.constexpr(0)  # weight formats: bf16/fp16/fp32 as stored
+MXFP4 = tl.constexpr(1)  # packed E2M1 + E8M0 scale per 32 along K
+NVFP4 = tl.constexpr(2)  # packed E2M1 + E4M3 scale (read as its bytes) per 16 along K + fp32 global scale per expert
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -30,6 +33,59 @@ def _tile_ids(num_m_blocks, num_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
     return pid_m, pid_n
+
+
+@triton.jit
+def _e2m1_values(codes):
+    """fp32 value of each E2M1 code (int32 0..15), built from its bits: no table, exact."""
+    mag = codes & 7
+    e = mag >> 1
+    m = mag & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), tl.where(m == 1, 0x3F000000, 0))
+    return (bits | ((codes >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_values(s):
+    """2^(s - 127) of uint8 exponents, exactly (s = 0 is the subnormal 2^-127; 255 is NaN)."""
+    s = s.to(tl.int32)
+    v = (s << 23).to(tl.float32, bitcast=True)
+    return tl.where(s == 255, float("nan"), tl.where(s == 0, 5.877471754111438e-39, v))
+
+
+@triton.jit
+def _e4m3_values(b):
+    """fp32 value of E4M3FN bytes (uint8 bits), exactly: subnormals, and 0x7F / 0xFF as NaN."""
+    b = b.to(tl.int32)
+    exp = (b >> 3) & 15
+    mant = b & 7
+    normal = (((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(exp == 0, mant.to(tl.float32) * 0.001953125, normal)  # subnormal: mant * 2^-9
+    mag = tl.where((exp == 15) & (mant == 7), float("nan"), mag)
+    return tl.where((b >> 7) == 1, -mag, mag)
+
+
+@triton.jit
+def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
+                 FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE.
+
+    4-bit formats are dequantized here, in registers: codes times their block scale (the NVFP4
+    global scale is divided out in the epilogue). Their bytes are K-contiguous (stride 1)."""
+    if FORMAT == DENSE:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                       mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
+    sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :], other=0)
+    scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
+    vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
+    return tl.trans(tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE))
 
 
 @triton.jit
@@ -74,7 +130,8 @@ def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, nu
 @triton.jit
 def gemm1_act_kernel(
     x_ptr, stride_xe, stride_xm, stride_xk,  # standard: x [T, H] (stride_xe unused); batched: x [E, M, H]
-    w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H]
+    w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
@@ -82,7 +139,7 @@ def gemm1_act_kernel(
     I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -99,19 +156,22 @@ def gemm1_act_kernel(
     gate_rows = offs_n.to(tl.int64) * gate_step
     up_rows = gate_rows + up_offset
     w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
         # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
-        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = n_ok[None, :] & k_ok[:, None]
-        w_k = offs_k[:, None] * stride_wk
-        w_gate = tl.load(w_e + gate_rows[None, :] * stride_wn + w_k, mask=w_mask, other=0.0)
-        w_up = tl.load(w_e + up_rows[None, :] * stride_wn + w_k, mask=w_mask, other=0.0)
+        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=row_ok[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
+        w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
+        w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if FORMAT == NVFP4:
+        gs = tl.load(gs_ptr + e)
+        acc_gate = acc_gate / gs
+        acc_up = acc_up / gs
     if HAS_BIAS:
         b_e = bias_ptr + e.to(tl.int64) * stride_be
         acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -129,14 +189,15 @@ def gemm1_act_kernel(
 @triton.jit
 def gemm2_kernel(
     h_ptr, stride_hm,  # activations [rows, I] from gemm1_act_kernel
-    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I]
+    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
     num_pairs, rows_per_expert, num_m_blocks,
     N, K,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -146,14 +207,18 @@ def gemm2_kernel(
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    w_e = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+    rows = offs_n.to(tl.int64)
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_e + offs_k[:, None] * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
+        w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if FORMAT == NVFP4:
+        acc = acc / tl.load(gs_ptr + e)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROWS == BATCHED:
@@ -167,12 +232,13 @@ def gemm2_kernel(
 @triton.jit
 def gemm2_tokens_kernel(
     h_ptr, stride_hm,  # activations [num_pairs, I] (PER_PAIR gemm1)
-    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I]
+    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [num_pairs], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
-    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Decode GEMM2 per token: its k slots in order, each a weighted expert product, summed in
@@ -188,16 +254,20 @@ def gemm2_tokens_kernel(
         pair = t * top_k + j
         e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
         if e >= 0:
-            w_e = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            s_e = s_ptr + e.to(tl.int64) * stride_se
             h_row = h_ptr + pair.to(tl.int64) * stride_hm
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :], mask=row0 & k_ok[None, :], other=0.0)
-                w = tl.load(w_e + offs_k[:, None] * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :], mask=row0 & (offs_k < K)[None, :],
+                            other=0.0)
+                w = _weight_tile(w_e, s_e, offs_n.to(tl.int64), n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
+                                 BLOCK_K, a.dtype)
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             y = tl.sum(acc, axis=0)  # rows other than 0 are zero
+            if FORMAT == NVFP4:
+                y = y / tl.load(gs_ptr + e)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
             total += tl.load(weights_ptr + pair) * y
