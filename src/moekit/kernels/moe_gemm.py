@@ -72,20 +72,25 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
 
     4-bit formats are dequantized here, in registers: codes times their block scale (the NVFP4
     global scale is divided out in the epilogue). Their bytes are K-contiguous (stride 1)."""
+    # One return at the end: the JIT compiles code after an early return even when the branch is constexpr.
     if FORMAT == DENSE:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+        tile = tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                        mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
-    BLOCK_N: tl.constexpr = rows.shape[0]
-    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
-    sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :], other=0)
-    scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
-    vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
-    return tl.trans(tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE))
+    else:
+        BLOCK_N: tl.constexpr = rows.shape[0]
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
+                         other=0)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
+        sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],
+                    other=0)
+        scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
+        vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
+        tile = tl.trans(tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE))
+    return tile
 
 
 @triton.jit
