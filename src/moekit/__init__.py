@@ -1,6 +1,7 @@
 """moekit: accurate, fast Mixture-of-Experts inference layers (PyTorch + Triton)."""
 
-from . import formats, layouts, presets, reference
+from . import backends, formats, layouts, presets, reference
+from .backends import explain, select_backend
 from .experts import batched_experts, fused_experts
 from .layer import FusedMoE
 from .presets import MoESpec
@@ -10,7 +11,7 @@ from .routing import route
 __version__ = "0.1.0"
 
 __all__ = [
-    "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "batched_experts", "formats", "fused_experts", "fused_router",
-    "layouts",
+    "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "backends", "batched_experts", "explain", "formats",
+    "fused_experts", "fused_router", "layouts", "select_backend",
     "presets", "reference", "route", "router_gemm",
 ]

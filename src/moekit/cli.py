@@ -49,12 +49,11 @@ def cmd_explain(args) -> int:
 
 def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """Which experts backend and block configuration serve ``num_tokens`` tokens, and why."""
-    from . import expert_configs
-    from .experts import choose_backend
+    from . import backends, expert_configs
 
-    backend = choose_backend(device)
-    if backend == "torch":
-        return f"fused_experts T={num_tokens}: torch (device {device.type}: dense fp32 loop over experts)"
+    call = backends.ExpertsCall("dense", dtype, device, num_tokens)
+    if backends.select_backend(call).name == "torch":
+        return "fused_experts " + backends.explain(call).replace("\n", "\n  ")
     cfg, source = expert_configs.choose(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
                                         spec.hidden_size, device, dtype)
     mode = "per-pair decode mode" if cfg.per_pair else f"aligned, BLOCK_M={cfg.block_m}"

@@ -11,25 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from . import _triton
 from ._checks import check_out, check_shape, check_tensor
 from .expert_configs import ExpertsConfig
 from .presets import ACTIVATIONS
 from .reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("triton", "torch")
 
 
-def choose_backend(device: torch.device, backend: str = "auto") -> str:
-    """``"triton"`` on CUDA (or when asked for under TRITON_INTERPRET=1), ``"torch"`` elsewhere."""
-    if backend not in ("auto",) + BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-    if backend == "triton" and not _triton.can_launch(device):
-        raise ValueError(f"backend='triton' needs a CUDA device or TRITON_INTERPRET=1, got {device}")
-    if backend != "auto":
-        return backend
-    return "triton" if device.type == "cuda" and _triton.can_launch(device) else "torch"
+def choose_backend(x: torch.Tensor, w13, backend: str = "auto") -> str:
+    """Name of the backend that serves this call (see :mod:`moekit.backends`, which explains why)."""
+    from . import backends
+
+    return backends.select_backend(backends.ExpertsCall.of(x, w13), backend).name
 
 
 def weight_format(w) -> str:
@@ -187,7 +181,7 @@ def fused_experts(
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
         num_global = expert_map.shape[0]
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
-    if choose_backend(x.device, backend) == "triton":
+    if choose_backend(x, w13, backend) == "triton":
         from . import _experts_triton
 
         if out is None:
@@ -251,7 +245,7 @@ def batched_experts(
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
-    if choose_backend(x.device, backend) == "triton":
+    if choose_backend(x, w13, backend) == "triton":
         from . import _experts_triton
 
         if out is None:

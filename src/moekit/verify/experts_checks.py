@@ -16,11 +16,11 @@ TOL = {torch.float32: Tolerance(1e-4, 1e-5), torch.float16: Tolerance(2e-2, 5e-3
 
 
 def experts_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Backends to check: the interpreter's bf16 dot is wrong, so CPU kernels are checked in fp16/fp32."""
-    from .. import _triton
+    """Every backend that can serve dense experts of ``dtype`` on ``device`` when asked by name."""
+    from .. import backends
 
-    kernels = _triton.can_launch(device) and not (device.type == "cpu" and dtype == torch.bfloat16)
-    return (["triton"] if kernels else []) + ["torch"]
+    call = backends.ExpertsCall("dense", dtype, device)
+    return [b.name for b in backends.BACKENDS if b.rejects(call, True) is None]
 
 
 def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device) -> list[CheckResult]:

@@ -1,0 +1,132 @@
+"""Which implementation serves an experts call, and why: the backend oracle.
+
+Each backend declares what it supports (weight format, activation dtype, device); candidates are
+tried in a fixed priority order and the first that supports the call serves it. An explicit
+``backend="name"`` that cannot serve the call raises a ValueError that says why. The torch backend
+(dequantize + fp32 torch) supports every call on every device: it is the float reference.
+
+    >>> print(moekit.backends.explain(moekit.backends.ExpertsCall.of(x, w13)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import _triton
+
+WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4")
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ExpertsCall:
+    """What a call asks of a backend (hashable; no tensors)."""
+
+    weight_format: str
+    act_dtype: torch.dtype
+    device: torch.device
+    num_tokens: int = 0
+
+    @classmethod
+    def of(cls, x: torch.Tensor, w13) -> "ExpertsCall":
+        from .experts import weight_format
+
+        return cls(weight_format(w13), x.dtype, x.device, x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1])
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A candidate: ``rejects(call, explicit)`` returns None when it can serve the call, else why not."""
+
+    name: str
+    rejects: Callable[[ExpertsCall, bool], str | None]
+    summary: str
+
+
+def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
+    if not _triton.triton_importable():
+        return "triton is not installed"
+    if call.weight_format not in WEIGHT_FORMATS:
+        return f"no kernel for {call.weight_format} weights"
+    if call.act_dtype not in ACTIVATION_DTYPES:
+        return f"activations must be one of bf16/fp16/fp32, got {call.act_dtype}"
+    if call.device.type == "cuda":
+        if torch.compiler.is_compiling():
+            return None  # the eager call before tracing asked the device; dynamo need not
+        major = _capability_major(call.device)
+        return None if major >= 8 else f"needs compute capability >= 8.0 (bf16 tensor cores), got {major}.x"
+    if not _triton.can_launch(call.device):
+        return f"needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {call.device.type}"
+    if _triton.interpreting() and call.act_dtype == torch.bfloat16:
+        return "Triton 3.6's interpreter computes bf16 dots wrongly (use fp16/fp32 on the CPU)"
+    # The interpreter is correct but numpy-slow: only on request (tests, `moekit verify`).
+    return None if explicit else "the interpreter serves only explicit requests on the CPU"
+
+
+_CAPABILITY: dict[int, int] = {}
+
+
+def _capability_major(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    return _CAPABILITY[index]
+
+
+def _torch_rejects(call: ExpertsCall, explicit: bool) -> str | None:
+    if call.weight_format not in WEIGHT_FORMATS:
+        return f"cannot dequantize {call.weight_format} weights"
+    return None
+
+
+BACKENDS = (
+    Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
+                                       "weight, fixed-order combine; 4-bit weights dequantized in the kernel"),
+    Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)"),
+)
+"""Priority order: the first candidate that supports a call serves it."""
+
+
+def names() -> tuple[str, ...]:
+    return tuple(b.name for b in BACKENDS)
+
+
+def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
+    """The backend that serves ``call``: ``backend="auto"`` takes the first supporting candidate;
+    a named backend is checked and refused with its reason (ValueError)."""
+    if backend != "auto":
+        match = [b for b in BACKENDS if b.name == backend]
+        if not match:
+            raise ValueError(f"backend must be 'auto' or one of {names()}, got {backend!r}")
+        why = match[0].rejects(call, True)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot serve this call: {why}")
+        return match[0]
+    for b in BACKENDS:
+        if b.rejects(call, False) is None:
+            return b
+    raise ValueError("no backend supports this call: " + "; ".join(f"{b.name}: {b.rejects(call, False)}" for b in BACKENDS))
+
+
+def explain(call: ExpertsCall, backend: str = "auto") -> str:
+    """One line per candidate, in priority order: taken, rejected (why), or not reached."""
+    chosen = select_backend(call, backend).name
+    lines = [f"experts call: {call.weight_format} weights, {str(call.act_dtype).removeprefix('torch.')} activations, "
+             f"{call.device}, T={call.num_tokens}, backend={backend!r}"]
+    taken = False
+    for b in BACKENDS:
+        if taken:
+            lines.append(f"  {b.name:7s} not reached")
+            continue
+        why = b.rejects(call, backend == b.name)
+        if b.name == chosen:
+            lines.append(f"  {b.name:7s} TAKEN: {b.summary}")
+            taken = True
+        elif backend not in ("auto", b.name):
+            lines.append(f"  {b.name:7s} skipped: backend={backend!r} was asked for")
+        else:
+            lines.append(f"  {b.name:7s} rejected: {why}")
+    return "\n".join(lines)
