@@ -398,3 +398,57 @@ def test_four_bit_weights_bad_input():
     _bad(lambda: fused_experts(x, q13, w2, tw, tid), TypeError, "w13 and w2 must share one format")
     _bad(lambda: fused_experts(x, q13, "w2", tw, tid), TypeError, "expert weights must be torch.Tensor")
     _bad(lambda: fused_experts(x[:, :32], q13, mxfp4.quantize(w2), tw, tid), ValueError, "x must have hidden size H=64")
+
+
+# --------------------------------------------------------------------------- NVFP4 W4A4 emulation
+def _w4a4_reference(x, w13, w2, tw, tid, act):
+    """Independent float64 emulation: per expert, its routed rows only, NVFP4-rounded GEMM inputs."""
+    from moekit.formats import nvfp4
+
+    def rounded(rows):
+        gs = 2688.0 / rows.abs().max() if rows.abs().max() > 0 else torch.tensor(1.0)
+        return nvfp4.dequantize(nvfp4.quantize(rows.float(), global_scale=gs), torch.float32).double()
+
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(tid == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = rounded(x[tok]) @ w13[e].double().T
+        a = reference.ACTIVATION_FNS[act](h)
+        y = rounded(a.float()) @ w2[e].double().T
+        out.index_add_(0, tok, y * tw[tok, slot].double()[:, None])
+    return out
+
+
+@pytest.mark.parametrize("weights_fmt", ["dense", "nvfp4"])
+@pytest.mark.parametrize("act", ["silu_and_mul", "swiglu_oai"])
+def test_nvfp4_activation_emulation_matches_an_independent_one(weights_fmt, act):
+    E, H, I, T, k = 5, 64, 32, 21, 2
+    w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
+    if weights_fmt == "nvfp4":
+        w13, w2, d13, d2 = _quantized("nvfp4", w13, w2)
+    else:
+        d13, d2 = w13, w2
+    x = torch.randn(T, H)
+    x[3] *= 50                                                       # one token dominates its experts' scales
+    tw, tid = _routes(T, E, k)
+    got = fused_experts(x, w13, w2, tw, tid, activation=act, act_quant="nvfp4")
+    # fp32 vs float64 GEMMs on the same rounded inputs; a rare activation code flip is one element
+    check_close("W4A4", got, _w4a4_reference(x, d13, d2, tw, tid, act), Tolerance(5e-2, 5e-3))
+
+
+def test_nvfp4_activation_scales_ignore_batched_padding():
+    E, M, H, I = 3, 6, 32, 16
+    w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
+    x = torch.randn(E, M, H)
+    counts = torch.tensor([6, 2, 0], dtype=torch.int32)
+    valid = torch.arange(M)[None, :] < counts[:, None].long()
+    clean, loud = x.clone(), x.clone()
+    clean[~valid], loud[~valid] = 0.0, 1e6                          # padding that would dominate any amax
+    a = batched_experts(clean, counts, w13, w2, act_quant="nvfp4")
+    b = batched_experts(loud, counts, w13, w2, act_quant="nvfp4")
+    assert torch.equal(a[valid], b[valid])
+    _bad(lambda: batched_experts(x, counts, w13, w2, act_quant="nvfp4", backend="triton"), ValueError,
+         "no kernel emulates nvfp4 activations")
+    _bad(lambda: batched_experts(x, counts, w13, w2, act_quant="fp8"), ValueError, "act_quant must be one of")

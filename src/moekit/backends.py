@@ -29,12 +29,14 @@ class ExpertsCall:
     act_dtype: torch.dtype
     device: torch.device
     num_tokens: int = 0
+    act_quant: str | None = None
 
     @classmethod
-    def of(cls, x: torch.Tensor, w13) -> "ExpertsCall":
+    def of(cls, x: torch.Tensor, w13, act_quant: str | None = None) -> "ExpertsCall":
         from .experts import weight_format
 
-        return cls(weight_format(w13), x.dtype, x.device, x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1])
+        tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
+        return cls(weight_format(w13), x.dtype, x.device, tokens, act_quant)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
         return f"no kernel for {call.weight_format} weights"
     if call.act_dtype not in ACTIVATION_DTYPES:
         return f"activations must be one of bf16/fp16/fp32, got {call.act_dtype}"
+    if call.act_quant is not None:
+        return f"no kernel emulates {call.act_quant} activations yet (the torch backend does)"
     if call.device.type == "cuda":
         if torch.compiler.is_compiling():
             return None  # the eager call before tracing asked the device; dynamo need not
@@ -114,7 +118,8 @@ def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
 def explain(call: ExpertsCall, backend: str = "auto") -> str:
     """One line per candidate, in priority order: taken, rejected (why), or not reached."""
     chosen = select_backend(call, backend).name
-    lines = [f"experts call: {call.weight_format} weights, {str(call.act_dtype).removeprefix('torch.')} activations, "
+    act = str(call.act_dtype).removeprefix("torch.") + (f" rounded to {call.act_quant}" if call.act_quant else "")
+    lines = [f"experts call: {call.weight_format} weights, {act} activations, "
              f"{call.device}, T={call.num_tokens}, backend={backend!r}"]
     taken = False
     for b in BACKENDS:

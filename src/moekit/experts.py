@@ -19,11 +19,11 @@ from .reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def choose_backend(x: torch.Tensor, w13, backend: str = "auto") -> str:
+def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None) -> str:
     """Name of the backend that serves this call (see :mod:`moekit.backends`, which explains why)."""
     from . import backends
 
-    return backends.select_backend(backends.ExpertsCall.of(x, w13), backend).name
+    return backends.select_backend(backends.ExpertsCall.of(x, w13, act_quant), backend).name
 
 
 def weight_format(w) -> str:
@@ -102,13 +102,41 @@ def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
 
 
-def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias):
-    """Expert ``e`` of stacked weights (and optional stacked biases) on fp32 rows, in fp32."""
+ACT_QUANTS = (None, "nvfp4")
+
+
+def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of activations as Blackwell's W4A4 kernels see them: e4m3 scales
+    per 16 along K under ONE global scale for the expert, from the amax of its rows only
+    (``rows``: bool [n]; other rows, padding included, never move it). No host sync."""
+    from .formats import nvfp4
+
+    amax = torch.where(rows[:, None], t.abs(), 0.0).amax()
+    gs = torch.where(amax > 0, nvfp4.E4M3_MAX * 6.0 / amax, 1.0)
+    q = nvfp4.quantize(torch.where(rows[:, None], t, 0.0), global_scale=gs, check_finite=False)
+    return nvfp4.dequantize(q, torch.float32)
+
+
+def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None):
+    """Expert ``e`` of stacked weights (and optional stacked biases) on fp32 rows, in fp32; with
+    ``act_quant="nvfp4"`` both GEMM inputs are NVFP4-rounded over the expert's ``rows``."""
+    if act_quant:
+        x32 = _nvfp4_rows(x32, rows)
     h = x32 @ w13[e].float().T
     if w13_bias is not None:
         h = h + w13_bias[e].float()
-    y = _activate(h, activation) @ w2[e].float().T
+    a = _activate(h, activation)
+    if act_quant:
+        a = _nvfp4_rows(a, rows)
+    y = a @ w2[e].float().T
     return y if w2_bias is None else y + w2_bias[e].float()
+
+
+def _check_act_quant(act_quant, hidden: int, inter: int) -> None:
+    if act_quant not in ACT_QUANTS:
+        raise ValueError(f"act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
+    if act_quant and (hidden % 16 or inter % 16):
+        raise ValueError(f"act_quant='nvfp4' needs H and I multiples of 16 (NVFP4 blocks), got H={hidden}, I={inter}")
 
 
 def _check_out(out, x, inputs) -> None:
@@ -141,6 +169,7 @@ def fused_experts(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     config: ExpertsConfig | None = None,
+    act_quant: str | None = None,
 ) -> torch.Tensor:
     """Standard format: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
@@ -160,6 +189,9 @@ def fused_experts(
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
         config: block configuration for the Triton kernels (default: the tuned table or the
             heuristic of :mod:`moekit.expert_configs`).
+        act_quant: ``"nvfp4"`` emulates NVFP4 W4A4 (Blackwell): each expert's GEMM inputs are
+            NVFP4-rounded with a global scale from the amax of the tokens routed to it (torch
+            backend; with NVFP4 weights this reproduces a W4A4 deployment's numerics).
 
     Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
     bounds. The k slots are summed in fp32 in slot order, without atomics: results are the same
@@ -180,8 +212,9 @@ def fused_experts(
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
         num_global = expert_map.shape[0]
+    _check_act_quant(act_quant, H, w2.shape[2])
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
-    if choose_backend(x, w13, backend) == "triton":
+    if choose_backend(x, w13, backend, act_quant) == "triton":
         from . import _experts_triton
 
         if out is None:
@@ -203,8 +236,9 @@ def fused_experts(
     # A dense pass per expert keeps shapes static (no host sync, graph-capturable); the Triton path
     # replaces it with token-aligned grouped GEMMs.
     for e in range(E):
-        y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias)
-        coeff = (weights * (local == e)).sum(dim=1)
+        mine = (local == e) & valid
+        y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant, mine.any(dim=1))
+        coeff = (weights * mine).sum(dim=1)
         acc += coeff[:, None] * y  # experts in a fixed order: deterministic
     return _deliver(acc.to(x.dtype), out)
 
@@ -221,6 +255,7 @@ def batched_experts(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     config: ExpertsConfig | None = None,
+    act_quant: str | None = None,
 ) -> torch.Tensor:
     """Batched (masked) format: out[e, m] = expert_e(x[e, m]) for m < expert_num_tokens[e].
 
@@ -231,7 +266,8 @@ def batched_experts(
         w13, w2, activation, biases: as :func:`fused_experts` (no router weights here: they are
             applied when combining back to tokens, see :func:`moekit.layouts.combine_batched`).
         out: optional [E, M, H] contiguous tensor of x's dtype, written in place and returned.
-        backend, config: as :func:`fused_experts`.
+        backend, config, act_quant: as :func:`fused_experts` (NVFP4 activation scales come from
+            valid rows only: padding never moves them).
 
     Returns:
         [E, M, H] in x's dtype. Padding rows of the output are unspecified: the Triton backend
@@ -244,8 +280,9 @@ def batched_experts(
         raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
+    _check_act_quant(act_quant, x.shape[2], w2.shape[2])
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
-    if choose_backend(x, w13, backend) == "triton":
+    if choose_backend(x, w13, backend, act_quant) == "triton":
         from . import _experts_triton
 
         if out is None:
@@ -259,5 +296,5 @@ def batched_experts(
     # them first keeps NaN padding out of the arithmetic altogether.
     x32 = torch.where(valid[..., None], x.float(), 0.0)
     w13, w2 = _dense(w13), _dense(w2)
-    ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias) for e in range(E)]
+    ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias, act_quant, valid[e]) for e in range(E)]
     return _deliver(torch.where(valid[..., None], torch.stack(ys), 0.0).to(x.dtype), out)
