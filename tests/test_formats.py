@@ -233,3 +233,16 @@ def test_nvfp4_saturates_scales_at_448_and_codes_at_6():
     t = nvfp4.quantize(x, global_scale=10000.0)                     # 10000 / 6 > 448: the scale saturates
     assert t.scales.float().item() == 448.0
     assert (fp4.unpack(t.data) == 7).all()                           # 10000 / 448 = 22 > 6: codes saturate
+
+
+def test_quantize_experts_equals_whole_stack_quantization():
+    from moekit.formats import quantize_experts
+
+    w = torch.randn(3, 16, 64)
+    a, b = quantize_experts(w, "nvfp4"), nvfp4.quantize(w, scale_dims=1)
+    assert torch.equal(a.data, b.data) and torch.equal(a.global_scale, b.global_scale)
+    assert torch.equal(nvfp4.dequantize(a), nvfp4.dequantize(b))
+    a, b = quantize_experts(w, "mxfp4"), mxfp4.quantize(w)
+    assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)
+    with pytest.raises(ValueError, match="weight_format must be"):
+        quantize_experts(w, "fp8")

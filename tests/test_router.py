@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import moekit
 from moekit import presets, reference
 from moekit.router import GateLinear, RouterLoRA, fused_router, router_gemm
 from moekit.verify.metrics import Tolerance, check_close, routes_agree, separable_tokens

@@ -111,10 +111,19 @@ class _Problem:
         return sum(_time(f) for f in fns) / len(fns)
 
 
-def random_weights(spec, layers: int = 2, dtype=torch.bfloat16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: str = "dense") -> list[tuple]:
+    """``layers`` random (w13, w2) stacks, quantized to ``weight_format`` ("dense", "mxfp4", "nvfp4")."""
+    from .formats import quantize_experts
+
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    return [(torch.randn(E, 2 * I, H, device="cuda", dtype=dtype) * H ** -0.5,
-             torch.randn(E, H, I, device="cuda", dtype=dtype) * I ** -0.5) for _ in range(layers)]
+    out = []
+    for _ in range(layers):
+        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=dtype).mul_(H ** -0.5)
+        w2 = torch.randn(E, H, I, device="cuda", dtype=dtype).mul_(I ** -0.5)
+        if weight_format != "dense":
+            w13, w2 = quantize_experts(w13, weight_format), quantize_experts(w2, weight_format)
+        out.append((w13, w2))
+    return out
 
 
 PER_PAIR_TUNE_MAX = 4  # buckets up to this many tokens also try the per-pair decode mode
@@ -150,16 +159,17 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=list(expert_configs.TOKEN_BUCKETS))
     p.add_argument("--out", type=Path, default=Path("experts_tuned.json"))
     p.add_argument("--merge", action="store_true", help="also merge into the package's table")
+    p.add_argument("--format", default="dense", choices=["dense", "mxfp4", "nvfp4"], help="expert weight format")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moekit.tune needs a CUDA GPU")
     dtype = torch.bfloat16
-    key = expert_configs.table_key(torch.device("cuda"), dtype)
+    key = expert_configs.table_key(torch.device("cuda"), dtype, args.format)
     table: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.preset:
         spec = presets.get(name)
         shape = expert_configs.shape_key(spec.num_experts, 2 * spec.intermediate_size, spec.hidden_size)
-        weights = random_weights(spec)
+        weights = random_weights(spec, weight_format=args.format)
         for T in args.tokens:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)

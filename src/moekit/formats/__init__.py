@@ -7,4 +7,22 @@ fallbacks); they run on any device with plain torch.
 
 from . import fp4, fp8, mxfp4, nvfp4
 
-__all__ = ["fp4", "fp8", "mxfp4", "nvfp4"]
+__all__ = ["fp4", "fp8", "mxfp4", "nvfp4", "quantize_experts"]
+
+
+def quantize_experts(w, weight_format: str):
+    """Expert stack [E, N, K] -> MXFP4Tensor, or NVFP4Tensor with one global scale per expert;
+    quantized one expert at a time so fp32 temporaries stay one expert large (GPU-friendly)."""
+    import torch
+
+    if weight_format not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"weight_format must be 'mxfp4' or 'nvfp4', got {weight_format!r}")
+    if w.dim() != 3:
+        raise ValueError(f"w must be an expert stack [E, N, K], got shape {tuple(w.shape)}")
+    parts = [(mxfp4.quantize(w[e:e + 1], check_finite=False) if weight_format == "mxfp4"
+              else nvfp4.quantize(w[e:e + 1], scale_dims=1, check_finite=False)) for e in range(w.shape[0])]
+    data = torch.cat([p.data for p in parts])
+    scales = torch.cat([p.scales for p in parts])
+    if weight_format == "mxfp4":
+        return mxfp4.MXFP4Tensor(data, scales, tuple(w.shape))
+    return nvfp4.NVFP4Tensor(data, scales, torch.cat([p.global_scale for p in parts]), tuple(w.shape))
