@@ -196,11 +196,12 @@ def run(args):
     return records, rate
 
 
-def save(args, records, rate):
+def save(args, records, rate, render=None):
+    """Write {name}.json and {name}.md (``render(records, env, rate)``; default this script's table)."""
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "matmul_rate": rate, "records": records}, indent=1))
-    md = markdown(records, env, rate, args.peers)
+    md = render(records, env, rate) if render else markdown(records, env, rate, args.peers)
     (args.out / f"{args.name}.md").write_text(md)
     return md
 

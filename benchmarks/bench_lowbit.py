@@ -12,7 +12,6 @@ of the distinct experts hit (packed codes + scales) at 4.2 TB/s, and the bf16 co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,10 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_experts import COPY_BW, _gen, _torch_grouped_mm, matmul_rate, routes, time_impl  # noqa: E402
+from bench_experts import COPY_BW, _gen, _torch_grouped_mm, matmul_rate, routes, save, time_impl  # noqa: E402
 
 from moekit import presets, reference  # noqa: E402
-from moekit.bench.timing import environment  # noqa: E402
 from moekit.experts import fused_experts  # noqa: E402
 from moekit.formats import mxfp4, nvfp4, quantize_experts  # noqa: E402
 from moekit.verify.metrics import rel_errors  # noqa: E402
@@ -105,7 +103,7 @@ def run(args):
             del cases
         del layers
         torch.cuda.empty_cache()
-        save(args, records, rate)
+        save(args, records, rate, markdown)
     return records, rate
 
 
@@ -125,15 +123,6 @@ def markdown(records, env, rate):
     return "\n".join(lines) + "\n"
 
 
-def save(args, records, rate):
-    env = environment()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "matmul_rate": rate, "records": records}, indent=1))
-    md = markdown(records, env, rate)
-    (args.out / f"{args.name}.md").write_text(md)
-    return md
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=list(CASES))
@@ -143,7 +132,7 @@ def main():
     p.add_argument("--name", default="lowbit")
     args = p.parse_args()
     records, rate = run(args)
-    print(save(args, records, rate))
+    print(save(args, records, rate, markdown))
 
 
 if __name__ == "__main__":
