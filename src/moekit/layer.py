@@ -44,6 +44,7 @@ class FusedMoE(nn.Module):
         self.shared_w13 = nn.Parameter(torch.empty(2 * shared, H, **factory)) if shared else None
         self.shared_w2 = nn.Parameter(torch.empty(H, shared, **factory)) if shared else None
         self.register_buffer("expert_map", None)
+        self.weight_format = "dense"  # "mxfp4" / "nvfp4" after load_quantized_experts
         self.reset_parameters()
 
     @classmethod
@@ -58,8 +59,9 @@ class FusedMoE(nn.Module):
         """Random weights with unit-scale activations (benchmarks, tests); real use loads weights."""
         H, I = self.spec.hidden_size, self.spec.intermediate_size
         self.gate.reset_parameters()
-        nn.init.normal_(self.w13, std=H ** -0.5)
-        nn.init.normal_(self.w2, std=I ** -0.5)
+        if self.weight_format == "dense":
+            nn.init.normal_(self.w13, std=H ** -0.5)
+            nn.init.normal_(self.w2, std=I ** -0.5)
         for p in (self.w13_bias, self.w2_bias):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
@@ -75,7 +77,7 @@ class FusedMoE(nn.Module):
         ``w13_bias``, ``w2_bias``, ``correction_bias``, ``shared_w13``, ``shared_w2``), checking
         each shape first; dtypes are converted to the parameter's."""
         targets = {"gate_weight": self.gate.weight, "gate_bias": self.gate.bias}
-        targets.update({name: getattr(self, name) for name in
+        targets.update({name: getattr(self, name, None) for name in
                         ("w13", "w2", "w13_bias", "w2_bias", "correction_bias", "shared_w13", "shared_w2")})
         for name, value in tensors.items():
             if name not in targets:
@@ -88,6 +90,44 @@ class FusedMoE(nn.Module):
         for name, value in tensors.items():
             targets[name].copy_(value)
 
+    @torch.no_grad()
+    def load_quantized_experts(self, w13, w2) -> None:
+        """Keep the experts as 4-bit weights (:class:`moekit.formats.mxfp4.MXFP4Tensor` or
+        :class:`moekit.formats.nvfp4.NVFP4Tensor`, shapes [E, 2I, H] / [E, H, I]); they are stored as
+        buffers (``w13_data``, ``w13_scales``, ``w13_global_scale``, same for w2) and the dense
+        ``w13`` / ``w2`` parameters are dropped. The kernels dequantize them on the fly (W4A16)."""
+        from .experts import weight_format
+
+        fmt = weight_format(w13)
+        if fmt == "dense" or weight_format(w2) != fmt:
+            raise TypeError(f"w13 and w2 must both be MXFP4Tensor or NVFP4Tensor, got {fmt} and {weight_format(w2)}")
+        for name, q, dense in (("w13", w13, getattr(self, "w13", None)), ("w2", w2, getattr(self, "w2", None))):
+            expect = tuple(dense.shape) if dense is not None else getattr(self, f"_{name}_shape")
+            if tuple(q.shape) != expect:
+                raise ValueError(f"{name} must have shape {expect}, got {tuple(q.shape)}")
+            if name in self._parameters:
+                del self._parameters[name]
+            self.register_buffer(f"{name}_data", q.data)
+            self.register_buffer(f"{name}_scales", q.scales)
+            self.register_buffer(f"{name}_global_scale", getattr(q, "global_scale", None))
+            setattr(self, f"_{name}_shape", tuple(q.shape))
+        self.weight_format = fmt
+
+    def expert_weights(self):
+        """(w13, w2) as fused_experts takes them: dense parameters, or the 4-bit weights rebuilt
+        from their buffers."""
+        if self.weight_format == "dense":
+            return self.w13, self.w2
+        from .formats import mxfp4, nvfp4
+
+        def rebuild(name):
+            data, scales, shape = getattr(self, f"{name}_data"), getattr(self, f"{name}_scales"), getattr(self, f"_{name}_shape")
+            if self.weight_format == "mxfp4":
+                return mxfp4.MXFP4Tensor(data, scales, shape)
+            return nvfp4.NVFP4Tensor(data, scales, getattr(self, f"{name}_global_scale"), shape)
+
+        return rebuild("w13"), rebuild("w2")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         x2 = x.reshape(-1, spec.hidden_size)
@@ -96,7 +136,8 @@ class FusedMoE(nn.Module):
             kwargs["correction_bias"] = self.correction_bias
         weights, ids = fused_router(x2, self.gate.weight, self.gate.bias, top_k=spec.top_k,
                                     method=spec.routing, lora=self.gate.lora, **kwargs)
-        out = fused_experts(x2, self.w13, self.w2, weights, ids, activation=spec.activation,
+        w13, w2 = self.expert_weights()
+        out = fused_experts(x2, w13, w2, weights, ids, activation=spec.activation,
                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map)
         if self.shared_w13 is not None:
             gate, up = F.linear(x2, self.shared_w13).float().chunk(2, dim=-1)

@@ -1,0 +1,1 @@
+"""Bridges to the stacks users already run: checkpoints (gpt-oss safetensors), Hugging Face models."""

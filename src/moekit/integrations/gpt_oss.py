@@ -1,0 +1,99 @@
+"""Load one MoE layer of a gpt-oss checkpoint (safetensors, the MXFP4 layout of formats.md) into a
+:class:`moekit.FusedMoE`, reading only that layer's tensors.
+
+Names (prefix ``model.layers.{i}.mlp.``): ``router.weight`` [E, H] bf16, ``router.bias`` [E],
+``experts.gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16], ``experts.gate_up_proj_scales`` uint8
+[E, 2I, H/32], ``experts.gate_up_proj_bias`` [E, 2I], ``experts.down_proj_blocks`` uint8
+[E, H, I/32, 16], ``experts.down_proj_scales`` uint8 [E, H, I/32], ``experts.down_proj_bias`` [E, H].
+The 2I axis is interleaved (row 2j gate j, row 2j+1 up j): moekit's swiglu_oai layout as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .. import presets
+from ..formats import mxfp4
+from ..layer import FusedMoE
+
+EXPERT_KEYS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+               "down_proj_blocks", "down_proj_scales", "down_proj_bias")
+
+
+def _files(source: Path) -> dict[str, Path]:
+    """tensor name -> file holding it (from model.safetensors.index.json, else every *.safetensors)."""
+    from safetensors import safe_open
+
+    if source.is_file():
+        candidates = [source]
+    else:
+        index = source / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: source / fname for name, fname in weight_map.items()}
+        candidates = sorted(source.glob("*.safetensors"))
+    if not candidates:
+        raise FileNotFoundError(f"no .safetensors files in {source}")
+    where = {}
+    for path in candidates:
+        with safe_open(str(path), framework="pt") as f:
+            where.update({name: path for name in f.keys()})
+    return where
+
+
+def _read(where: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """Only the named tensors, each from its own file."""
+    from safetensors import safe_open
+
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise KeyError(f"checkpoint lacks {missing}")
+    out = {}
+    for path in sorted({where[n] for n in names}):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({n: f.get_tensor(n) for n in names if where[n] == path})
+    return out
+
+
+def _top_k(source: Path, default: int) -> int:
+    config = (source if source.is_dir() else source.parent) / "config.json"
+    if config.exists():
+        return int(json.loads(config.read_text()).get("num_experts_per_tok", default))
+    return default
+
+
+def load_gpt_oss_layer(source: str | Path, layer_index: int, *, keep_mxfp4: bool = True,
+                       dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> FusedMoE:
+    """The MoE block of layer ``layer_index`` as a FusedMoE (router + top-4 softmax routing + experts).
+
+    keep_mxfp4: keep the experts in MXFP4 (dequantized inside the kernels; the torch backend
+    dequantizes on the fly) or dequantize them to ``dtype`` once. Shapes come from the tensors,
+    top_k from config.json (default 4).
+    """
+    source = Path(source)
+    where = _files(source)
+    prefix = f"model.layers.{layer_index}.mlp."
+    names = [prefix + "router.weight", prefix + "router.bias"] + [prefix + "experts." + k for k in EXPERT_KEYS]
+    t = _read(where, names)
+    router_w = t[prefix + "router.weight"]
+    num_experts, hidden = router_w.shape
+    blocks13, scales13 = t[prefix + "experts.gate_up_proj_blocks"], t[prefix + "experts.gate_up_proj_scales"]
+    inter = blocks13.shape[1] // 2
+    spec = dataclasses.replace(presets.get("gpt-oss-20b"), name=f"gpt-oss layer {layer_index}", hidden_size=hidden,
+                               intermediate_size=inter, num_experts=num_experts,
+                               top_k=_top_k(source, presets.get("gpt-oss-20b").top_k))
+    layer = FusedMoE(spec, dtype=dtype, device=device)
+    q13 = mxfp4.from_gpt_oss(blocks13.to(device), scales13.to(device))
+    q2 = mxfp4.from_gpt_oss(t[prefix + "experts.down_proj_blocks"].to(device),
+                            t[prefix + "experts.down_proj_scales"].to(device))
+    layer.load_weights(gate_weight=router_w, gate_bias=t[prefix + "router.bias"],
+                       w13_bias=t[prefix + "experts.gate_up_proj_bias"], w2_bias=t[prefix + "experts.down_proj_bias"])
+    if keep_mxfp4:
+        layer.load_quantized_experts(q13, q2)
+    else:
+        layer.load_weights(w13=mxfp4.dequantize(q13, dtype), w2=mxfp4.dequantize(q2, dtype))
+    return layer

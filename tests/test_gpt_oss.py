@@ -1,0 +1,94 @@
+"""load_gpt_oss_layer on a tiny synthetic checkpoint written in gpt-oss's exact safetensors layout."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moekit import reference
+from moekit.formats import fp4, mxfp4
+from moekit.integrations.gpt_oss import load_gpt_oss_layer
+from moekit.verify.metrics import Tolerance, check_close
+
+E, H, I = 4, 64, 64  # 2I != H: orientation mistakes cannot hide
+
+
+def _layer_tensors(i, g):
+    p = f"model.layers.{i}.mlp."
+    return {
+        p + "router.weight": torch.randn(E, H, generator=g).bfloat16(),
+        p + "router.bias": torch.randn(E, generator=g).bfloat16(),
+        p + "experts.gate_up_proj_blocks": torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8),
+        p + "experts.gate_up_proj_scales": torch.randint(120, 130, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8),
+        p + "experts.gate_up_proj_bias": (torch.randn(E, 2 * I, generator=g) * 0.1).bfloat16(),
+        p + "experts.down_proj_blocks": torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8),
+        p + "experts.down_proj_scales": torch.randint(120, 130, (E, H, I // 32), generator=g, dtype=torch.uint8),
+        p + "experts.down_proj_bias": (torch.randn(E, H, generator=g) * 0.1).bfloat16(),
+    }
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """Two layers in two shards, with the index and a config (top-2)."""
+    g = torch.Generator().manual_seed(0)
+    shards = {"model-00001-of-00002.safetensors": _layer_tensors(0, g),
+              "model-00002-of-00002.safetensors": _layer_tensors(1, g)}
+    weight_map = {}
+    for fname, tensors in shards.items():
+        save_file(tensors, str(tmp_path / fname))
+        weight_map.update({name: fname for name in tensors})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 2}))
+    return tmp_path, shards["model-00002-of-00002.safetensors"]
+
+
+def _decode(blocks, scales):
+    """formats.md by hand: low nibble = even element, times 2^(scale - 127)."""
+    lut = fp4.code_values()
+    vals = torch.stack([lut[(blocks & 0xF).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    return (vals * torch.exp2(scales.float() - 127)[..., None]).flatten(-2)
+
+
+def test_loads_one_layer_in_mxfp4(checkpoint):
+    path, t = checkpoint
+    layer = load_gpt_oss_layer(path, 1, dtype=torch.float32)
+    p = "model.layers.1.mlp.experts."
+    assert layer.weight_format == "mxfp4" and layer.spec.top_k == 2 and layer.spec.num_experts == E
+    q13, q2 = layer.expert_weights()
+    expect13 = _decode(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"])
+    assert torch.equal(mxfp4.dequantize(q13, torch.float32), expect13)
+    assert torch.equal(mxfp4.dequantize(q2, torch.float32), _decode(t[p + "down_proj_blocks"], t[p + "down_proj_scales"]))
+    assert torch.equal(layer.gate.weight, t["model.layers.1.mlp.router.weight"].float())
+    assert torch.equal(layer.w13_bias, t[p + "gate_up_proj_bias"].float())
+
+
+def test_dequantized_weights_agree_with_transformers(checkpoint):
+    convert = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
+    path, t = checkpoint
+    p = "model.layers.1.mlp.experts."
+    theirs = convert(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"], dtype=torch.float32)
+    layer = load_gpt_oss_layer(path, 1, keep_mxfp4=False, dtype=torch.float32)
+    ours = layer.w13                                                 # [E, 2I, H]; transformers keeps [E, H, 2I]
+    assert theirs.shape == (E, H, 2 * I) and torch.equal(ours, theirs.transpose(1, 2))
+
+
+def test_layer_forward_matches_the_float64_layer(checkpoint):
+    path, _ = checkpoint
+    layer = load_gpt_oss_layer(path, 0, dtype=torch.float32)
+    x = torch.randn(9, H)
+    with torch.no_grad():
+        got = layer(x)
+    w13, w2 = (mxfp4.dequantize(w, torch.float32) for w in layer.expert_weights())
+    ref = reference.moe_layer(x, layer.gate.weight, w13, w2, layer.spec, router_bias=layer.gate.bias,
+                              w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+    check_close("gpt-oss layer", got, ref, Tolerance(1e-4, 1e-5))
+    dense = load_gpt_oss_layer(path, 0, keep_mxfp4=False, dtype=torch.float32)
+    with torch.no_grad():
+        check_close("dequantized once", dense(x), ref, Tolerance(1e-4, 1e-5))
+
+
+def test_missing_layer_is_named(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(KeyError, match="model.layers.7.mlp.router.weight"):
+        load_gpt_oss_layer(path, 7)
