@@ -2,6 +2,7 @@
 
 from . import backends, formats, layouts, presets, reference
 from .backends import explain, select_backend
+from .verify.gate import set_verification
 from .experts import batched_experts, fused_experts
 from .layer import FusedMoE
 from .presets import MoESpec
@@ -12,6 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "backends", "batched_experts", "explain", "formats",
-    "fused_experts", "fused_router", "layouts", "select_backend",
+    "fused_experts", "fused_router", "layouts", "select_backend", "set_verification",
     "presets", "reference", "route", "router_gemm",
 ]

@@ -10,6 +10,7 @@ tried in a fixed priority order and the first that supports the call serves it. 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,22 +31,34 @@ class ExpertsCall:
     device: torch.device
     num_tokens: int = 0
     act_quant: str | None = None
+    op: str = "fused"  # "fused" (standard format) or "batched"
+    activation: str = "silu_and_mul"
 
     @classmethod
-    def of(cls, x: torch.Tensor, w13, act_quant: str | None = None) -> "ExpertsCall":
+    def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
+           activation: str = "silu_and_mul") -> "ExpertsCall":
         from .experts import weight_format
 
         tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
-        return cls(weight_format(w13), x.dtype, x.device, tokens, act_quant)
+        return cls(weight_format(w13), x.dtype, x.device, tokens, act_quant, op, activation)
+
+    def shape_class(self) -> "ExpertsCall":
+        """What the verification gate checks once: the call without its token count."""
+        return dataclasses.replace(self, num_tokens=0)
 
 
 @dataclass(frozen=True)
 class Backend:
-    """A candidate: ``rejects(call, explicit)`` returns None when it can serve the call, else why not."""
+    """A candidate: ``rejects(call, explicit)`` returns None when it can serve the call, else why
+    not. ``fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+    expert_map, config, act_quant)`` and ``batched(out, x, expert_num_tokens, w13, w2, activation,
+    w13_bias, w2_bias, config, act_quant)`` compute validated calls INTO ``out``."""
 
     name: str
     rejects: Callable[[ExpertsCall, bool], str | None]
     summary: str
+    fused: Callable = None
+    batched: Callable = None
 
 
 def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
@@ -86,12 +99,54 @@ def _torch_rejects(call: ExpertsCall, explicit: bool) -> str | None:
     return None
 
 
-BACKENDS = (
+def _triton_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None,
+                  act_quant=None):
+    from . import _experts_triton
+
+    _experts_triton.run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config)
+
+
+def _triton_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None):
+    from . import _experts_triton
+
+    _experts_triton.run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config)
+
+
+def _torch_fused(*args, **kwargs):
+    from .experts import fused_torch
+
+    fused_torch(*args, **kwargs)
+
+
+def _torch_batched(*args, **kwargs):
+    from .experts import batched_torch
+
+    batched_torch(*args, **kwargs)
+
+
+BUILTIN = (
     Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
-                                       "weight, fixed-order combine; 4-bit weights dequantized in the kernel"),
-    Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)"),
+                                       "weight, fixed-order combine; 4-bit weights dequantized in the kernel",
+            _triton_fused, _triton_batched),
+    Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
+            _torch_fused, _torch_batched),
 )
+BACKENDS: tuple[Backend, ...] = BUILTIN
 """Priority order: the first candidate that supports a call serves it."""
+
+
+def register(backend: Backend, *, first: bool = True) -> None:
+    """Add a backend (e.g. a vendor kernel, or in tests a deliberately broken one): ahead of the
+    built-ins (``first``) or after them. Its name must be new."""
+    global BACKENDS
+    if backend.name in names():
+        raise ValueError(f"a backend named {backend.name!r} exists already")
+    BACKENDS = (backend,) + BACKENDS if first else BACKENDS + (backend,)
+
+
+def unregister(name: str) -> None:
+    global BACKENDS
+    BACKENDS = tuple(b for b in BACKENDS if b.name != name)
 
 
 def names() -> tuple[str, ...]:
@@ -109,10 +164,15 @@ def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
         if why:
             raise ValueError(f"backend={backend!r} cannot serve this call: {why}")
         return match[0]
+    from .verify import gate
+
+    reasons = []
     for b in BACKENDS:
-        if b.rejects(call, False) is None:
+        why = b.rejects(call, False) or gate.refusal(b, call)
+        if why is None:
             return b
-    raise ValueError("no backend supports this call: " + "; ".join(f"{b.name}: {b.rejects(call, False)}" for b in BACKENDS))
+        reasons.append(f"{b.name}: {why}")
+    raise ValueError("no backend supports this call: " + "; ".join(reasons))
 
 
 def explain(call: ExpertsCall, backend: str = "auto") -> str:
@@ -126,7 +186,9 @@ def explain(call: ExpertsCall, backend: str = "auto") -> str:
         if taken:
             lines.append(f"  {b.name:7s} not reached")
             continue
-        why = b.rejects(call, backend == b.name)
+        from .verify import gate
+
+        why = b.rejects(call, backend == b.name) or gate.known_failure(b, call)
         if b.name == chosen:
             lines.append(f"  {b.name:7s} TAKEN: {b.summary}")
             taken = True

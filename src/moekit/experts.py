@@ -19,11 +19,12 @@ from .reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None) -> str:
-    """Name of the backend that serves this call (see :mod:`moekit.backends`, which explains why)."""
+def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None, *,
+                   op: str = "fused", activation: str = "silu_and_mul"):
+    """The :class:`moekit.backends.Backend` that serves this call (the oracle explains why)."""
     from . import backends
 
-    return backends.select_backend(backends.ExpertsCall.of(x, w13, act_quant), backend).name
+    return backends.select_backend(backends.ExpertsCall.of(x, w13, act_quant, op=op, activation=activation), backend)
 
 
 def weight_format(w) -> str:
@@ -147,14 +148,6 @@ def _check_out(out, x, inputs) -> None:
             raise ValueError(f"out must be contiguous, got strides {out.stride()}")
 
 
-def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """Write into the caller's tensor itself (never a rebound view) and return it."""
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
-
-
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -214,14 +207,19 @@ def fused_experts(
         num_global = expert_map.shape[0]
     _check_act_quant(act_quant, H, w2.shape[2])
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
-    if choose_backend(x, w13, backend, act_quant) == "triton":
-        from . import _experts_triton
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    runner = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation).fused
+    runner(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map, config,
+           act_quant)
+    return out  # the caller's tensor itself, whatever a runner returned
 
-        if out is None:
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _experts_triton.run_fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias,
-                                  w2_bias, expert_map, config)
-        return out
+
+def fused_torch(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None,
+                act_quant=None) -> None:
+    """The torch backend of :func:`fused_experts` (validated arguments), written into ``out``."""
+    E, H = w13.shape[0], x.shape[1]
+    num_global = expert_map.shape[0] if expert_map is not None else E
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < num_global)
     local = ids.clamp(0, num_global - 1)
@@ -240,7 +238,7 @@ def fused_experts(
         y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant, mine.any(dim=1))
         coeff = (weights * mine).sum(dim=1)
         acc += coeff[:, None] * y  # experts in a fixed order: deterministic
-    return _deliver(acc.to(x.dtype), out)
+    out.copy_(acc)
 
 
 def batched_experts(
@@ -282,19 +280,21 @@ def batched_experts(
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
     _check_act_quant(act_quant, x.shape[2], w2.shape[2])
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
-    if choose_backend(x, w13, backend, act_quant) == "triton":
-        from . import _experts_triton
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    runner = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation).batched
+    runner(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant)
+    return out
 
-        if out is None:
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _experts_triton.run_batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias,
-                                    w2_bias, config)
-        return out
-    M = x.shape[1]
+
+def batched_torch(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None,
+                  act_quant=None) -> None:
+    """The torch backend of :func:`batched_experts`: valid rows computed, padding rows zero."""
+    E, M = x.shape[0], x.shape[1]
     valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.long()[:, None]  # [E, M]
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
     # them first keeps NaN padding out of the arithmetic altogether.
     x32 = torch.where(valid[..., None], x.float(), 0.0)
     w13, w2 = _dense(w13), _dense(w2)
     ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias, act_quant, valid[e]) for e in range(E)]
-    return _deliver(torch.where(valid[..., None], torch.stack(ys), 0.0).to(x.dtype), out)
+    out.copy_(torch.where(valid[..., None], torch.stack(ys), 0.0))

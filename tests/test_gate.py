@@ -1,0 +1,132 @@
+"""The accuracy gate catches deliberately broken backends: each one below would serve the call
+(it claims support and sits first in priority) and each one is wrong in a way that got real MoE
+kernels reverted. With the gate on, every one is disabled with a warning naming it and the
+reference-correct backend serves instead; with the gate off, the broken one serves (so the test
+can see the difference)."""
+
+import pytest
+import torch
+
+from moekit import backends, reference
+from moekit.backends import Backend
+from moekit.experts import batched_experts, batched_torch, fused_experts, fused_torch
+from moekit.verify import gate
+from moekit.verify.metrics import Tolerance, check_close
+
+
+def _fused_only(call, explicit):
+    return None if call.op == "fused" else "fused only"
+
+
+def _batched_only(call, explicit):
+    return None if call.op == "batched" else "batched only"
+
+
+def _drops_bias(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids, act, None, None, emap)
+
+
+def _skips_last_tile(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    full = torch.empty_like(out)
+    fused_torch(full, x, w13, w2, tw, ids, act, b13, b2, emap)
+    out[:-1] = full[:-1]                                         # the last partial row block never written
+
+
+def _rebinds_out(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    out = torch.empty_like(out)                                  # the reverted NVFP4 backend's bug
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap)
+    return out
+
+
+def _ignores_row_stride(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    dense = x.as_strided(x.shape, (x.shape[1], 1))              # reads the storage as if contiguous
+    fused_torch(out, dense, w13, w2, tw, ids, act, b13, b2, emap)
+
+
+def _bf16_rounding(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap)
+    out.copy_(out.bfloat16())                                    # fp32 results through bf16
+
+
+def _reads_padding(out, x, counts, w13, w2, act, b13, b2, cfg, aq):
+    batched_torch(out, x.roll(1, dims=1), counts.clamp(min=1), w13, w2, act, b13, b2)   # neighbours' rows
+
+
+BROKEN = [
+    (Backend("drops_bias", _fused_only, "broken", _drops_bias), "fused"),
+    (Backend("skips_last_tile", _fused_only, "broken", _skips_last_tile), "fused"),
+    (Backend("rebinds_out", _fused_only, "broken", _rebinds_out), "fused"),
+    (Backend("ignores_row_stride", _fused_only, "broken", _ignores_row_stride), "fused"),
+    (Backend("bf16_rounding", _fused_only, "broken", _bf16_rounding), "fused"),
+    (Backend("reads_padding", _batched_only, "broken", batched=_reads_padding), "batched"),
+]
+
+
+@pytest.fixture
+def registered(request):
+    backend, _ = request.param
+    backends.register(backend)
+    gate.reset()
+    yield request.param
+    backends.unregister(backend.name)
+    gate.set_verification(False)
+    gate.reset()
+
+
+def _call(op):
+    E, H, I, T = 5, 32, 16, 7
+    w13, w2 = torch.randn(E, 2 * I, H) * 0.2, torch.randn(E, H, I) * 0.2
+    b13, b2 = torch.randn(E, 2 * I) * 0.1, torch.randn(E, H) * 0.1
+    if op == "fused":
+        x = torch.randn(T, H + 4)[:, 4:]
+        tw, ids = torch.rand(T, 2), torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1).int()
+        run = lambda: fused_experts(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2)  # noqa: E731
+        ref = reference.fused_experts(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2)
+        return run, ref, lambda out: out
+    x = torch.randn(E, 6, H)
+    counts = torch.tensor([6, 0, 2, 5, 1], dtype=torch.int32)
+    valid = torch.arange(6)[None, :] < counts[:, None].long()
+    x[~valid] = float("nan")
+    run = lambda: batched_experts(x, counts, w13, w2, w13_bias=b13, w2_bias=b2)  # noqa: E731
+    ref = reference.batched_experts(x, counts, w13, w2, w13_bias=b13, w2_bias=b2)
+    return run, ref, lambda out: out[valid]
+
+
+@pytest.mark.parametrize("registered", BROKEN, ids=[b.name for b, _ in BROKEN], indirect=True)
+def test_the_gate_catches_each_broken_backend(registered):
+    backend, op = registered
+    run, ref, pick = _call(op)
+    gate.set_verification(False)
+    with pytest.raises(AssertionError):                          # without the gate the broken one serves
+        check_close("ungated", pick(run()), pick(ref), Tolerance(1e-5, 1e-5))
+    gate.set_verification(True)
+    with pytest.warns(RuntimeWarning, match=f"backend '{backend.name}' failed its accuracy check"):
+        got = run()
+    check_close("gated", pick(got), pick(ref), Tolerance(1e-5, 1e-5))   # the torch reference served
+    passed, detail = gate.results()[(backend.name, next(k for n, k in gate.results() if n == backend.name))]
+    assert not passed and detail
+    call = backends.ExpertsCall("dense", torch.float32, torch.device("cpu"), 7, op=op)
+    assert f"{backend.name}" in backends.explain(call) and "failed the verification gate" in backends.explain(call)
+
+
+def test_correct_backends_pass_and_are_checked_once():
+    gate.reset()
+    gate.set_verification(True)
+    try:
+        run, ref, pick = _call("fused")
+        run()
+        run()
+        verdicts = gate.results()
+        assert [v[0] for v in verdicts.values()] == [True] and len(verdicts) == 1
+    finally:
+        gate.set_verification(False)
+        gate.reset()
+
+
+def test_environment_switch(monkeypatch):
+    gate.set_verification(None)
+    monkeypatch.setenv("MOEKIT_VERIFY", "1")
+    assert gate.enabled()
+    monkeypatch.setenv("MOEKIT_VERIFY", "0")
+    assert not gate.enabled()
+    gate.set_verification(False)
