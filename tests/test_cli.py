@@ -27,3 +27,44 @@ def test_presets_and_explain_print(capsys):
     assert main(["presets"]) == 0 and "kimi-k2" in capsys.readouterr().out
     assert main(["explain", "--preset", "mixtral-8x7b", "--tokens", "4"]) == 0
     assert "router_gemm T=4 H=4096 E=8" in capsys.readouterr().out
+
+
+PLUGIN = '''
+import os
+from moekit import backends
+from moekit.experts import fused_torch
+
+def _cpu(call, explicit):
+    return None if call.op == "fused" and call.device.type == "cpu" else "CPU fused only"
+
+def _aborts(*args):
+    os.abort()  # a device fault stand-in: the process dies mid-call
+
+def _drops_bias(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids, act, None, None, emap)
+
+backends.register(backends.Backend("aborts", _cpu, "dies", _aborts), first=False)
+backends.register(backends.Backend("drops_bias", _cpu, "wrong", _drops_bias), first=False)
+'''
+
+
+def test_verify_isolates_a_crashing_backend_and_catches_a_wrong_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "broken_plugin.py").write_text(PLUGIN)
+    env = dict(os.environ, MOEKIT_PLUGINS="broken_plugin",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "moekit", "verify", "--preset", "mixtral-8x7b", "--tokens", "7",
+                           "--json", str(report)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(report.read_text())
+    by_impl = {}
+    for r in rows:
+        by_impl.setdefault(r["impl"], []).append(r)
+    assert "killed by SIGABRT" in by_impl["aborts"][0]["detail"]              # reported, and verify went on
+    assert not any(r["ok"] for r in by_impl["drops_bias"])                   # wrong results caught
+    assert all(r["ok"] for impl, rs in by_impl.items() if impl not in ("aborts", "drops_bias") for r in rs)
+    assert {"torch", "auto"} <= set(by_impl)

@@ -65,50 +65,62 @@ def cmd_verify(args) -> int:
     from rich.progress import track
     from rich.table import Table
 
-    from . import presets
-    from .verify.experts_checks import check_experts, experts_backends
-    from .verify.router_checks import check_router, implementations
+    from .verify import runner
+    from .verify.router_checks import implementations
 
+    runner.load_plugins()
     device = _device()
     console = Console(width=None if sys.stdout.isatty() else 140)
     on_gpu = device.type == "cuda"
-    names = args.preset or presets.names()
+    names = args.preset or presets_names()
     tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
     # The interpreter computes bf16 dots wrongly: CPU runs check the kernels in fp16.
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float16)
     impls = implementations(device)
     if not on_gpu and dtype == torch.bfloat16:
-        # Triton 3.6's interpreter computes bf16 tl.dot wrongly: a kernel result here would be noise.
         impls = {op: [i for i in v if i not in ("triton", "fused")] for op, v in impls.items()}
-        console.print("note: Triton's interpreter computes bf16 dots wrongly; kernels are checked in fp16 "
-                      "on the CPU (run without --dtype) and in bf16 on a GPU")
-    served = "; ".join(f"{op}: {', '.join(v)}" for op, v in impls.items())
-    console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'} ({served}); "
-                  f"router on {'real' if on_gpu else 'scaled-down'} presets, experts "
-                  f"({', '.join(experts_backends(device, dtype))}) on scaled-down presets, "
-                  f"dtype {str(dtype).replace('torch.', '')}")
+        if not args.backend:
+            console.print("note: Triton's interpreter computes bf16 dots wrongly; kernels are checked in fp16 "
+                          "on the CPU (run without --dtype) and in bf16 on a GPU")
+    groups = runner.groups(device, dtype, impls)
+    if args.backend:
+        if args.backend not in groups:
+            raise SystemExit(f"--backend must be one of {groups} here, got {args.backend!r}")
+        groups = [args.backend]
+    if not args.backend:
+        console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: backends "
+                      f"{', '.join(groups)} (each in its own process), router on {'real' if on_gpu else 'scaled-down'} "
+                      f"presets, experts on scaled-down presets, dtype {str(dtype).replace('torch.', '')}")
     start = time.time()
     results = []
-    jobs = [(n, T) for n in names for T in tokens]
-    for name, T in track(jobs, description="checking", console=console, disable=not console.is_terminal):
-        spec = presets.get(name) if on_gpu else presets.get(name).scaled()
-        torch.manual_seed(len(results) + 1)
-        results += check_router(spec, T, dtype, device, impls)
-        results += check_experts(spec, T, dtype, device)
+    passthrough = ["--preset", *names, "--tokens", *map(str, tokens)] + (["--dtype", args.dtype] if args.dtype else [])
+    for group in track(groups, description="checking", console=console, disable=not console.is_terminal):
+        if args.isolate and len(groups) > 1:
+            results += runner.run_isolated(group, passthrough)[0]
+        else:
+            results += runner.run_group(group, names, tokens, dtype, device, impls, on_gpu)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
+    if args.backend and not args.isolate:
+        return 1 if any(not r.ok for r in results) else 0  # a child: the parent prints the table
     table = Table(title=f"accuracy against float64 ({time.time() - start:.0f} s)")
     for col in ("op", "impl", "preset", "T", "max err", "rms rel", "top-k agree", "status"):
         table.add_column(col)
     for r in results:
-        status = "[green]PASS[/]" if r.ok else f"[red]FAIL[/] {r.detail}"
+        status = "[green]PASS[/]" if r.ok else f"[red]FAILED[/] {r.detail}"
         table.add_row(r.op, r.impl, r.preset, str(r.tokens), f"{r.max_rel:.1e}",
-                      f"{r.rms_rel:.1e}" if r.op != "fused_router" and r.op != "route" else "",
+                      f"{r.rms_rel:.1e}" if r.op not in ("fused_router", "route") else "",
                       f"{r.agree:.3f}" if r.op in ("route", "fused_router") else "", status)
     console.print(table)
     failed = [r for r in results if not r.ok]
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
     return 1 if failed else 0
+
+
+def presets_names() -> list[str]:
+    from . import presets
+
+    return presets.names()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tokens", nargs="+", type=int, help="token counts (default: 1 7 33 on CPU, 1 8 64 129 1000 on GPU)")
     v.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="activation/weight dtype")
     v.add_argument("--json", help="write the full report here")
+    v.add_argument("--backend", help="check only this backend group (torch, triton, cublas, layer, or a plugin's)")
+    v.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="run every group in this process (default: one child process per backend group)")
     v.set_defaults(func=cmd_verify)
     e = sub.add_parser("explain", help="which implementation serves each op, and why")
     e.add_argument("--preset", nargs="+")

@@ -23,7 +23,9 @@ def experts_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [b.name for b in backends.BACKENDS if b.rejects(call, True) is None]
 
 
-def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device) -> list[CheckResult]:
+def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device,
+                  only: list[str] | None = None, with_layer: bool = True) -> list[CheckResult]:
+    """Experts checks for the backends in ``only`` (default: every one here), plus the whole layer."""
     spec = spec if spec.name.endswith("@scaled") else spec.scaled()
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
     tol = TOL[dtype]
@@ -35,7 +37,7 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     tw, tid = route(torch.randn(num_tokens, E, device=device), spec.top_k, spec.routing,
                     **spec.routing_kwargs())
     results = []
-    backends = experts_backends(device, dtype)
+    backends = [b for b in experts_backends(device, dtype) if only is None or b in only]
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2)
     for backend in backends:
         out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
@@ -58,6 +60,8 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
         results.append(score_values(CheckResult("batched_experts", backend, spec.name, num_tokens), got[valid],
                                     ref[valid], tol, got is out))
 
+    if not with_layer:
+        return results
     layer = FusedMoE(spec, dtype=dtype, device=device)
     xl = torch.randn(num_tokens, H, device=device).to(dtype)
     with torch.no_grad():
