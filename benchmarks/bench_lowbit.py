@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_experts import COPY_BW, _gen, _torch_grouped_mm, matmul_rate, routes, save, time_impl  # noqa: E402
+from moekit.bench.experts import COPY_BW, _gen, _torch_grouped_mm, matmul_rate, routes, save, time_impl  # noqa: E402
 
 from moekit import presets, reference  # noqa: E402
 from moekit.experts import fused_experts  # noqa: E402

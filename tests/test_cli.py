@@ -68,3 +68,21 @@ def test_verify_isolates_a_crashing_backend_and_catches_a_wrong_one(tmp_path):
     assert not any(r["ok"] for r in by_impl["drops_bias"])                   # wrong results caught
     assert all(r["ok"] for impl, rs in by_impl.items() if impl not in ("aborts", "drops_bias") for r in rs)
     assert {"torch", "auto"} <= set(by_impl)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about machines without a GPU")
+def test_bench_needs_a_gpu_and_says_so(capsys):
+    assert main(["bench", "--preset", "qwen3-30b-a3b", "--tokens", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_plot_has_one_line_per_implementation(tmp_path):
+    from moekit.bench.plot import plot
+
+    records = [{"preset": "p", "T": T, "floor_us": 10.0, "moekit": 12.0 * T, "torch_grouped_mm": 20.0 * T,
+                "liger": None} for T in (1, 4, 16)]
+    path = plot(records, ["moekit", "torch_grouped_mm", "liger"], tmp_path / "p.png", preset="p", gpu="H200")
+    assert path.stat().st_size > 1000
+    plot(records, ["moekit"], tmp_path / "f.png", preset="p", gpu="H200", metric="floor")
+    with pytest.raises(ValueError, match="no records for preset"):
+        plot(records, ["moekit"], tmp_path / "x.png", preset="q", gpu="H200")

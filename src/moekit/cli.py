@@ -123,6 +123,26 @@ def presets_names() -> list[str]:
     return presets.names()
 
 
+def cmd_bench(args) -> int:
+    from .bench import experts
+
+    if not torch.cuda.is_available():
+        print("moekit bench needs a CUDA GPU (its timings are CUDA-graph replays); `moekit verify` checks "
+              "accuracy on this machine", file=sys.stderr)
+        return 2
+    records, rate = experts.run(args)
+    print(experts.save(args, records, rate))
+    if args.plot:
+        from .bench.plot import plot
+
+        gpu = torch.cuda.get_device_name()
+        for name in args.presets:
+            path = Path(args.plot)
+            target = path if len(args.presets) == 1 else path.with_name(f"{path.stem}_{name}{path.suffix}")
+            print(f"wrote {plot(records, ['moekit'] + args.peers, target, preset=name, gpu=gpu, metric=args.metric)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moekit", description="Accurate, fast MoE inference layers.")
     sub = p.add_subparsers(dest="command")
@@ -135,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="run every group in this process (default: one child process per backend group)")
     v.set_defaults(func=cmd_verify)
+    b = sub.add_parser("bench", help="time moekit's experts against the peers on this GPU (CUDA graphs)")
+    from .bench.experts import add_arguments
+
+    add_arguments(b)
+    b.add_argument("--plot", help="save a PNG (one per preset when several: NAME_preset.png)")
+    b.add_argument("--metric", choices=["us", "floor"], default="us", help="plot time, or %% of the floor")
+    b.set_defaults(func=cmd_bench, out=Path("moekit-bench"))  # results here, not into a source tree
     e = sub.add_parser("explain", help="which implementation serves each op, and why")
     e.add_argument("--preset", nargs="+")
     e.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 4096])
