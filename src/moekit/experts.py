@@ -201,10 +201,8 @@ def fused_experts(
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=x.device)
     check_shape("topk_ids", topk_ids, (x.shape[0], topk_weights.shape[1]))
     check_shape("topk_weights", topk_weights, (x.shape[0], topk_ids.shape[1]))
-    num_global = E
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
-        num_global = expert_map.shape[0]
     _check_act_quant(act_quant, H, w2.shape[2])
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
     if out is None:

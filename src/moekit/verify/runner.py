@@ -21,7 +21,7 @@ import torch
 
 from .. import presets
 from .experts_checks import check_experts, experts_backends
-from .router_checks import CheckResult, check_router, implementations
+from .router_checks import CheckResult, check_router
 
 ROUTER_GROUP = {"torch": "torch", "unfused": "torch", "triton": "triton", "fused": "triton", "cublas": "cublas"}
 LAYER_GROUP = "layer"  # the whole FusedMoE, served by whatever auto picks
