@@ -1,0 +1,136 @@
+"""Expert parallelism over torch.distributed: each rank of a process group holds E / world experts
+(``expert_map`` marks the rest remote) and the tokens of its own batch.
+
+Two dispatch/combine schemes:
+
+* ``"allgather"`` (default; what the large serving engines run): all-gather every rank's tokens
+  and routes, run the local experts on all of them (remote experts contribute zero through
+  ``expert_map``), reduce-scatter the partial outputs. Static shapes, no host sync: CUDA-graph
+  safe. Every rank must pass the same number of tokens.
+* ``"all_to_all"``: send each (token, slot) pair only to the rank that owns its expert
+  (all_to_all_single with exchanged counts), compute, send results back, sum each token's slots
+  in slot order. Moves k rows per token instead of world rows, but the counts are a host sync.
+
+NCCL on GPU, gloo on CPU; tests run gloo in 2 and 4 processes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .experts import fused_experts
+from .layer import FusedMoE
+from .router import fused_router
+
+MODES = ("allgather", "all_to_all")
+
+
+def shard_layer(layer: FusedMoE, rank: int, world_size: int) -> FusedMoE:
+    """A copy of ``layer`` holding only rank ``rank``'s contiguous block of E / world experts, with
+    its ``expert_map`` (global id -> local index, -1 elsewhere). Router and shared expert are kept."""
+    E = layer.spec.num_experts
+    if E % world_size:
+        raise ValueError(f"num_experts={E} must be divisible by world_size={world_size}")
+    if layer.weight_format != "dense":
+        raise ValueError("shard_layer takes dense expert weights (quantize after sharding)")
+    per = E // world_size
+    lo = rank * per
+    local = copy.deepcopy(layer)
+    with torch.no_grad():
+        local.w13 = nn.Parameter(layer.w13[lo:lo + per].clone())
+        local.w2 = nn.Parameter(layer.w2[lo:lo + per].clone())
+        if layer.w13_bias is not None:
+            local.w13_bias = nn.Parameter(layer.w13_bias[lo:lo + per].clone())
+            local.w2_bias = nn.Parameter(layer.w2_bias[lo:lo + per].clone())
+    emap = torch.full((E,), -1, dtype=torch.int32, device=layer.w13.device)
+    emap[lo:lo + per] = torch.arange(per, dtype=torch.int32, device=layer.w13.device)
+    local.expert_map = emap
+    return local
+
+
+class ExpertParallelMoE(nn.Module):
+    """``forward(x [T, H]) -> [T, H]`` for this rank's tokens, experts split over ``group``.
+
+    Args:
+        local: this rank's layer (see :func:`shard_layer`): replicated router and shared expert,
+            its own experts and ``expert_map``.
+        group: the process group (default: the world).
+        mode: ``"allgather"`` or ``"all_to_all"`` (see the module doc).
+    """
+
+    def __init__(self, local: FusedMoE, group: dist.ProcessGroup | None = None, mode: str = "allgather") -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if local.expert_map is None:
+            raise ValueError("local must hold a shard of the experts with its expert_map (see shard_layer)")
+        self.local, self.group, self.mode = local, group, mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer, spec = self.local, self.local.spec
+        x2 = x.reshape(-1, spec.hidden_size)
+        kwargs = spec.routing_kwargs()
+        if layer.correction_bias is not None:
+            kwargs["correction_bias"] = layer.correction_bias
+        weights, ids = fused_router(x2, layer.gate.weight, layer.gate.bias, top_k=spec.top_k, method=spec.routing,
+                                    lora=layer.gate.lora, **kwargs)
+        run = self._allgather if self.mode == "allgather" else self._all_to_all
+        out = run(x2, weights, ids)
+        if layer.shared_w13 is not None:
+            gate, up = F.linear(x2, layer.shared_w13).float().chunk(2, dim=-1)
+            out = out + F.linear((F.silu(gate) * up).to(x2.dtype), layer.shared_w2)
+        return out.view(x.shape)
+
+    def _experts(self, x, weights, ids):
+        layer = self.local
+        w13, w2 = layer.expert_weights()
+        return fused_experts(x, w13, w2, weights, ids, activation=layer.spec.activation, w13_bias=layer.w13_bias,
+                             w2_bias=layer.w2_bias, expert_map=layer.expert_map)
+
+    def _allgather(self, x, weights, ids):
+        world = dist.get_world_size(self.group)
+        gather = lambda t: _all_gather(t, world, self.group)  # noqa: E731
+        partial = self._experts(gather(x), gather(weights), gather(ids))
+        # fp32 partial sums across ranks, then this rank's rows in x's dtype
+        partial = partial.float()
+        mine = torch.empty(x.shape[0], partial.shape[1], dtype=torch.float32, device=x.device)
+        dist.reduce_scatter_tensor(mine, partial, group=self.group)
+        return mine.to(x.dtype)
+
+    def _all_to_all(self, x, weights, ids):
+        world = dist.get_world_size(self.group)
+        T, k = ids.shape
+        per = self.local.spec.num_experts // world
+        flat_ids = ids.reshape(-1).long()
+        owner = (flat_ids // per).clamp(0, world - 1)
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()     # the host sync of this scheme
+
+        def exchange(t, splits_out, splits_in):
+            out = t.new_empty((sum(splits_in),) + tuple(t.shape[1:]))
+            dist.all_to_all_single(out, t.contiguous(), splits_in, splits_out, group=self.group)
+            return out
+
+        pair_x = x[order // k]
+        got_x = exchange(pair_x, send, recv)
+        got_ids = exchange(flat_ids[order].to(torch.int32), send, recv)
+        got_w = exchange(weights.reshape(-1)[order], send, recv)
+        y = self._experts(got_x, got_w[:, None], got_ids[:, None])        # each received pair is a k=1 token
+        back = exchange(y.float(), recv, send)
+        slots = torch.empty(T * k, back.shape[1], dtype=torch.float32, device=x.device)
+        slots[order] = back
+        return slots.view(T, k, -1).sum(dim=1).to(x.dtype)              # slots summed in slot order
+
+
+def _all_gather(t: torch.Tensor, world: int, group) -> torch.Tensor:
+    out = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out
