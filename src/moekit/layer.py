@@ -128,14 +128,19 @@ class FusedMoE(nn.Module):
 
         return rebuild("w13"), rebuild("w2")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) of tokens x2 [T, H]."""
         spec = self.spec
-        x2 = x.reshape(-1, spec.hidden_size)
         kwargs = spec.routing_kwargs()
         if self.correction_bias is not None:
             kwargs["correction_bias"] = self.correction_bias
-        weights, ids = fused_router(x2, self.gate.weight, self.gate.bias, top_k=spec.top_k,
-                                    method=spec.routing, lora=self.gate.lora, **kwargs)
+        return fused_router(x2, self.gate.weight, self.gate.bias, top_k=spec.top_k, method=spec.routing,
+                            lora=self.gate.lora, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        x2 = x.reshape(-1, spec.hidden_size)
+        weights, ids = self.route(x2)
         w13, w2 = self.expert_weights()
         out = fused_experts(x2, w13, w2, weights, ids, activation=spec.activation,
                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map)

@@ -1,0 +1,153 @@
+"""Put moekit layers into Hugging Face transformers models: :func:`patch` replaces the MoE blocks
+of GptOss, Mixtral, Qwen3-MoE and DeepseekV3 models with :class:`MoekitBlock` modules that share
+(or, for gpt-oss's transposed layout, convert) the same weights; :func:`unpatch` restores them.
+
+    report = moekit.integrations.transformers.patch(model)
+    print(report)            # what was replaced, what was left alone and why
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import layouts
+from ..layer import FusedMoE
+from ..presets import MoESpec
+
+
+@dataclass
+class PatchReport:
+    replaced: list[tuple[str, str]] = field(default_factory=list)      # (module path, original class)
+    left_alone: list[tuple[str, str]] = field(default_factory=list)    # (module path, why)
+
+    def __str__(self) -> str:
+        lines = [f"replaced {len(self.replaced)} MoE block(s) with moekit layers"]
+        lines += [f"  {path}: {cls} -> MoekitBlock" for path, cls in self.replaced]
+        lines += [f"  {path}: left alone ({why})" for path, why in self.left_alone]
+        return "\n".join(lines)
+
+
+class MoekitBlock(nn.Module):
+    """A transformers MoE block served by a :class:`moekit.FusedMoE`; same inputs and outputs."""
+
+    def __init__(self, layer: FusedMoE, original: nn.Module, returns_router_scores: bool) -> None:
+        super().__init__()
+        self.moe = layer
+        self.returns_router_scores = returns_router_scores
+        object.__setattr__(self, "original", original)  # kept for unpatch, not a submodule (no double weights)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        out = self.moe(hidden_states)
+        if self.returns_router_scores:  # GptOssMLP's contract: (hidden_states, router_scores)
+            spec = self.moe.spec
+            weights, _ = self.moe.route(hidden_states.reshape(-1, spec.hidden_size))
+            return out, weights.to(hidden_states.dtype)
+        return out
+
+
+def _spec(name, cfg, hidden, inter, experts, **kw) -> MoESpec:
+    return MoESpec(name=name, hidden_size=hidden, intermediate_size=inter, num_experts=experts,
+                   top_k=cfg.num_experts_per_tok, **kw)
+
+
+def _share(layer: FusedMoE, name: str, tensor: torch.Tensor) -> None:
+    """Make ``layer.<name>`` the very tensor (shared storage, no copy) when layouts agree."""
+    setattr(layer, name, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False))
+
+
+def _from_qwen3_or_mixtral(block, cfg, name, dtype) -> FusedMoE:
+    E, two_i, H = block.experts.gate_up_proj.shape
+    renorm = getattr(cfg, "norm_topk_prob", True)
+    spec = _spec(name, cfg, H, two_i // 2, E, routing="softmax_topk", activation="silu_and_mul", renormalize=renorm)
+    return _build(spec, block.gate.weight, None, block.experts.gate_up_proj, block.experts.down_proj, dtype)
+
+
+def _from_deepseek_v3(block, cfg, name, dtype) -> FusedMoE:
+    E, two_i, H = block.experts.gate_up_proj.shape
+    shared = block.shared_experts
+    spec = _spec(name, cfg, H, two_i // 2, E, routing="sigmoid_grouped", activation="silu_and_mul",
+                 renormalize=cfg.norm_topk_prob, num_groups=cfg.n_group, topk_groups=cfg.topk_group,
+                 routed_scaling_factor=cfg.routed_scaling_factor, correction_bias=True,
+                 num_shared_experts=shared.gate_proj.weight.shape[0] // (two_i // 2))
+    layer = _build(spec, block.gate.weight, None, block.experts.gate_up_proj, block.experts.down_proj, dtype)
+    with torch.no_grad():
+        layer.correction_bias.copy_(block.gate.e_score_correction_bias.float())
+        layer.shared_w13.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        layer.shared_w2.copy_(shared.down_proj.weight)
+    return layer
+
+
+def _from_gpt_oss(block, cfg, name, dtype) -> FusedMoE:
+    ex = block.experts
+    E, H, two_i = ex.gate_up_proj.shape
+    spec = _spec(name, cfg, H, two_i // 2, E, routing="topk_softmax", activation="swiglu_oai", router_bias=True,
+                 expert_bias=True)
+    w13, w2 = layouts.from_hf(ex.gate_up_proj, ex.down_proj)        # transposed: converted (a copy)
+    layer = _build(spec, block.router.weight, block.router.bias, w13, w2, dtype)
+    with torch.no_grad():
+        layer.w13_bias.copy_(ex.gate_up_proj_bias)
+        layer.w2_bias.copy_(ex.down_proj_bias)
+    return layer
+
+
+def _build(spec, router_w, router_b, w13, w2, dtype) -> FusedMoE:
+    dtype = dtype or w13.dtype
+    with torch.device("meta"):
+        layer = FusedMoE(spec, dtype=dtype)
+    layer = layer.to_empty(device=w13.device)
+    shared_ok = w13.dtype == dtype
+    _share(layer, "w13", w13 if shared_ok else w13.to(dtype))
+    _share(layer, "w2", w2 if shared_ok else w2.to(dtype))
+    _share(layer.gate, "weight", router_w if router_w.dtype == dtype else router_w.to(dtype))
+    with torch.no_grad():
+        if router_b is not None:
+            layer.gate.bias.copy_(router_b.float())
+        for p in (layer.w13_bias, layer.w2_bias, layer.correction_bias, layer.shared_w13, layer.shared_w2):
+            if p is not None:
+                p.zero_()
+    return layer
+
+
+CONVERTERS = {  # transformers class name -> (converter, returns (hidden, router_scores))
+    "Qwen3MoeSparseMoeBlock": (_from_qwen3_or_mixtral, False),
+    "MixtralSparseMoeBlock": (_from_qwen3_or_mixtral, False),
+    "DeepseekV3MoE": (_from_deepseek_v3, False),
+    "GptOssMLP": (_from_gpt_oss, True),
+}
+
+
+def patch(model: nn.Module, *, dtype: torch.dtype | None = None) -> PatchReport:
+    """Replace every supported MoE block of ``model`` in place; returns what was done and why."""
+    report = PatchReport()
+    cfg = getattr(model, "config", None)
+    for path, module in list(model.named_modules()):
+        cls = type(module).__name__
+        if cls not in CONVERTERS:
+            if "moe" in cls.lower() and not isinstance(module, MoekitBlock) and cls.endswith(("Block", "MoE", "MLP")):
+                report.left_alone.append((path, f"{cls} has no moekit converter"))
+            continue
+        if module.training and getattr(module, "jitter_noise", 0):
+            report.left_alone.append((path, "training with router jitter noise (moekit layers are for inference)"))
+            continue
+        convert, returns_scores = CONVERTERS[cls]
+        layer = convert(module, getattr(module, "config", None) or cfg, f"{cls}@{path}", dtype)
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, child, MoekitBlock(layer, module, returns_scores))
+        report.replaced.append((path, cls))
+    return report
+
+
+def unpatch(model: nn.Module) -> int:
+    """Put the original transformers blocks back; returns how many were restored."""
+    restored = 0
+    for path, module in list(model.named_modules()):
+        if isinstance(module, MoekitBlock):
+            parent_path, _, child = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            setattr(parent, child, module.original)
+            restored += 1
+    return restored

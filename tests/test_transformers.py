@@ -1,0 +1,82 @@
+"""moekit inside Hugging Face transformers models built from their own config classes (no
+download): patched models give the original outputs layer by layer and the same greedy tokens."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from moekit.integrations.transformers import MoekitBlock, patch, unpatch  # noqa: E402
+from moekit.verify.metrics import Tolerance, check_close  # noqa: E402
+
+COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128)
+
+
+def _qwen3():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                              num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                              mlp_only_layers=[], head_dim=16))
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2))
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                          head_dim=16, layer_types=["full_attention"] * 2))
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, intermediate_size=96, moe_intermediate_size=32,
+                                                  n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                                  n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16,
+                                                  q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                  v_head_dim=16, routed_scaling_factor=2.5))
+
+
+MODELS = [(_qwen3, "Qwen3MoeSparseMoeBlock"), (_mixtral, "MixtralSparseMoeBlock"), (_gpt_oss, "GptOssMLP"),
+          (_deepseek_v3, "DeepseekV3MoE")]
+
+
+def _randomize(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(std=0.2 if p.dim() > 1 else 0.05)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.uniform_(0, 0.1)
+
+
+@pytest.mark.parametrize("make,block", MODELS, ids=[b for _, b in MODELS])
+def test_patched_model_matches_the_original(make, block):
+    try:
+        model = make().eval()
+    except Exception as exc:  # a transformers version without this model or config field
+        pytest.skip(f"cannot build {block}: {type(exc).__name__}: {exc}")
+    _randomize(model)
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+        report = patch(model)
+        assert [cls for _, cls in report.replaced] == [block] * 2, str(report)
+        assert sum(isinstance(m, MoekitBlock) for m in model.modules()) == 2
+        got = model(ids, output_hidden_states=True)
+        for i, (a, b) in enumerate(zip(got.hidden_states, ref.hidden_states)):
+            check_close(f"{block} hidden state {i}", a, b, Tolerance(1e-4, 1e-5))
+        check_close(f"{block} logits", got.logits, ref.logits, Tolerance(1e-4, 1e-5))
+        prompt = ids[:1, :4]
+        patched_tokens = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        assert unpatch(model) == 2 and not any(isinstance(m, MoekitBlock) for m in model.modules())
+        original_tokens = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert torch.equal(patched_tokens, original_tokens)
