@@ -46,6 +46,8 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
         results.append(score_values(CheckResult("fused_experts", backend, spec.name, num_tokens), got, ref, tol,
                                     got is out))
 
+    results += _four_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol)
+
     M = max(1, num_tokens)
     xb = torch.randn(E, M, H, device=device).to(dtype)
     counts = torch.randint(0, M + 1, (E,), device=device, dtype=torch.int32)
@@ -72,4 +74,22 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     # bf16/fp16 layers may route a near-tied token differently from float64; the budget is an RMS one.
     results.append(score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
                            Tolerance(float("inf"), tol.rms_rel * 2) if dtype != torch.float32 else tol))
+    return results
+
+
+def _four_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
+    """fused_experts with MXFP4 and NVFP4 weights, against float64 on the dequantized weights."""
+    from ..formats import mxfp4, nvfp4, quantize_experts
+
+    results = []
+    for fmt, mod in (("mxfp4", mxfp4), ("nvfp4", nvfp4)):
+        q13, q2 = quantize_experts(w13.float(), fmt), quantize_experts(w2.float(), fmt)
+        ref = reference.fused_experts(x, mod.dequantize(q13, torch.float32), mod.dequantize(q2, torch.float32), tw, tid,
+                                      activation=spec.activation, w13_bias=b13, w2_bias=b2)
+        for backend in backends:
+            out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+            got = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                                backend=backend)
+            results.append(score_values(CheckResult(f"fused_experts[{fmt}]", backend, spec.name, x.shape[0]), got, ref,
+                                        tol, got is out))
     return results
