@@ -452,3 +452,30 @@ def test_nvfp4_activation_scales_ignore_batched_padding():
     _bad(lambda: batched_experts(x, counts, w13, w2, act_quant="nvfp4", backend="triton"), ValueError,
          "no kernel emulates nvfp4 activations")
     _bad(lambda: batched_experts(x, counts, w13, w2, act_quant="fp8"), ValueError, "act_quant must be one of")
+
+
+# --------------------------------------------------------------------------- FP8 (torch reference backend)
+def test_fp8_block_weights_with_group_activations_match_an_independent_emulation():
+    from moekit.formats import fp8
+
+    E, H, I, T, k = 4, 256, 128, 9, 2                                  # two 128-groups along H
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    q13, q2 = fp8.quantize_blocks(w13), fp8.quantize_blocks(w2)
+    d13, d2 = fp8.dequantize(q13, torch.float32), fp8.dequantize(q2, torch.float32)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    got = fused_experts(x, q13, q2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2, act_quant="fp8_group")
+    rnd = lambda t: fp8.dequantize(fp8.quantize_groups(t), torch.float32)  # noqa: E731
+    expect = torch.zeros(T, H, dtype=torch.float64)
+    for e in range(E):
+        tok, slot = torch.nonzero(tid == e, as_tuple=True)
+        if tok.numel():
+            h = (rnd(x[tok]) @ d13[e].T + b13[e]).double()
+            a = reference.swiglu_oai(h).float()
+            y = rnd(a).double() @ d2[e].double().T + b2[e].double()
+            expect.index_add_(0, tok, y * tw[tok, slot].double()[:, None])
+    check_close("fp8 W8A8", got, expect, Tolerance(2e-2, 2e-3))
+    plain = fused_experts(x, q13, q2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)   # W8A16
+    ref = reference.fused_experts(x, d13, d2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
+    check_close("fp8 W8A16", plain, ref, TOL[torch.float32])
+    _bad(lambda: fused_experts(x, q13, q2, tw, tid, backend="triton"), ValueError, "no kernel for fp8 weights yet")

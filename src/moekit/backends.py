@@ -18,7 +18,8 @@ import torch
 
 from . import _triton
 
-WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4")
+WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
+KERNEL_FORMATS = ("dense", "mxfp4", "nvfp4")  # what the Triton kernels read today
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -64,8 +65,8 @@ class Backend:
 def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
     if not _triton.triton_importable():
         return "triton is not installed"
-    if call.weight_format not in WEIGHT_FORMATS:
-        return f"no kernel for {call.weight_format} weights"
+    if call.weight_format not in KERNEL_FORMATS:
+        return f"no kernel for {call.weight_format} weights yet (the torch backend dequantizes them)"
     if call.act_dtype not in ACTIVATION_DTYPES:
         return f"activations must be one of bf16/fp16/fp32, got {call.act_dtype}"
     if call.act_quant is not None:

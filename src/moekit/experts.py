@@ -29,6 +29,7 @@ def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str |
 
 def weight_format(w) -> str:
     """"dense" for a torch.Tensor, "mxfp4" / "nvfp4" for moekit.formats' quantized tensors."""
+    from .formats.fp8 import FP8Tensor
     from .formats.mxfp4 import MXFP4Tensor
     from .formats.nvfp4 import NVFP4Tensor
 
@@ -38,7 +39,9 @@ def weight_format(w) -> str:
         return "mxfp4"
     if isinstance(w, NVFP4Tensor):
         return "nvfp4"
-    raise TypeError(f"expert weights must be torch.Tensor, MXFP4Tensor or NVFP4Tensor, got {type(w).__name__}")
+    if isinstance(w, FP8Tensor):
+        return "fp8"
+    raise TypeError(f"expert weights must be torch.Tensor, MXFP4Tensor, NVFP4Tensor or FP8Tensor, got {type(w).__name__}")
 
 
 def _check_quantized(name, w, ndim, device):
@@ -88,9 +91,9 @@ def _dense(w) -> torch.Tensor:
     fmt = weight_format(w)
     if fmt == "dense":
         return w
-    from .formats import mxfp4, nvfp4
+    from .formats import fp8, mxfp4, nvfp4
 
-    return (mxfp4 if fmt == "mxfp4" else nvfp4).dequantize(w, torch.float32)
+    return {"mxfp4": mxfp4, "nvfp4": nvfp4, "fp8": fp8}[fmt].dequantize(w, torch.float32)
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -103,7 +106,18 @@ def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
 
 
-ACT_QUANTS = (None, "nvfp4")
+ACT_QUANTS = (None, "nvfp4", "fp8_group")
+
+
+def _fp8_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 quantize-dequantize of activations in 1x128 groups (DeepSeek-V3's W8A8): each
+    row's scales are its own, so other rows (padding included) never move them."""
+    from .formats import fp8
+
+    return fp8.dequantize(fp8.quantize_groups(torch.where(rows[:, None], t, 0.0), check_finite=False), torch.float32)
+
+
+_ROUND_ACTIVATIONS = {"nvfp4": lambda t, rows: _nvfp4_rows(t, rows), "fp8_group": lambda t, rows: _fp8_rows(t, rows)}
 
 
 def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -120,15 +134,15 @@ def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None):
     """Expert ``e`` of stacked weights (and optional stacked biases) on fp32 rows, in fp32; with
-    ``act_quant="nvfp4"`` both GEMM inputs are NVFP4-rounded over the expert's ``rows``."""
+    ``act_quant`` both GEMM inputs are rounded as that format's kernels see them, over ``rows``."""
     if act_quant:
-        x32 = _nvfp4_rows(x32, rows)
+        x32 = _ROUND_ACTIVATIONS[act_quant](x32, rows)
     h = x32 @ w13[e].float().T
     if w13_bias is not None:
         h = h + w13_bias[e].float()
     a = _activate(h, activation)
     if act_quant:
-        a = _nvfp4_rows(a, rows)
+        a = _ROUND_ACTIVATIONS[act_quant](a, rows)
     y = a @ w2[e].float().T
     return y if w2_bias is None else y + w2_bias[e].float()
 
@@ -136,7 +150,7 @@ def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows
 def _check_act_quant(act_quant, hidden: int, inter: int) -> None:
     if act_quant not in ACT_QUANTS:
         raise ValueError(f"act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
-    if act_quant and (hidden % 16 or inter % 16):
+    if act_quant == "nvfp4" and (hidden % 16 or inter % 16):
         raise ValueError(f"act_quant='nvfp4' needs H and I multiples of 16 (NVFP4 blocks), got H={hidden}, I={inter}")
 
 
@@ -185,6 +199,8 @@ def fused_experts(
         act_quant: ``"nvfp4"`` emulates NVFP4 W4A4 (Blackwell): each expert's GEMM inputs are
             NVFP4-rounded with a global scale from the amax of the tokens routed to it (torch
             backend; with NVFP4 weights this reproduces a W4A4 deployment's numerics).
+            ``"fp8_group"``: FP8 W8A8 as DeepSeek-V3 runs it (activations in E4M3 with one scale
+            per 1x128 group; pair with :class:`moekit.formats.fp8.FP8Tensor` 128x128-block weights).
 
     Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
     bounds. The k slots are summed in fp32 in slot order, without atomics: results are the same

@@ -27,6 +27,10 @@ class FP8Tensor:
     scale: torch.Tensor
     granularity: str
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
 
 def _codes(x32: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     safe = torch.where(scale > 0, scale, 1.0)
