@@ -20,7 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from moekit.bench.experts import COPY_BW, _gen, _torch_grouped_mm, matmul_rate, routes, save, time_impl  # noqa: E402
+from moekit.bench.experts import (  # noqa: E402
+    COPY_BW, _gen, _torch_grouped_mm, make_cases, matmul_rate, save, time_impl,
+)
 
 from moekit import presets, reference  # noqa: E402
 from moekit.experts import fused_experts  # noqa: E402
@@ -71,12 +73,7 @@ def run(args):
         impls = {"moekit_lowbit": lowbit if layers[0].q13 is not None else None, "moekit_bf16": bf16,
                  "torch_grouped_mm": _torch_grouped_mm}
         for T in args.tokens:
-            calls, used = (8, len(layers)) if T <= 64 else (1, 1)
-            cases = []
-            for i in range(calls):
-                tw, tid = routes(spec, T)
-                x = torch.randn(T, spec.hidden_size, device="cuda", generator=_gen("cuda")).bfloat16()
-                cases.append((x, layers[i % used], tw, tid))
+            cases = make_cases(spec, T, layers)
             hit = torch.unique(cases[0][3]).numel()
             params = 3 * spec.hidden_size * spec.intermediate_size
             row = {"preset": name, "format": fmt, "T": T, "experts_hit": hit,

@@ -172,6 +172,18 @@ def routes(spec, T, device="cuda"):
 EAGER_ONLY = {"hf_eager", "liger"}  # host syncs (nonzero, .item()): a capture attempt only leaks its memory pool
 
 
+def make_cases(spec, T, layers) -> list[tuple]:
+    """(x, layer, topk_weights, topk_ids) per call: 8 calls cycling over the layers for T <= 64
+    (decode: a graph of consecutive layers), one call above."""
+    calls, used = (8, len(layers)) if T <= 64 else (1, 1)
+    cases = []
+    for i in range(calls):
+        tw, tid = routes(spec, T)
+        x = torch.randn(T, spec.hidden_size, device="cuda", generator=_gen("cuda")).bfloat16()
+        cases.append((x, layers[i % used], tw, tid))
+    return cases
+
+
 def time_impl(name, fn, cases):
     """(us per call, mode): a CUDA graph when the implementation can be captured, else eager."""
     calls = [lambda c=c: fn(*c) for c in cases]
@@ -213,12 +225,7 @@ def run_preset(args, spec, rate):
     layers = [Layer(spec, args.peers) for _ in range(n_layers)]
     impls = implementations(spec, args.peers)
     for T in args.tokens:
-        calls, used = (8, n_layers) if T <= 64 else (1, 1)
-        cases = []
-        for i in range(calls):
-            tw, tid = routes(spec, T)
-            x = torch.randn(T, spec.hidden_size, device="cuda", generator=_gen("cuda")).bfloat16()
-            cases.append((x, layers[i % used], tw, tid))
+        cases = make_cases(spec, T, layers)
         hit = torch.unique(cases[0][3]).numel()
         expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
         bw_floor = (hit * expert_bytes + 2 * T * spec.hidden_size * 2) / COPY_BW * 1e6
