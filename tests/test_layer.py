@@ -52,3 +52,28 @@ def test_expert_map_drops_remote_experts():
 
 def test_extra_repr_names_the_preset():
     assert "deepseek-v3@scaled" in repr(moekit.FusedMoE.from_preset("deepseek-v3", scaled=True))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_quantized_experts_serve_the_layer_and_survive_a_state_dict_round_trip(fmt):
+    from moekit.formats import mxfp4, nvfp4, quantize_experts
+
+    layer = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+    q13, q2 = quantize_experts(layer.w13.detach(), fmt), quantize_experts(layer.w2.detach(), fmt)
+    mod = mxfp4 if fmt == "mxfp4" else nvfp4
+    d13, d2 = mod.dequantize(q13, torch.float32), mod.dequantize(q2, torch.float32)
+    layer.load_quantized_experts(q13, q2)
+    assert layer.weight_format == fmt and "w13" not in dict(layer.named_parameters())
+    x = torch.randn(7, layer.spec.hidden_size)
+    ref = reference.moe_layer(x, layer.gate.weight, d13, d2, layer.spec)
+    with torch.no_grad():
+        check_close(fmt, layer(x), ref, Tolerance(1e-4, 1e-5))
+    twin = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+    twin.load_quantized_experts(q13, q2)                  # same buffers' shapes, then the saved values
+    twin.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        assert torch.equal(twin(x), layer(x))
+    with pytest.raises(TypeError, match="must both be MXFP4Tensor or NVFP4Tensor"):
+        layer.load_quantized_experts(torch.zeros(1), q2)
+    with pytest.raises(ValueError, match="w13 must have shape"):
+        twin.load_quantized_experts(quantize_experts(torch.randn(3, 64, 64), fmt), q2)
