@@ -26,7 +26,7 @@ from moekit.bench.experts import (  # noqa: E402
 
 from moekit import presets, reference  # noqa: E402
 from moekit.experts import fused_experts  # noqa: E402
-from moekit.formats import mxfp4, nvfp4, quantize_experts  # noqa: E402
+from moekit.formats import dequantize, quantize_experts  # noqa: E402
 from moekit.verify.metrics import rel_errors  # noqa: E402
 
 CASES = {"gpt-oss-120b": "mxfp4", "qwen3-30b-a3b": "nvfp4", "deepseek-v3": "fp8_block"}
@@ -52,8 +52,7 @@ class LowBitLayer:
             self.q13, self.q2 = quantize_experts(self.w13, fmt), quantize_experts(self.w2, fmt)
 
     def dequantized(self):
-        mod = mxfp4 if isinstance(self.q13, mxfp4.MXFP4Tensor) else nvfp4
-        return mod.dequantize(self.q13, torch.float32), mod.dequantize(self.q2, torch.float32)
+        return dequantize(self.q13), dequantize(self.q2)
 
 
 def run(args):

@@ -93,11 +93,10 @@ ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = 0, 1, 2  # kernels/moe_gemm.py row m
 PER_PAIR_BLOCK_M = 16  # the smallest tensor-core tile; row 0 is the pair
 
 
-def _gemm1(x3, x_strides, w13, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
+def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0):
     from .kernels.moe_gemm import gemm1_act_kernel
 
-    w = WeightOperand.of(w13)
     cfg = w.config(cfg, tiles=2)  # gate and up
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
@@ -117,11 +116,10 @@ def _gemm1(x3, x_strides, w13, b13, h, rows, activation, num_m_blocks, cfg: Gemm
     )
 
 
-def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, mode,
+def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, rows_per_expert):
     from .kernels.moe_gemm import gemm2_kernel
 
-    w = WeightOperand.of(w2)
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
@@ -140,10 +138,9 @@ def _gemm2(h, w2, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig
     )
 
 
-def _gemm2_tokens(h, w2, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig):
+def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig):
     from .kernels.moe_gemm import gemm2_tokens_kernel
 
-    w = WeightOperand.of(w2)
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
@@ -207,9 +204,10 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return
+    w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)  # once per call (NVFP4: scales unswizzled here)
     if config is None:
         config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype,
-                                          WeightOperand.of(w13).format)
+                                          w13.format)
     weights = topk_weights.reshape(-1).contiguous()
     ids = topk_ids.reshape(-1)
     num_global = expert_map.shape[0] if expert_map is not None else num_experts
@@ -243,10 +241,11 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
     two_i = w13.shape[1]
     if rows_per_expert == 0:
         return
+    w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
     if config is None:
         # Each expert runs up to M rows: the regime of M rows per expert.
         config, _ = expert_configs.choose(rows_per_expert * num_experts, num_experts, 1, two_i, hidden,
-                                          x.device, x.dtype, WeightOperand.of(w13).format)
+                                          x.device, x.dtype, w13.format)
     bm = config.block_m
     blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
     h = torch.empty(num_experts * rows_per_expert, two_i // 2, dtype=x.dtype, device=x.device)
@@ -285,7 +284,9 @@ def _(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias) -> None
 
 
 def _dense_weights(*ws) -> bool:
-    return all(isinstance(w, torch.Tensor) for w in ws)
+    from .experts import weight_format
+
+    return all(weight_format(w) == "dense" for w in ws)
 
 
 def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None):

@@ -28,7 +28,7 @@ def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str |
 
 
 def weight_format(w) -> str:
-    """"dense" for a torch.Tensor, "mxfp4" / "nvfp4" for moekit.formats' quantized tensors."""
+    """"dense" for a torch.Tensor, "mxfp4" / "nvfp4" / "fp8" for moekit.formats' quantized tensors."""
     from .formats.fp8 import FP8Tensor
     from .formats.mxfp4 import MXFP4Tensor
     from .formats.nvfp4 import NVFP4Tensor
@@ -88,12 +88,9 @@ def _storage(w) -> torch.Tensor:
 
 def _dense(w) -> torch.Tensor:
     """Quantized weights dequantized to fp32 (the torch backend's reference path); dense as is."""
-    fmt = weight_format(w)
-    if fmt == "dense":
-        return w
-    from .formats import fp8, mxfp4, nvfp4
+    from .formats import dequantize
 
-    return {"mxfp4": mxfp4, "nvfp4": nvfp4, "fp8": fp8}[fmt].dequantize(w, torch.float32)
+    return dequantize(w, torch.float32)
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -117,9 +114,6 @@ def _fp8_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return fp8.dequantize(fp8.quantize_groups(torch.where(rows[:, None], t, 0.0), check_finite=False), torch.float32)
 
 
-_ROUND_ACTIVATIONS = {"nvfp4": lambda t, rows: _nvfp4_rows(t, rows), "fp8_group": lambda t, rows: _fp8_rows(t, rows)}
-
-
 def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """NVFP4 quantize-dequantize of activations as Blackwell's W4A4 kernels see them: e4m3 scales
     per 16 along K under ONE global scale for the expert, from the amax of its rows only
@@ -130,6 +124,9 @@ def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     gs = torch.where(amax > 0, nvfp4.E4M3_MAX * 6.0 / amax, 1.0)
     q = nvfp4.quantize(torch.where(rows[:, None], t, 0.0), global_scale=gs, check_finite=False)
     return nvfp4.dequantize(q, torch.float32)
+
+
+_ROUND_ACTIVATIONS = {"nvfp4": _nvfp4_rows, "fp8_group": _fp8_rows}
 
 
 def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None):

@@ -81,6 +81,7 @@ class _Problem:
             h = torch.randn(blocks * block_m, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
             y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x.dtype)
         results = []
+        operands = [(ext.WeightOperand.of(w13), ext.WeightOperand.of(w2)) for w13, w2 in self.weights]
         for cfg in candidates(block_m, 2 if which == 1 else 1):
             def call(w13, w2, cfg=cfg):
                 if which == 1:
@@ -92,7 +93,7 @@ class _Problem:
                     ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m, mode,
                                num_pairs, 0)
             try:
-                fns = [lambda w=w: call(*w) for w in self.weights]
+                fns = [lambda w=w: call(*w) for w in operands]
                 results.append((sum(_time(f) for f in fns) / len(fns), cfg))
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                 print(f"    skip {cfg}: {type(exc).__name__}")

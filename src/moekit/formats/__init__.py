@@ -7,7 +7,20 @@ fallbacks); they run on any device with plain torch.
 
 from . import fp4, fp8, mxfp4, nvfp4
 
-__all__ = ["fp4", "fp8", "mxfp4", "nvfp4", "quantize_experts"]
+__all__ = ["dequantize", "fp4", "fp8", "mxfp4", "nvfp4", "quantize_experts"]
+
+
+def dequantize(w, dtype=None):
+    """Any moekit weight (MXFP4Tensor, NVFP4Tensor, FP8Tensor; a plain tensor is returned as is)
+    dequantized to ``dtype`` (default float32)."""
+    import torch
+
+    if isinstance(w, torch.Tensor):
+        return w
+    for mod, cls in ((mxfp4, mxfp4.MXFP4Tensor), (nvfp4, nvfp4.NVFP4Tensor), (fp8, fp8.FP8Tensor)):
+        if isinstance(w, cls):
+            return mod.dequantize(w, dtype or torch.float32)
+    raise TypeError(f"cannot dequantize a {type(w).__name__}")
 
 
 def quantize_experts(w, weight_format: str):

@@ -79,13 +79,13 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
 
 def _four_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
     """fused_experts with MXFP4 and NVFP4 weights, against float64 on the dequantized weights."""
-    from ..formats import mxfp4, nvfp4, quantize_experts
+    from ..formats import dequantize, quantize_experts
 
     results = []
-    for fmt, mod in (("mxfp4", mxfp4), ("nvfp4", nvfp4)):
+    for fmt in ("mxfp4", "nvfp4"):
         q13, q2 = quantize_experts(w13.float(), fmt), quantize_experts(w2.float(), fmt)
-        ref = reference.fused_experts(x, mod.dequantize(q13, torch.float32), mod.dequantize(q2, torch.float32), tw, tid,
-                                      activation=spec.activation, w13_bias=b13, w2_bias=b2)
+        ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation=spec.activation,
+                                      w13_bias=b13, w2_bias=b2)
         for backend in backends:
             out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
             got = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,

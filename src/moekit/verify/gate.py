@@ -72,7 +72,7 @@ def _describe(call) -> str:
 
 def _case(call, gen):
     """Small random weights and inputs in the call's format, plus their float reference weights."""
-    from ..formats import fp8, mxfp4, nvfp4, quantize_experts
+    from ..formats import dequantize, fp8, quantize_experts
 
     E, H, I, dev, dt = 6, 64, 32, call.device, call.act_dtype
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
@@ -80,13 +80,10 @@ def _case(call, gen):
     if call.weight_format == "dense":
         w13, w2 = w13.to(dt), w2.to(dt)
         ref13, ref2 = w13, w2
-    elif call.weight_format == "fp8":
-        w13, w2 = fp8.quantize_blocks(w13), fp8.quantize_blocks(w2)
-        ref13, ref2 = fp8.dequantize(w13, torch.float32), fp8.dequantize(w2, torch.float32)
     else:
-        mod = mxfp4 if call.weight_format == "mxfp4" else nvfp4
-        w13, w2 = quantize_experts(w13, call.weight_format), quantize_experts(w2, call.weight_format)
-        ref13, ref2 = mod.dequantize(w13, torch.float32), mod.dequantize(w2, torch.float32)
+        quantize = fp8.quantize_blocks if call.weight_format == "fp8" else (lambda w: quantize_experts(w, call.weight_format))
+        w13, w2 = quantize(w13), quantize(w2)
+        ref13, ref2 = dequantize(w13), dequantize(w2)
     biases = (rnd(E, 2 * I).mul(0.1).to(dt), rnd(E, H).mul(0.1).to(dt))
     return E, H, w13, w2, ref13, ref2, biases
 
