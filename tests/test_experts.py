@@ -79,6 +79,8 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
     (ExpertsConfig(64, GemmConfig(32, 64, group_m=4), _TILE), "64-row blocks, one K block wider than H"),
     (ExpertsConfig(128, _TILE, GemmConfig(64, 32, group_m=8)), "prefill row block"),
     (ExpertsConfig(16, _TILE, GemmConfig(16, 16), per_pair=True), "per-pair decode mode, K in several blocks"),
+    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), per_pair=True, gemv=True),
+     "CUDA-core decode kernels, K in several chunks, partial last N tile"),
 ])
 def test_every_block_shape(config, why):
     _run_case("triton", torch.float32, 40, 6, 48, 40, 3, "swiglu_oai", True, why, config=config)
@@ -110,8 +112,9 @@ def test_invalid_ids_contribute_zero(backend):
     check_close("bad ids", fused_experts(x, w13, w2, tw, tid, backend=backend), expect, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_per_pair_mode_with_expert_map_and_invalid_ids(T):
+def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv):
     E, H, I, k = 6, 32, 24, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
     x = torch.randn(T, H)
@@ -120,7 +123,7 @@ def test_per_pair_mode_with_expert_map_and_invalid_ids(T):
     emap = torch.full((2 * E,), -1, dtype=torch.int32)
     emap[1::2] = torch.arange(E, dtype=torch.int32)                        # even global ids are remote
     tw = torch.rand(T, k)
-    cfg = ExpertsConfig(16, _TILE, _TILE, per_pair=True)
+    cfg = ExpertsConfig(16, _TILE, _TILE, per_pair=True, gemv=gemv)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, w13, w2, tw, gid, w13_bias=b13, w2_bias=b2, expert_map=emap, out=out, backend="triton", config=cfg)
     valid = (gid >= 0) & (gid < 2 * E)
@@ -369,6 +372,50 @@ def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backen
     fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out, backend=backend)
     ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2)
     check_close(why, out, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("gemv", [False, True])
+def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv):
+    # block_k 32: one MXFP4 group / two NVFP4 groups per K step; H = 160 ends on a partial chunk pair
+    E, H, I, T, k = 5, 160, 96, 3, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    x = torch.randn(T, H + 3)[:, 3:]                                  # strided, offset rows
+    tw, tid = _routes(T, E, k)
+    cfg = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 32), per_pair=True, gemv=gemv)
+    out = _poisoned((T, H), torch.float32)
+    fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
+    check_close(f"gemv={gemv}", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
+                TOL[torch.float32])
+
+
+_GPU_4BIT_CONFIGS = {
+    "heuristic": None,
+    "tensor-core per pair": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64), per_pair=True),
+    "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True),
+    "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(_GPU_4BIT_CONFIGS))
+@pytest.mark.parametrize("fmt,T,E,H,I,k,act,biases,why", [
+    ("mxfp4", 1, 128, 2880, 2880, 4, "swiglu_oai", True, "gpt-oss-120b decode, its checkpoint format"),
+    ("mxfp4", 16, 128, 2880, 2880, 4, "swiglu_oai", True, "gpt-oss-120b, 16 tokens"),
+    ("nvfp4", 3, 128, 2048, 768, 8, "silu_and_mul", False, "qwen3-30b-a3b decode"),
+    ("nvfp4", 9, 7, 208, 80, 6, "silu_and_mul", True, "prime E, k=6, K=80 ends mid-chunk"),
+])
+def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
+    w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, biases, "cuda")
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    x = torch.randn(T, H + 8, device="cuda", dtype=torch.bfloat16)[:, 8:]
+    tw, tid = _routes(T, E, k, "cuda")
+    out = _poisoned((T, H), torch.bfloat16, "cuda")
+    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out,
+                  config=_GPU_4BIT_CONFIGS[mode])
+    ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2)
+    check_close(f"{why} ({mode})", out, ref, TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

@@ -78,6 +78,10 @@ class WeightOperand:
             return (d, d.stride(0), d.stride(1), d.stride(2), d, 0, 0, d)
         return (d, d.stride(0), d.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
 
+    def gemv_block_k(self, block_k: int) -> int:
+        """A 4-bit K chunk holds whole scale groups."""
+        return block_k if self.format == "dense" else max(block_k, FOUR_BIT_MIN_BLOCK_K)
+
     def config(self, cfg: GemmConfig, tiles: int = 1) -> GemmConfig:
         """4-bit tiles hold whole scale groups along K, and their dequantized fp32 values (``tiles``
         of them per K step) must fit in registers (tests/sm90_compile.py shows spills past this)."""
@@ -158,6 +162,41 @@ def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
     )
 
 
+def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig):
+    from .kernels.moe_gemv import gemv1_act_kernel
+
+    inter, hidden = w.shape[1] // 2, w.shape[2]
+    step, up_off = _gate_up(activation, inter)
+    gemv1_act_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
+        x, x.stride(0), x.stride(1),
+        *w.args(),
+        *_bias_args(b13, x),
+        h, h.stride(0),
+        ids, expert_map if expert_map is not None else ids,
+        top_k, num_global, w.shape[0], inter, hidden, step, up_off,
+        HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
+        FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig):
+    from .kernels.moe_gemv import gemv2_tokens_kernel
+
+    hidden, inter = w.shape[1], w.shape[2]
+    gemv2_tokens_kernel[(out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)](
+        h, h.stride(0),
+        *w.args(),
+        *_bias_args(b2, h),
+        weights, ids, expert_map if expert_map is not None else ids,
+        out, out.stride(0),
+        top_k, num_global, w.shape[0], hidden, inter,
+        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
+        BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int,
           split: bool | None = None):
     """(pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks]) for the GEMMs.
@@ -214,6 +253,10 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     if config.per_pair:
         # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
         h = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
+        if config.gemv:
+            _gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1)
+            _gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2)
+            return
         emap = expert_map if expert_map is not None else ids
         _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
                config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global)

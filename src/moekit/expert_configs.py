@@ -17,6 +17,7 @@ import torch
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TABLE_FILE = "experts_tuned.json"
 PER_PAIR_MAX_TOKENS = 2  # heuristic: the per-pair decode mode up to this many tokens
+FOUR_BIT_GEMV_MAX_TOKENS = 16  # heuristic: 4-bit weights on the CUDA-core decode kernels up to here
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,17 @@ class ExpertsConfig:
     """Decode mode: no alignment; GEMM1 per (token, slot) pair, GEMM2 per token over its slots
     (block_m is then 16 and unused). Two launches instead of four; an expert picked by several
     tokens is read once per pick."""
+    gemv: bool = False
+    """With per_pair: both GEMMs on the CUDA cores (kernels/moe_gemv.py), one activation row per
+    program instead of a 16-row tensor-core tile; block_k is then the K chunk per step."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ExpertsConfig":
-        return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]), d.get("per_pair", False))
+        return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]), d.get("per_pair", False),
+                   d.get("gemv", False))
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -59,11 +64,16 @@ def token_bucket(num_tokens: int) -> int:
     return TOKEN_BUCKETS[-1]
 
 
-def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int) -> ExpertsConfig:
+def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
+              weight_format: str = "dense") -> ExpertsConfig:
     """Rows per expert decide the regime: about one row per expert streams weights (small row
     block, narrow columns so many programs share the bytes), many rows reuse each weight tile
-    (128-row blocks, wide tiles, L2-grouped ordering)."""
+    (128-row blocks, wide tiles, L2-grouped ordering). 4-bit weights at decode sizes go to the
+    CUDA-core kernels: their tensor-core tiles pay a dequantize-and-rearrange per element."""
     rows = num_tokens * top_k / max(num_experts, 1)
+    if weight_format != "dense" and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
+        tile = GemmConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+        return ExpertsConfig(16, tile, tile, per_pair=True, gemv=True)
     if num_tokens <= PER_PAIR_MAX_TOKENS:
         return ExpertsConfig(16, GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
                              GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4), per_pair=True)
@@ -101,12 +111,13 @@ def shape_key(num_experts: int, n1: int, k1: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int):
+def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
+            weight_format: str):
     entry = _table().get(key, {}).get(shape, {})
     bucket = token_bucket(num_tokens)
     if str(bucket) in entry:
         return ExpertsConfig.from_dict(entry[str(bucket)]), f"tuned for {shape} at T<={bucket} ({key})"
-    return heuristic(num_tokens, num_experts, top_k, n1, k1), f"heuristic (no tuned entry for {shape} T<={bucket} in {key!r})"
+    return heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format), f"heuristic (no tuned entry for {shape} T<={bucket} in {key!r})"
 
 
 def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
@@ -114,4 +125,4 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
     """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens, with
     activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4")."""
     return _choose(table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens, num_experts,
-                   top_k, n1, k1)
+                   top_k, n1, k1, weight_format)

@@ -49,6 +49,14 @@ def candidates(block_m: int, weight_tiles: int) -> list[GemmConfig]:
     return [GemmConfig(bn, bk, w, s, g) for bn, bk, w, s, g in space if fits(bn, bk, s)]
 
 
+def gemv_candidates() -> list[GemmConfig]:
+    """CUDA-core decode kernels (kernels/moe_gemv.py): no shared-memory operands, so only the
+    column tile, the K chunk per step and the warps matter; a chunk (and the next, in flight) of
+    more than 64 elements per thread spills registers."""
+    space = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))
+    return [GemmConfig(bn, bk, w, 1) for bn, bk, w in space if bn * bk <= 64 * 32 * w]
+
+
 def _time(fn, reps: int = 10) -> float:
     from .bench.timing import graph_time_us
 
@@ -65,8 +73,9 @@ class _Problem:
         self.ids = torch.rand(num_tokens, E, device="cuda").argsort(1)[:, :spec.top_k].int().contiguous()
         self.tw = torch.softmax(torch.randn(num_tokens, spec.top_k, device="cuda"), -1).reshape(-1).contiguous()
 
-    def best(self, block_m: int, which: int, per_pair: bool = False) -> tuple[GemmConfig, float]:
-        """Fastest candidate for GEMM ``which`` (1 or 2) with this row block (or the per-pair mode)."""
+    def best(self, block_m: int, which: int, per_pair: bool = False, gemv: bool = False) -> tuple[GemmConfig, float]:
+        """Fastest candidate for GEMM ``which`` (1 or 2) with this row block (or the per-pair mode,
+        on tensor cores or, with ``gemv``, on the CUDA cores)."""
         spec, T = self.spec, self.T
         num_pairs = T * spec.top_k
         if per_pair:
@@ -82,9 +91,15 @@ class _Problem:
             y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x.dtype)
         results = []
         operands = [(ext.WeightOperand.of(w13), ext.WeightOperand.of(w2)) for w13, w2 in self.weights]
-        for cfg in candidates(block_m, 2 if which == 1 else 1):
+        for cfg in gemv_candidates() if gemv else candidates(block_m, 2 if which == 1 else 1):
             def call(w13, w2, cfg=cfg):
-                if which == 1:
+                if gemv and which == 1:
+                    ext._gemv1(self.x, w13, None, h, self.ids.reshape(-1), None, spec.num_experts,
+                               self.spec.activation, spec.top_k, cfg)
+                elif gemv:
+                    ext._gemv2_tokens(h, w2, None, self.tw, self.ids.reshape(-1), None, spec.num_experts, y,
+                                      spec.top_k, cfg)
+                elif which == 1:
                     ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation, blocks,
                                cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts)
                 elif per_pair:
@@ -128,29 +143,49 @@ def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: s
 
 
 PER_PAIR_TUNE_MAX = 4  # buckets up to this many tokens also try the per-pair decode mode
+GEMV_TUNE_MAX = 16  # ... and up to this many, the CUDA-core decode kernels
 
 
-def tune(spec, num_tokens: int, weights) -> tuple[ExpertsConfig, dict]:
+MODES = ("aligned", "per_pair", "gemv")
+
+
+def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MODES) -> tuple[ExpertsConfig, dict]:
     problem = _Problem(spec, num_tokens, weights)
     best = None
-    for bm in row_blocks(num_tokens, spec.num_experts, spec.top_k):
+    info = {}
+    for bm in row_blocks(num_tokens, spec.num_experts, spec.top_k) if "aligned" in modes else ():
         g1, t1 = problem.best(bm, 1)
         g2, t2 = problem.best(bm, 2)
         print(f"  T={num_tokens} BLOCK_M={bm}: gemm1 {t1:.1f} us {g1}, gemm2 {t2:.1f} us {g2}", flush=True)
         if best is None or t1 + t2 < best[0]:
             best = (t1 + t2, ExpertsConfig(bm, g1, g2))
-    info = {"gemm_us": best[0]}
-    if num_tokens <= PER_PAIR_TUNE_MAX:
+            info = {"gemm_us": best[0]}
+    if num_tokens <= PER_PAIR_TUNE_MAX and "per_pair" in modes:
         # The modes differ in launches (alignment, combine): compare whole calls.
         g1, _ = problem.best(16, 1, per_pair=True)
         g2, _ = problem.best(16, 2, per_pair=True)
         pair_cfg = ExpertsConfig(16, g1, g2, per_pair=True)
-        aligned_us, pair_us = problem.whole_call_us(best[1]), problem.whole_call_us(pair_cfg)
+        aligned_us = problem.whole_call_us(best[1]) if best else float("inf")
+        pair_us = problem.whole_call_us(pair_cfg)
         print(f"  T={num_tokens} whole call: aligned {aligned_us:.1f} us, per-pair {pair_us:.1f} us {g1} {g2}", flush=True)
         info |= {"aligned_call_us": aligned_us, "per_pair_call_us": pair_us}
         if pair_us < aligned_us:
             best = (pair_us, pair_cfg)
-    heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size)
+    if num_tokens <= GEMV_TUNE_MAX and "gemv" in modes:
+        g1, _ = problem.best(16, 1, per_pair=True, gemv=True)
+        g2, _ = problem.best(16, 2, per_pair=True, gemv=True)
+        gemv_cfg = ExpertsConfig(16, g1, g2, per_pair=True, gemv=True)
+        best_us = problem.whole_call_us(best[1]) if best else float("inf")
+        gemv_us = problem.whole_call_us(gemv_cfg)
+        print(f"  T={num_tokens} whole call: best so far {best_us:.1f} us, CUDA-core {gemv_us:.1f} us {g1} {g2}",
+              flush=True)
+        info |= {"best_tensor_core_call_us": best_us, "gemv_call_us": gemv_us}
+        if gemv_us < best_us:
+            best = (gemv_us, gemv_cfg)
+    if best is None:
+        raise ValueError(f"no mode of {modes} applies at T={num_tokens}")
+    heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
+                                    spec.hidden_size, weight_format)
     return best[1], info | {"heuristic": heur.to_dict()}
 
 
@@ -161,6 +196,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path("experts_tuned.json"))
     p.add_argument("--merge", action="store_true", help="also merge into the package's table")
     p.add_argument("--format", default="dense", choices=["dense", "mxfp4", "nvfp4"], help="expert weight format")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="kernel modes to try (default all; the CUDA-core 'gemv' mode up to 16 tokens)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moekit.tune needs a CUDA GPU")
@@ -174,7 +211,7 @@ def main(argv=None) -> None:
         for T in args.tokens:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)
-            cfg, info = tune(spec, bucket, weights)
+            cfg, info = tune(spec, bucket, weights, args.format, args.modes)
             table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = cfg.to_dict() | {"measured": info}
             args.out.write_text(json.dumps(table, indent=1))  # keep partial results if interrupted
         del weights

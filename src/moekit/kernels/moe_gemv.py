@@ -1,0 +1,198 @@
+"""Decode expert GEMMs on the CUDA cores: one (token, slot) pair per GEMM1 program, one token per
+GEMM2 program (its k slots summed in order, written once).
+
+At a few tokens the layer streams weights. A tensor-core tile wastes 15 of its 16 rows there, and a
+4-bit weight tile must be rearranged into the MMA operand layout after its dequantization; here
+each weight byte is decoded in the layout it was loaded in and meets one activation value, so the
+work per byte is a handful of integer ops and two FMAs. Partial sums are kept per scale group
+([BLOCK_N, groups in BLOCK_K]) and scaled once per group, then reduced once after the K loop.
+"""
+
+import triton
+import triton.language as tl
+
+from .moe_gemm import DENSE, MXFP4, NVFP4, SILU_AND_MUL, SWIGLU_ALPHA, SWIGLU_LIMIT, _e4m3_values, _pair_expert
+
+FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14 of their value
+
+
+@triton.jit
+def _fp4_low(b):
+    """fp16 value x 2^-14 of the low nibble of bytes b (int32): sign to bit 15, the 3 magnitude
+    bits to exponent/mantissa bits 11..9 (code 1 lands on the fp16 subnormal 2^-15, exactly)."""
+    return (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp4_high(b):
+    return (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale_values(s, FORMAT: tl.constexpr):
+    """Block scales from their codes, times 2^14 (the nibble decoding's unit)."""
+    s = s.to(tl.int32)
+    if FORMAT == MXFP4:
+        # 2^(s - 127) * 2^14 = 2^(s - 113): exact in fp32 for every code; 0 is 2^-127 (-> 2^-113), 255 NaN.
+        scale = tl.where(s == 255, float("nan"), tl.where(s == 0, 2.0 ** -113, ((s + 14) << 23).to(tl.float32, bitcast=True)))
+    else:
+        scale = _e4m3_values(s) * FP16_E2M1_UNIT
+    return scale
+
+
+@triton.jit
+def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """(weights, scales) of one K chunk as loaded: dense [BLOCK_N, BLOCK_K] (scales unused); 4-bit
+    packed bytes [BLOCK_N, groups, group / 2] and their scale codes [BLOCK_N, groups]. The group
+    is its own axis so that its sum stays inside a thread (no reshape, no layout change)."""
+    if FORMAT == DENSE:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_e + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                    mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        s = n_ok
+    else:
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        g = k0 // GROUP + tl.arange(0, GROUPS)
+        g_ok = g < K // GROUP
+        kb = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+        w = tl.load(w_e + rows[:, None, None] * stride_wn + kb[None, :, :],
+                    mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
+        s = tl.load(s_e + rows[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
+    return w, s
+
+
+@triton.jit
+def _load_x(x_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation chunk, read contiguously: dense [BLOCK_K]; 4-bit [groups, group / 2, 2]
+    (element pairs matching the packed bytes)."""
+    if FORMAT == DENSE:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+    else:
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+        xv = tl.reshape(xv, [GROUPS, GROUP // 2, 2])
+    return xv
+
+
+@triton.jit
+def _chunk_sums(w, s, xv, FORMAT: tl.constexpr):
+    """Products of a loaded chunk with its activations: [BLOCK_N, BLOCK_K] for dense weights,
+    [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit."""
+    if FORMAT == DENSE:
+        part = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    else:
+        x_even, x_odd = tl.split(xv.to(tl.float32))
+        b = w.to(tl.int32)
+        prod = _fp4_low(b) * x_even[None, :, :] + _fp4_high(b) * x_odd[None, :, :]
+        part = tl.sum(prod, axis=2) * _scale_values(s, FORMAT)
+    return part
+
+
+@triton.jit
+def gemv1_act_kernel(
+    x_ptr, stride_xm, stride_xk,  # x [T, H]
+    w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit: bytes [E, 2I, H/2])
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
+    bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
+    h_ptr, stride_hm,  # out: activations [T*k, I], one row per pair
+    ids_ptr, expert_map_ptr,  # int32 [T*k]; int32 [num_global] (HAS_MAP)
+    top_k, num_global, num_local, I, K,
+    gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
+    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    num_n = tl.cdiv(I, BLOCK_N)
+    pair = tl.program_id(0) // num_n
+    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+    if e >= 0:  # a pair of another rank: its row is never read (GEMM2 skips it too)
+        gate_rows = offs_n.to(tl.int64) * gate_step
+        up_rows = gate_rows + up_offset
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+        ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
+        acc_gate = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+        # The next chunk's loads are issued before this chunk's math: one program keeps two chunks in flight.
+        wg, sg = _load_chunk(w_e, s_e, gate_rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
+        wu, su = _load_chunk(w_e, s_e, up_rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
+        xv = _load_x(x_row, 0, K, stride_xk, FORMAT, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            k1 = k0 + BLOCK_K
+            wg_next, sg_next = _load_chunk(w_e, s_e, gate_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
+                                           BLOCK_K)
+            wu_next, su_next = _load_chunk(w_e, s_e, up_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
+                                           BLOCK_K)
+            xv_next = _load_x(x_row, k1, K, stride_xk, FORMAT, BLOCK_K)
+            acc_gate += _chunk_sums(wg, sg, xv, FORMAT)
+            acc_up += _chunk_sums(wu, su, xv, FORMAT)
+            wg, sg, wu, su, xv = wg_next, sg_next, wu_next, su_next, xv_next
+        gate = tl.sum(acc_gate, axis=1)
+        up = tl.sum(acc_up, axis=1)
+        if FORMAT == NVFP4:  # the per-expert global scale divides out once
+            gs = tl.load(gs_ptr + e)
+            gate = gate / gs
+            up = up / gs
+        if HAS_BIAS:
+            b_e = bias_ptr + e.to(tl.int64) * stride_be
+            gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+        if ACTIVATION == SILU_AND_MUL:
+            act = gate * tl.sigmoid(gate) * up
+        else:
+            g = tl.minimum(gate, SWIGLU_LIMIT)
+            u = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            act = (u + 1.0) * g * tl.sigmoid(SWIGLU_ALPHA * g)
+        tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def gemv2_tokens_kernel(
+    h_ptr, stride_hm,  # activations [T*k, I] from gemv1_act_kernel
+    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit: bytes [E, H, I/2])
+    s_ptr, stride_se, stride_sn, gs_ptr,
+    bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
+    weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
+    out_ptr, stride_ot,  # out [T, H]
+    top_k, num_global, num_local, N, K,
+    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    num_n = tl.cdiv(N, BLOCK_N)
+    t = tl.program_id(0) // num_n
+    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, top_k):  # slots in order: the same bits on every run
+        pair = t * top_k + j
+        e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+        if e >= 0:
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            s_e = s_ptr + e.to(tl.int64) * stride_se
+            h_row = h_ptr + pair.to(tl.int64) * stride_hm
+            acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+            w, s = _load_chunk(w_e, s_e, rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
+            hv = _load_x(h_row, 0, K, 1, FORMAT, BLOCK_K)
+            for k0 in range(0, K, BLOCK_K):
+                w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk, stride_sn,
+                                             FORMAT, BLOCK_K)
+                hv_next = _load_x(h_row, k0 + BLOCK_K, K, 1, FORMAT, BLOCK_K)
+                acc += _chunk_sums(w, s, hv, FORMAT)
+                w, s, hv = w_next, s_next, hv_next
+            y = tl.sum(acc, axis=1)
+            if FORMAT == NVFP4:
+                y = y / tl.load(gs_ptr + e)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok,
+                             other=0.0).to(tl.float32)
+            total += tl.load(weights_ptr + pair) * y
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
