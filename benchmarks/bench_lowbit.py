@@ -2,7 +2,7 @@
 against moekit's own bf16 experts and the best bf16 peer (torch grouped_mm), same run.
 
 Cases: gpt-oss-120b in MXFP4 (its checkpoint format), qwen3-30b-a3b in NVFP4, deepseek-v3 in FP8
-128x128 blocks (reported as 'no kernel' until the FP8 W8A8 path exists). Timing as
+128x128 blocks as W8A8 (activations in 1x128 E4M3 groups). Timing as
 bench_experts.py (CUDA-graph replay; 8 calls over 4 layers for T <= 64). Floors: the 4-bit bytes
 of the distinct experts hit (packed codes + scales) at 4.2 TB/s, and the bf16 compute floor.
 
@@ -47,9 +47,8 @@ class LowBitLayer:
         if spec.expert_bias:
             self.b13 = torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=g).mul_(0.02)
             self.b2 = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=g).mul_(0.02)
-        self.q13 = self.q2 = None
-        if fmt in ("mxfp4", "nvfp4"):
-            self.q13, self.q2 = quantize_experts(self.w13, fmt), quantize_experts(self.w2, fmt)
+        self.q13, self.q2 = quantize_experts(self.w13, fmt), quantize_experts(self.w2, fmt)
+        self.act_quant = "fp8_group" if fmt.startswith("fp8") else None
 
     def dequantized(self):
         return dequantize(self.q13), dequantize(self.q2)
@@ -60,23 +59,27 @@ def run(args):
     records = []
     for name in args.presets:
         spec, fmt = presets.get(name), CASES[name]
-        layers = [LowBitLayer(spec, fmt) for _ in range(min(args.layers, 4))]
+        # deepseek-v3: a bf16 layer is 22.5 GB; two layers (and the error check's fp32 copy) fit in memory.
+        layers = [LowBitLayer(spec, fmt) for _ in range(min(args.layers, 2 if spec.num_experts > 128 else 4))]
         act = spec.activation
 
         def lowbit(x, layer, tw, tid):
-            return fused_experts(x, layer.q13, layer.q2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2)
+            return fused_experts(x, layer.q13, layer.q2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2,
+                                 act_quant=layer.act_quant)
 
         def bf16(x, layer, tw, tid):
             return fused_experts(x, layer.w13, layer.w2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2)
 
-        impls = {"moekit_lowbit": lowbit if layers[0].q13 is not None else None, "moekit_bf16": bf16,
+        impls = {"moekit_lowbit": lowbit, "moekit_bf16": bf16,
                  "torch_grouped_mm": _torch_grouped_mm}
         for T in args.tokens:
             cases = make_cases(spec, T, layers)
             hit = torch.unique(cases[0][3]).numel()
             params = 3 * spec.hidden_size * spec.intermediate_size
             row = {"preset": name, "format": fmt, "T": T, "experts_hit": hit,
-                   "floor_lowbit_us": hit * params * BYTES_PER_WEIGHT[fmt] / COPY_BW * 1e6,
+                   # 4-bit runs bf16 tensor cores (on Hopper), W8A8 FP8 ones at twice the bf16 rate
+                   "floor_lowbit_us": max(hit * params * BYTES_PER_WEIGHT[fmt] / COPY_BW,
+                                          2 * T * spec.top_k * params / (rate * (2 if fmt.startswith("fp8") else 1))) * 1e6,
                    "floor_bf16_us": max(hit * params * 2 / COPY_BW, 2 * T * spec.top_k * params / rate) * 1e6}
             for impl, fn in impls.items():
                 if fn is None:
@@ -85,9 +88,16 @@ def run(args):
                 row[impl], row[f"{impl}_mode"] = time_impl(impl, fn, cases)
             if row.get("moekit_lowbit"):
                 x, layer, tw, tid = cases[0]
-                d13, d2 = layer.dequantized()
-                ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2)
+                if layer.act_quant:  # W8A8: float64 on dequantized weights AND quantize-dequantized activations
+                    ref = reference.fused_experts_w8a8(x, layer.q13, layer.q2, tw, tid, activation=act,
+                                                       w13_bias=layer.b13, w2_bias=layer.b2)
+                else:
+                    d13, d2 = layer.dequantized()
+                    ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=layer.b13,
+                                                  w2_bias=layer.b2)
+                    del d13, d2
                 row["lowbit_err_vs_dequantized"] = rel_errors(lowbit(*cases[0]), ref)[1]
+                del ref
                 ref16 = reference.fused_experts(x, layer.w13, layer.w2, tw, tid, activation=act, w13_bias=layer.b13,
                                                 w2_bias=layer.b2)
                 row["lowbit_err_vs_bf16_layer"] = rel_errors(lowbit(*cases[0]), ref16)[1]  # reported, not gated
@@ -106,7 +116,7 @@ def markdown(records, env, rate):
     cols = ["moekit_lowbit", "moekit_bf16", "torch_grouped_mm"]
     lines = [f"# Low-bit experts benchmark ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}. us per call, CUDA-graph replay. bf16 matmul rate "
-             f"{rate / 1e12:.0f} TFLOP/s. lowbit floor = packed bytes + scales of the experts hit at 4.2 TB/s.", "",
+             f"{rate / 1e12:.0f} TFLOP/s. lowbit floor = max(packed bytes + scales of the experts hit at 4.2 TB/s, FLOPs at the bf16 rate (FP8: twice it)).", "",
              "| preset | format | T | " + " | ".join(cols) + " | bf16 / lowbit | lowbit floor us | x floor | err vs dequant | err vs bf16 |",
              "|---|---|---|" + "---|" * (len(cols) + 5)]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731

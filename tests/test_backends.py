@@ -48,6 +48,7 @@ def test_fused_experts_routes_through_the_oracle():
 def test_gpu_auto_takes_triton_for_every_format():
     dev = torch.device("cuda")
     for fmt in backends.KERNEL_FORMATS:
-        assert select_backend(ExpertsCall(fmt, torch.bfloat16, dev, 16)).name == "triton"
+        act_quant = "fp8_group" if fmt == "fp8" else None
+        assert select_backend(ExpertsCall(fmt, torch.bfloat16, dev, 16, act_quant)).name == "triton"
     assert "triton  TAKEN" in backends.explain(ExpertsCall("mxfp4", torch.bfloat16, dev, 1))
-    assert select_backend(ExpertsCall("fp8", torch.bfloat16, dev, 16)).name == "torch"   # no FP8 kernel yet
+    assert select_backend(ExpertsCall("fp8", torch.bfloat16, dev, 16)).name == "torch"   # W8A16: dequantized

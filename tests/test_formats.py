@@ -244,5 +244,13 @@ def test_quantize_experts_equals_whole_stack_quantization():
     assert torch.equal(nvfp4.dequantize(a), nvfp4.dequantize(b))
     a, b = quantize_experts(w, "mxfp4"), mxfp4.quantize(w)
     assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)
+    w = torch.randn(3, 136, 200)                                     # partial 128-blocks both ways
+    for fmt, whole in (("fp8_block", fp8.quantize_blocks), ("fp8_channel", fp8.quantize_per_channel)):
+        a, b = quantize_experts(w, fmt), whole(w)
+        assert a.granularity == b.granularity and torch.equal(a.scale, b.scale)
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+    a = quantize_experts(w, "fp8_tensor")                            # one scale per expert
+    assert a.scale.shape == (3,) and all(torch.equal(a.data[e].view(torch.uint8), fp8.quantize_per_tensor(w[e]).data.view(torch.uint8))
+                                         for e in range(3))
     with pytest.raises(ValueError, match="weight_format must be"):
         quantize_experts(w, "fp8")

@@ -42,7 +42,8 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor):
     return (bias, bias.stride(0), bias.stride(1)) if bias is not None else (fallback, 0, 0)
 
 
-FORMAT_IDS = {"dense": 0, "mxfp4": 1, "nvfp4": 2}  # kernels/moe_gemm.py weight formats
+FORMAT_IDS = {"dense": 0, "mxfp4": 1, "nvfp4": 2, "fp8": 3, "fp8_emulated": 4}  # kernels/moe_gemm.py weight formats
+FP8_GROUP = 128  # activation groups and weight blocks along K (kernels/moe_gemm.py)
 FOUR_BIT_MIN_BLOCK_K = 32  # a K tile must hold whole scale groups (32 for MXFP4, 16 for NVFP4)
 FOUR_BIT_TILE_BUDGET = 4096  # dequantized weight elements per K step for 4 warps
 
@@ -56,6 +57,14 @@ class WeightOperand:
     global_scale: torch.Tensor
     format: str
     shape: tuple[int, ...]
+    blocked: bool = False  # FP8: 128x128 block scales [E, N/128, K/128] (else one scale per output column)
+
+    @property
+    def format_id(self) -> int:
+        """The kernels' FORMAT: FP8 without FP8 tensor cores (the interpreter) decodes its bytes."""
+        if self.format == "fp8" and self.data.device.type != "cuda":
+            return FORMAT_IDS["fp8_emulated"]
+        return FORMAT_IDS[self.format]
 
     @classmethod
     def of(cls, w) -> "WeightOperand":
@@ -64,6 +73,8 @@ class WeightOperand:
         fmt = weight_format(w)
         if fmt == "dense":
             return cls(w, w, w, fmt, tuple(w.shape))
+        if fmt == "fp8":
+            return cls._fp8(w)
         data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
         if fmt == "mxfp4":
             return cls(data, w.scales, data, fmt, tuple(w.shape))
@@ -72,10 +83,26 @@ class WeightOperand:
         gs = w.global_scale.float().reshape(-1).expand(w.shape[0]).contiguous()
         return cls(data, scales, gs, fmt, tuple(w.shape))
 
+    @classmethod
+    def _fp8(cls, w) -> "WeightOperand":
+        E, N, K = w.shape
+        data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
+        if data.device.type != "cuda":
+            data = data.view(torch.uint8)  # decoded from its bytes (the interpreter has no FP8 type)
+        scale = w.scale.float()
+        if w.granularity == "block":
+            return cls(data, scale.contiguous(), scale, "fp8", (E, N, K), blocked=True)
+        if w.granularity == "channel":
+            return cls(data, scale.reshape(E, N), scale, "fp8", (E, N, K))
+        # Per tensor: one scale for the stack or one per expert, read as a column scale of stride 0.
+        return cls(data, scale.reshape(-1, 1).expand(E, N), scale, "fp8", (E, N, K))
+
     def args(self) -> tuple:
         d, s = self.data, self.scales
         if self.format == "dense":
             return (d, d.stride(0), d.stride(1), d.stride(2), d, 0, 0, d)
+        if self.format == "fp8":
+            return (d, d.stride(0), d.stride(1), d.stride(2), s, s.stride(0), s.stride(1), s)
         return (d, d.stride(0), d.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
 
     def gemv_block_k(self, block_k: int) -> int:
@@ -87,6 +114,8 @@ class WeightOperand:
         of them per K step) must fit in registers (tests/sm90_compile.py shows spills past this)."""
         if self.format == "dense":
             return cfg
+        if self.format == "fp8":  # one activation group per K step; GEMM1 quantizes one group per row
+            return replace(cfg, block_k=FP8_GROUP, block_n=FP8_GROUP if tiles == 2 else cfg.block_n)
         block_k = max(cfg.block_k, FOUR_BIT_MIN_BLOCK_K)
         while block_k > FOUR_BIT_MIN_BLOCK_K and tiles * cfg.block_n * block_k > FOUR_BIT_TILE_BUDGET * cfg.num_warps // 4:
             block_k //= 2
@@ -97,8 +126,14 @@ ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = 0, 1, 2  # kernels/moe_gemm.py row m
 PER_PAIR_BLOCK_M = 16  # the smallest tensor-core tile; row 0 is the pair
 
 
+def _scale_args(scales: torch.Tensor | None, fallback: torch.Tensor):
+    return (scales, scales.stride(0)) if scales is not None else (fallback, 0)
+
+
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
-           num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0):
+           num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
+    """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
+    ``h_scales`` [rows, I/128]."""
     from .kernels.moe_gemm import gemm1_act_kernel
 
     cfg = w.config(cfg, tiles=2)  # gate and up
@@ -110,25 +145,26 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         *w.args(),
         *_bias_args(b13, x3),
         h, h.stride(0),
+        *_scale_args(x_scales, x3), *_scale_args(h_scales, x3),
         *rows,
         num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w.shape[0],
         inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
-        DOT_PRECISION=_precision(x3.dtype), FORMAT=FORMAT_IDS[w.format],
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, mode,
-           num_pairs, rows_per_expert):
+           num_pairs, rows_per_expert, h_scales=None):
     from .kernels.moe_gemm import gemm2_kernel
 
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
     gemm2_kernel[grid](
-        h, h.stride(0),
+        h, h.stride(0), *_scale_args(h_scales, h),
         *w.args(),
         *_bias_args(b2, h),
         weights,
@@ -136,27 +172,28 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         *rows,
         num_pairs, rows_per_expert, num_m_blocks,
         hidden, inter,
-        HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=FORMAT_IDS[w.format],
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig):
+def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
+                  h_scales=None):
     from .kernels.moe_gemm import gemm2_tokens_kernel
 
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
     gemm2_tokens_kernel[grid](
-        h, h.stride(0),
+        h, h.stride(0), *_scale_args(h_scales, h),
         *w.args(),
         *_bias_args(b2, h),
         weights, ids, expert_map if expert_map is not None else ids,
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(h.dtype),
-        FORMAT=FORMAT_IDS[w.format],
+        FORMAT=w.format_id, W_BLOCKED=w.blocked,
         BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -235,6 +272,32 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     return pair_expert, sorted_pairs, block_expert
 
 
+def _fp8_codes_dtype(device: torch.device) -> torch.dtype:
+    return torch.float8_e4m3fn if device.type == "cuda" else torch.float32  # the interpreter keeps code values
+
+
+def fp8_groups(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (E4M3 codes [rows, K], fp32 scales [rows, K/128]) in 1x128 groups, on the device."""
+    from .kernels.fp8_quant import quantize_groups_kernel
+
+    rows, k = x2d.shape
+    groups = _triton.cdiv(k, FP8_GROUP)
+    q = torch.empty(rows, k, dtype=_fp8_codes_dtype(x2d.device), device=x2d.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x2d.device)
+    if rows:
+        quantize_groups_kernel[(rows, groups)](x2d, x2d.stride(0), x2d.stride(1), q, q.stride(0), scales,
+                                               scales.stride(0), k, EMULATED=x2d.device.type != "cuda", num_warps=4)
+    return q, scales
+
+
+def _activation_buffers(rows: int, inter: int, dtype: torch.dtype, device: torch.device, fp8: bool):
+    """GEMM1's output: [rows, I] in the activations' dtype, or FP8 codes and their group scales."""
+    if not fp8:
+        return torch.empty(rows, inter, dtype=dtype, device=device), None
+    return (torch.empty(rows, inter, dtype=_fp8_codes_dtype(device), device=device),
+            torch.empty(rows, _triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=device))
+
+
 def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
                        config: ExpertsConfig | None = None) -> None:
     """Standard format, written into ``out`` [T, H] (contiguous)."""
@@ -250,27 +313,33 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     weights = topk_weights.reshape(-1).contiguous()
     ids = topk_ids.reshape(-1)
     num_global = expert_map.shape[0] if expert_map is not None else num_experts
+    fp8 = w13.format == "fp8"
+    dtype = x.dtype
+    xs = None
+    if fp8:  # W8A8: x in 1x128 E4M3 groups once, before GEMM1 (GEMM1 quantizes its own output)
+        x, xs = fp8_groups(x)
     if config.per_pair:
         # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
-        h = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
-        if config.gemv:
+        h, hs = _activation_buffers(num_pairs, two_i // 2, dtype, x.device, fp8)
+        if config.gemv and not fp8:
             _gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1)
             _gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2)
             return
         emap = expert_map if expert_map is not None else ids
         _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
-               config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global)
-        _gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2)
+               config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global, xs, hs)
+        _gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
         return
     bm = config.block_m
     pair_expert, sorted_pairs, block_expert = align(topk_ids, expert_map, num_experts, bm)
     blocks = block_expert.shape[0]
-    h = torch.empty(blocks * bm, two_i // 2, dtype=x.dtype, device=x.device)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    h, hs = _activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
+    y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
     rows = (block_expert, sorted_pairs, block_expert)
     _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm,
-           ROWS_ALIGNED, num_pairs, top_k, 0)
-    _gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0)
+           ROWS_ALIGNED, num_pairs, top_k, 0, x_scales=xs, h_scales=hs)
+    _gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,
+           hs)
     from .kernels.moe_gemm import combine_kernel
 
     combine_kernel[(num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H))](
@@ -291,12 +360,17 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
                                           x.device, x.dtype, w13.format)
     bm = config.block_m
     blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
-    h = torch.empty(num_experts * rows_per_expert, two_i // 2, dtype=x.dtype, device=x.device)
+    fp8 = w13.format == "fp8"
+    h, hs = _activation_buffers(num_experts * rows_per_expert, two_i // 2, x.dtype, x.device, fp8)
+    xs = None
+    if fp8:  # every row its own groups: padding rows (garbage, NaN) only ever scale themselves
+        xq, xs = fp8_groups(x.reshape(num_experts * rows_per_expert, hidden))
+        x = xq.view(num_experts, rows_per_expert, hidden)
     rows = (expert_num_tokens, expert_num_tokens, expert_num_tokens)
     _gemm1(x, (x.stride(0), x.stride(1), x.stride(2)), w13, w13_bias, h, rows, activation, blocks, config.gemm1,
-           bm, ROWS_BATCHED, 0, 1, rows_per_expert)
+           bm, ROWS_BATCHED, 0, 1, rows_per_expert, x_scales=xs, h_scales=hs)
     _gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, ROWS_BATCHED,
-           0, rows_per_expert)
+           0, rows_per_expert, hs)
 
 
 # torch.compile sees each call as one opaque op with a fake (shape-only) implementation.

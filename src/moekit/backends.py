@@ -19,7 +19,7 @@ import torch
 from . import _triton
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
-KERNEL_FORMATS = ("dense", "mxfp4", "nvfp4")  # what the Triton kernels read today
+KERNEL_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")  # what the Triton kernels read (fp8: W8A8 only)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -69,12 +69,17 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
         return f"no kernel for {call.weight_format} weights yet (the torch backend dequantizes them)"
     if call.act_dtype not in ACTIVATION_DTYPES:
         return f"activations must be one of bf16/fp16/fp32, got {call.act_dtype}"
-    if call.act_quant is not None:
-        return f"no kernel emulates {call.act_quant} activations yet (the torch backend does)"
+    if call.weight_format == "fp8" and call.act_quant != "fp8_group":
+        return ("FP8 weights run as W8A8 with act_quant='fp8_group' (1x128 activation groups); "
+                f"got act_quant={call.act_quant!r} (the torch backend dequantizes them)")
+    if call.act_quant is not None and call.weight_format != "fp8":
+        return f"no kernel emulates {call.act_quant} activations on {call.weight_format} weights (the torch backend does)"
     if call.device.type == "cuda":
         if torch.compiler.is_compiling():
             return None  # the eager call before tracing asked the device; dynamo need not
-        major = _capability_major(call.device)
+        major, minor = _capability(call.device)
+        if call.weight_format == "fp8" and (major, minor) < (8, 9):
+            return f"FP8 W8A8 needs FP8 tensor cores (compute capability >= 8.9), got {major}.{minor}"
         return None if major >= 8 else f"needs compute capability >= 8.0 (bf16 tensor cores), got {major}.x"
     if not _triton.can_launch(call.device):
         return f"needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {call.device.type}"
@@ -84,13 +89,13 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
     return None if explicit else "the interpreter serves only explicit requests on the CPU"
 
 
-_CAPABILITY: dict[int, int] = {}
+_CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
-def _capability_major(device: torch.device) -> int:
+def _capability(device: torch.device) -> tuple[int, int]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
     return _CAPABILITY[index]
 
 
@@ -127,7 +132,8 @@ def _torch_batched(*args, **kwargs):
 
 BUILTIN = (
     Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
-                                       "weight, fixed-order combine; 4-bit weights dequantized in the kernel",
+                                       "weight, fixed-order combine; 4-bit weights dequantized in the kernel, "
+                                       "FP8 W8A8 on FP8 tensor cores",
             _triton_fused, _triton_batched),
     Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
             _torch_fused, _torch_batched),

@@ -71,7 +71,7 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
     (128-row blocks, wide tiles, L2-grouped ordering). 4-bit weights at decode sizes go to the
     CUDA-core kernels: their tensor-core tiles pay a dequantize-and-rearrange per element."""
     rows = num_tokens * top_k / max(num_experts, 1)
-    if weight_format != "dense" and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
+    if weight_format in ("mxfp4", "nvfp4") and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
         tile = GemmConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
         return ExpertsConfig(16, tile, tile, per_pair=True, gemv=True)
     if num_tokens <= PER_PAIR_MAX_TOKENS:

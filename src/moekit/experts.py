@@ -49,6 +49,26 @@ def _check_quantized(name, w, ndim, device):
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(w.shape)}")
     if w.data.device != device:
         raise ValueError(f"{name} must be on {device} (the device of the input), got {w.data.device}")
+    if weight_format(w) == "fp8":
+        _check_fp8_scales(name, w)
+
+
+def _check_fp8_scales(name, w) -> None:
+    """An FP8 expert stack [E, N, K]: per tensor (one scale, or one per expert), per channel
+    [E, N, 1], or 128x128 blocks [E, ceil(N/128), ceil(K/128)]."""
+    E, N, K = w.shape
+    expected = {"tensor": None, "channel": (E, N, 1), "block": (E, -(-N // 128), -(-K // 128))}
+    if w.granularity not in expected:
+        raise ValueError(f"{name}: FP8 expert weights are per tensor, per channel or in 128x128 blocks, "
+                         f"got granularity {w.granularity!r}")
+    shape = tuple(w.scale.shape)
+    if w.granularity == "tensor":
+        if w.scale.numel() not in (1, E):
+            raise ValueError(f"{name}: a per-tensor FP8 scale holds 1 or E={E} values, got shape {shape}")
+    elif shape != expected[w.granularity]:
+        raise ValueError(f"{name}: {w.granularity} FP8 scales must have shape {expected[w.granularity]}, got {shape}")
+    if w.scale.device != w.data.device:
+        raise ValueError(f"{name}: scales on {w.scale.device}, codes on {w.data.device}")
 
 
 def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):

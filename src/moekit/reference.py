@@ -186,17 +186,54 @@ def fused_experts(
 
     ``expert_map`` maps global ids to local weight indices (-1: not here, contributes zero).
     """
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=F64, device=x.device)
+    return _combine(x, w13.shape[0], w2.shape[1], topk_weights, topk_ids, expert_map,
+                    lambda e, rows: _expert(e, rows, w13, w2, activation, w13_bias, w2_bias))
+
+
+def _combine(x, num_experts, hidden, topk_weights, topk_ids, expert_map, expert_fn) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], hidden, dtype=F64, device=x.device)
     ids = topk_ids.long()
     if expert_map is not None:
         ids = expert_map.long()[ids]
-    for e in range(w13.shape[0]):
+    for e in range(num_experts):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = _expert(e, x[tok], w13, w2, activation, w13_bias, w2_bias)
-        out.index_add_(0, tok, y * topk_weights[tok, slot].to(F64)[:, None])
+        out.index_add_(0, tok, expert_fn(e, x[tok]) * topk_weights[tok, slot].to(F64)[:, None])
     return out
+
+
+def fused_experts_w8a8(
+    x: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu_and_mul",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FP8 W8A8 (DeepSeek-V3's scheme): :func:`fused_experts` in float64 on FP8Tensor weights,
+    with both GEMM inputs of each expert rounded to E4M3 in 1x128 groups first (scales per row
+    and group: formats.fp8.quantize_groups). Weights are dequantized one expert at a time, so a
+    DeepSeek-V3 stack never exists in float."""
+    from .formats import fp8
+
+    def rounded(t):
+        return fp8.dequantize(fp8.quantize_groups(t.float(), check_finite=False), torch.float32).to(F64)
+
+    def expert_fn(e, rows):
+        d13 = fp8.dequantize(fp8.expert(w13, e), torch.float32)
+        d2 = fp8.dequantize(fp8.expert(w2, e), torch.float32)
+        h = rounded(rows) @ d13.to(F64).T
+        if w13_bias is not None:
+            h = h + w13_bias[e].to(F64)
+        y = rounded(ACTIVATION_FNS[activation](h)) @ d2.to(F64).T
+        return y if w2_bias is None else y + w2_bias[e].to(F64)
+
+    return _combine(x, w13.shape[0], w2.shape[1], topk_weights, topk_ids, expert_map, expert_fn)
 
 
 def batched_experts(

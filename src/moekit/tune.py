@@ -69,7 +69,11 @@ class _Problem:
     def __init__(self, spec, num_tokens, weights, dtype=torch.bfloat16):
         E, H = spec.num_experts, spec.hidden_size
         self.spec, self.T, self.weights = spec, num_tokens, weights
-        self.x = torch.randn(num_tokens, H, device="cuda", dtype=dtype)
+        self.x_in = torch.randn(num_tokens, H, device="cuda", dtype=dtype)
+        self.fp8 = ext.WeightOperand.of(weights[0][0]).format == "fp8"
+        self.act_quant = "fp8_group" if self.fp8 else None
+        # W8A8: the GEMMs read E4M3 codes with their 1x128 group scales
+        self.x, self.xs = ext.fp8_groups(self.x_in) if self.fp8 else (self.x_in, None)
         self.ids = torch.rand(num_tokens, E, device="cuda").argsort(1)[:, :spec.top_k].int().contiguous()
         self.tw = torch.softmax(torch.randn(num_tokens, spec.top_k, device="cuda"), -1).reshape(-1).contiguous()
 
@@ -81,17 +85,25 @@ class _Problem:
         if per_pair:
             blocks, block_m = num_pairs, ext.PER_PAIR_BLOCK_M
             rows, mode = (self.ids, self.ids, self.ids), ext.ROWS_PER_PAIR
-            h = torch.randn(num_pairs, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
-            y = torch.empty(T, spec.hidden_size, device="cuda", dtype=self.x.dtype)
+            y = torch.empty(T, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
         else:
             _, sorted_pairs, block_expert = ext.align(self.ids, None, spec.num_experts, block_m)
             blocks = block_expert.shape[0]
             rows, mode = (block_expert, sorted_pairs, block_expert), ext.ROWS_ALIGNED
-            h = torch.randn(blocks * block_m, spec.intermediate_size, device="cuda", dtype=self.x.dtype)
-            y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x.dtype)
+            y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
+        h, hs = ext._activation_buffers(blocks * (1 if per_pair else block_m), spec.intermediate_size,
+                                        self.x_in.dtype, self.x.device, self.fp8)
+        if self.fp8:
+            h.copy_(torch.randn(h.shape, device="cuda").clamp(-400, 400))
+            hs.uniform_(1e-3, 1e-2)
+        else:
+            h.normal_()
         results = []
         operands = [(ext.WeightOperand.of(w13), ext.WeightOperand.of(w2)) for w13, w2 in self.weights]
-        for cfg in gemv_candidates() if gemv else candidates(block_m, 2 if which == 1 else 1):
+        space = gemv_candidates() if gemv else candidates(block_m, 2 if which == 1 else 1)
+        # FP8 fixes BLOCK_K (and GEMM1's BLOCK_N) at 128: time each effective config once
+        space = list(dict.fromkeys(operands[0][which - 1].config(c, tiles=2 if which == 1 else 1) for c in space))
+        for cfg in space:
             def call(w13, w2, cfg=cfg):
                 if gemv and which == 1:
                     ext._gemv1(self.x, w13, None, h, self.ids.reshape(-1), None, spec.num_experts,
@@ -101,12 +113,12 @@ class _Problem:
                                       spec.top_k, cfg)
                 elif which == 1:
                     ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation, blocks,
-                               cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts)
+                               cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts, self.xs, hs)
                 elif per_pair:
-                    ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k, cfg)
+                    ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k, cfg, hs)
                 else:
                     ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m, mode,
-                               num_pairs, 0)
+                               num_pairs, 0, hs)
             try:
                 fns = [lambda w=w: call(*w) for w in operands]
                 results.append((sum(_time(f) for f in fns) / len(fns), cfg))
@@ -122,13 +134,15 @@ class _Problem:
 
         ids = self.ids
         tw = self.tw.view(ids.shape)
-        fns = [lambda w=w: fused_experts(self.x, w[0], w[1], tw, ids, activation=self.spec.activation, config=config)
+        fns = [lambda w=w: fused_experts(self.x_in, w[0], w[1], tw, ids, activation=self.spec.activation, config=config,
+                                         act_quant=self.act_quant)
                for w in self.weights]
         return sum(_time(f) for f in fns) / len(fns)
 
 
 def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: str = "dense") -> list[tuple]:
-    """``layers`` random (w13, w2) stacks, quantized to ``weight_format`` ("dense", "mxfp4", "nvfp4")."""
+    """``layers`` random (w13, w2) stacks, quantized to ``weight_format`` ("dense" or one of
+    formats.EXPERT_FORMATS)."""
     from .formats import quantize_experts
 
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
@@ -138,6 +152,7 @@ def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: s
         w2 = torch.randn(E, H, I, device="cuda", dtype=dtype).mul_(I ** -0.5)
         if weight_format != "dense":
             w13, w2 = quantize_experts(w13, weight_format), quantize_experts(w2, weight_format)
+            torch.cuda.empty_cache()
         out.append((w13, w2))
     return out
 
@@ -195,14 +210,15 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=list(expert_configs.TOKEN_BUCKETS))
     p.add_argument("--out", type=Path, default=Path("experts_tuned.json"))
     p.add_argument("--merge", action="store_true", help="also merge into the package's table")
-    p.add_argument("--format", default="dense", choices=["dense", "mxfp4", "nvfp4"], help="expert weight format")
+    p.add_argument("--format", default="dense", choices=["dense", "mxfp4", "nvfp4", "fp8_block", "fp8_channel"],
+                   help="expert weight format (FP8 runs as W8A8 with 1x128 activation groups)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="kernel modes to try (default all; the CUDA-core 'gemv' mode up to 16 tokens)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moekit.tune needs a CUDA GPU")
     dtype = torch.bfloat16
-    key = expert_configs.table_key(torch.device("cuda"), dtype, args.format)
+    key = expert_configs.table_key(torch.device("cuda"), dtype, args.format.split("_")[0])  # fp8_* share "fp8"
     table: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.preset:
         spec = presets.get(name)

@@ -23,15 +23,26 @@ def dequantize(w, dtype=None):
     raise TypeError(f"cannot dequantize a {type(w).__name__}")
 
 
+EXPERT_FORMATS = ("mxfp4", "nvfp4", "fp8_block", "fp8_channel", "fp8_tensor")
+
+
 def quantize_experts(w, weight_format: str):
-    """Expert stack [E, N, K] -> MXFP4Tensor, or NVFP4Tensor with one global scale per expert;
-    quantized one expert at a time so fp32 temporaries stay one expert large (GPU-friendly)."""
+    """Expert stack [E, N, K] -> MXFP4Tensor, NVFP4Tensor with one global scale per expert, or
+    FP8Tensor (128x128 blocks, per channel, or per tensor with one scale per expert); quantized one
+    expert at a time so fp32 temporaries stay one expert large (GPU-friendly)."""
     import torch
 
-    if weight_format not in ("mxfp4", "nvfp4"):
-        raise ValueError(f"weight_format must be 'mxfp4' or 'nvfp4', got {weight_format!r}")
+    if weight_format not in EXPERT_FORMATS:
+        raise ValueError(f"weight_format must be one of {EXPERT_FORMATS}, got {weight_format!r}")
     if w.dim() != 3:
         raise ValueError(f"w must be an expert stack [E, N, K], got shape {tuple(w.shape)}")
+    if weight_format.startswith("fp8"):
+        quantize = {"fp8_block": fp8.quantize_blocks, "fp8_channel": fp8.quantize_per_channel,
+                    "fp8_tensor": fp8.quantize_per_tensor}[weight_format]
+        parts = [quantize(w[e:e + 1], check_finite=False) for e in range(w.shape[0])]
+        scale = torch.cat([p.scale.reshape(1, *p.scale.shape[1:]) if p.scale.dim() else p.scale.reshape(1)
+                           for p in parts])
+        return fp8.FP8Tensor(torch.cat([p.data for p in parts]), scale, parts[0].granularity)
     parts = [(mxfp4.quantize(w[e:e + 1], check_finite=False) if weight_format == "mxfp4"
               else nvfp4.quantize(w[e:e + 1], scale_dims=1, check_finite=False)) for e in range(w.shape[0])]
     data = torch.cat([p.data for p in parts])

@@ -85,6 +85,13 @@ def quantize_groups(x: torch.Tensor, *, check_finite: bool = True) -> FP8Tensor:
     return FP8Tensor(_codes(x32, full), scale, "group")
 
 
+def expert(t: FP8Tensor, e: int) -> FP8Tensor:
+    """Expert ``e`` of a quantized stack [E, N, K] (a per-tensor scale may be shared or per expert)."""
+    shared = t.granularity == "tensor" and t.scale.numel() == 1
+    return FP8Tensor(t.data[e], t.scale if shared else t.scale.reshape(t.data.shape[0], *t.scale.shape[1:])[e],
+                     t.granularity)
+
+
 def dequantize(t: FP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q * scale in fp32 (scales broadcast over their block), then ``dtype``."""
     q = t.data.float()

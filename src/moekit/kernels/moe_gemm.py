@@ -16,6 +16,10 @@ PER_PAIR = tl.constexpr(2)  # one pair per block, no alignment (decode: a launch
 DENSE = tl.constexpr(0)  # weight formats: bf16/fp16/fp32 as stored
 MXFP4 = tl.constexpr(1)  # packed E2M1 + E8M0 scale per 32 along K
 NVFP4 = tl.constexpr(2)  # packed E2M1 + E4M3 scale (read as its bytes) per 16 along K + fp32 global scale per expert
+FP8 = tl.constexpr(3)  # E4M3 weights and activations on FP8 tensor cores; activations in 1x128 groups
+FP8_EMULATED = tl.constexpr(4)  # the same numbers from E4M3 bytes decoded to fp32 (interpreter, no FP8 tensor cores)
+FP8_GROUP = tl.constexpr(128)  # activation groups along K; weight blocks are FP8_GROUP x FP8_GROUP
+E4M3_MAX = tl.constexpr(448.0)
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -73,10 +77,14 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
     4-bit formats are dequantized here, in registers: codes times their block scale (the NVFP4
     global scale is divided out in the epilogue). Their bytes are K-contiguous (stride 1)."""
     # One return at the end: the JIT compiles code after an early return even when the branch is constexpr.
-    if FORMAT == DENSE:
+    if FORMAT == DENSE or FORMAT == FP8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                        mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+    elif FORMAT == FP8_EMULATED:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                                    mask=n_ok[None, :] & (offs_k < K)[:, None], other=0)).to(DTYPE)
     else:
         BLOCK_N: tl.constexpr = rows.shape[0]
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
@@ -91,6 +99,42 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
         vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
         tile = tl.trans(tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE))
     return tile
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 value of v (|v| <= 448) rounded to E4M3 to nearest even, as the FP8 conversion does."""
+    a = tl.abs(v)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)  # below 2^-6 the spacing stays 2^-9
+    ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): 3 mantissa bits
+    r = ((a / ulp + 8388608.0) - 8388608.0) * ulp  # adding 2^23 rounds a/ulp (< 16) to an integer, ties to even
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _fp8_step(acc, a, w, a_scale, s_e, rows, n_ok, k0, stride_sn, W_BLOCKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """acc + one 128-deep FP8 product, scaled by its activation group scales (and, for 128x128
+    weight blocks, the block scale of each column) in fp32: promoted every K step."""
+    part = tl.dot(a, w, input_precision=DOT_PRECISION) * a_scale[:, None]
+    if W_BLOCKED:
+        part *= tl.load(s_e + (rows // FP8_GROUP) * stride_sn + k0 // FP8_GROUP, mask=n_ok, other=0.0)[None, :]
+    return acc + part
+
+
+@triton.jit
+def _fp8_quantize_store(act, h_ptr, h_rows, stride_hm, offs_n, hs_ptr, stride_hs, pid_n, row_ok, n_ok,
+                        EMULATED: tl.constexpr):
+    """GEMM1 epilogue for FP8 GEMM2 inputs: each row's BLOCK_N (= 128) columns are one 1x128 group:
+    scale = amax / 448, codes = act / scale rounded to E4M3 (formats.fp8.quantize_groups)."""
+    scale = tl.max(tl.abs(act), axis=1) / E4M3_MAX  # masked columns hold 0
+    q = act / tl.where(scale > 0, scale, 1.0)[:, None]
+    q = tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX)
+    if EMULATED:
+        q = _round_e4m3(q)
+    tl.store(h_ptr + h_rows[:, None] * stride_hm + offs_n[None, :], q.to(h_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(hs_ptr + h_rows * stride_hs + pid_n, scale, mask=row_ok)
 
 
 @triton.jit
@@ -138,7 +182,8 @@ def gemm1_act_kernel(
     w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
-    h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot
+    h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
+    xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
     I, K,
@@ -146,6 +191,7 @@ def gemm1_act_kernel(
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_BLOCKED: tl.constexpr = False,  # FP8 weights: 128x128 block scales (else one scale per column)
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -154,8 +200,10 @@ def gemm1_act_kernel(
         return
     if ROWS == BATCHED:
         x_rows = e.to(tl.int64) * stride_xe + pair.to(tl.int64) * stride_xm
+        xs_rows = (e.to(tl.int64) * rows_per_expert + pair) * stride_xs
     else:
         x_rows = (pair // top_k).to(tl.int64) * stride_xm
+        xs_rows = (pair // top_k).to(tl.int64) * stride_xs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     gate_rows = offs_n.to(tl.int64) * gate_step
@@ -171,12 +219,21 @@ def gemm1_act_kernel(
                     other=0.0)
         w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
         w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
-        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        if FORMAT >= FP8:
+            a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
+            acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, n_ok, k0, stride_sn, W_BLOCKED,
+                                 DOT_PRECISION)
+            acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, n_ok, k0, stride_sn, W_BLOCKED, DOT_PRECISION)
+        else:
+            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     if FORMAT == NVFP4:
         gs = tl.load(gs_ptr + e)
         acc_gate = acc_gate / gs
         acc_up = acc_up / gs
+    if FORMAT >= FP8 and not W_BLOCKED:  # one scale per output column (per-channel, or per-tensor with stride 0)
+        acc_gate *= tl.load(s_e + gate_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
+        acc_up *= tl.load(s_e + up_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         b_e = bias_ptr + e.to(tl.int64) * stride_be
         acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -187,13 +244,18 @@ def gemm1_act_kernel(
         gate = tl.minimum(acc_gate, SWIGLU_LIMIT)
         up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
         act = (up + 1.0) * gate * tl.sigmoid(SWIGLU_ALPHA * gate)
-    tl.store(h_ptr + h_rows[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    if FORMAT >= FP8:
+        _fp8_quantize_store(act, h_ptr, h_rows, stride_hm, offs_n, hs_ptr, stride_hs, pid_n, row_ok, n_ok,
+                            FORMAT == FP8_EMULATED)
+    else:
+        tl.store(h_ptr + h_rows[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def gemm2_kernel(
     h_ptr, stride_hm,  # activations [rows, I] from gemm1_act_kernel
+    hs_ptr, stride_hs,  # FP8: their group scales [rows, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
@@ -204,6 +266,7 @@ def gemm2_kernel(
     N, K,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_BLOCKED: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -221,9 +284,15 @@ def gemm2_kernel(
         a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
                     other=0.0)
         w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FORMAT >= FP8:
+            a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
+            acc = _fp8_step(acc, a, w, a_scale, s_e, rows, n_ok, k0, stride_sn, W_BLOCKED, DOT_PRECISION)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if FORMAT == NVFP4:
         acc = acc / tl.load(gs_ptr + e)
+    if FORMAT >= FP8 and not W_BLOCKED:
+        acc *= tl.load(s_e + rows * stride_sn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROWS == BATCHED:
@@ -237,6 +306,7 @@ def gemm2_kernel(
 @triton.jit
 def gemm2_tokens_kernel(
     h_ptr, stride_hm,  # activations [num_pairs, I] (PER_PAIR gemm1)
+    hs_ptr, stride_hs,  # FP8: their group scales [num_pairs, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
@@ -245,6 +315,7 @@ def gemm2_tokens_kernel(
     top_k, num_global, num_local, N, K,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_BLOCKED: tl.constexpr = False,
 ):
     """Decode GEMM2 per token: its k slots in order, each a weighted expert product, summed in
     registers and written once (no per-slot buffer, no combine launch). Row 0 of each tile is the
@@ -269,10 +340,17 @@ def gemm2_tokens_kernel(
                             other=0.0)
                 w = _weight_tile(w_e, s_e, offs_n.to(tl.int64), n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                  BLOCK_K, a.dtype)
-                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                if FORMAT >= FP8:
+                    a_scale = tl.load(hs_ptr + pair.to(tl.int64) * stride_hs + k0 // FP8_GROUP + tl.zeros([BLOCK_M], tl.int64))
+                    acc = _fp8_step(acc, a, w, a_scale, s_e, offs_n.to(tl.int64), n_ok, k0, stride_sn, W_BLOCKED,
+                                    DOT_PRECISION)
+                else:
+                    acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             y = tl.sum(acc, axis=0)  # rows other than 0 are zero
             if FORMAT == NVFP4:
                 y = y / tl.load(gs_ptr + e)
+            if FORMAT >= FP8 and not W_BLOCKED:
+                y *= tl.load(s_e + offs_n.to(tl.int64) * stride_sn, mask=n_ok, other=0.0)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
             total += tl.load(weights_ptr + pair) * y
