@@ -130,3 +130,25 @@ def test_environment_switch(monkeypatch):
     monkeypatch.setenv("MOEKIT_VERIFY", "0")
     assert not gate.enabled()
     gate.set_verification(False)
+
+
+def _w8a8_forgets_block_scales(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    from moekit.formats import fp8
+
+    unscaled = [fp8.FP8Tensor(w.data, torch.ones_like(w.scale), w.granularity) for w in (w13, w2)]
+    fused_torch(out, x, *unscaled, tw, ids, act, b13, b2, emap, None, aq)   # codes read as values
+
+
+@pytest.mark.parametrize("op", ["fused", "batched"])
+def test_the_gate_checks_fp8_w8a8_against_its_own_reference(op):
+    # The Triton FP8 kernels (emulated bit for bit on the CPU) pass the W8A8 check; a backend that
+    # drops the 128x128 weight scales does not.
+    call = backends.ExpertsCall("fp8", torch.float32, torch.device("cpu"), 9, "fp8_group", op=op,
+                                activation="swiglu_oai")
+    triton = next(b for b in backends.BACKENDS if b.name == "triton")
+    passed, detail = gate.check(triton, call)
+    assert passed, detail
+    if op == "fused":
+        broken = Backend("w8a8_unscaled", _fused_only, "broken", _w8a8_forgets_block_scales)
+        passed, detail = gate.check(broken, call)
+        assert not passed and "rms_rel" in detail

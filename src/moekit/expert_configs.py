@@ -72,8 +72,10 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
     CUDA-core kernels: their tensor-core tiles pay a dequantize-and-rearrange per element."""
     rows = num_tokens * top_k / max(num_experts, 1)
     if weight_format in ("mxfp4", "nvfp4") and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
-        tile = GemmConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
-        return ExpertsConfig(16, tile, tile, per_pair=True, gemv=True)
+        chunk = lambda k: min(256, max(32, 1 << (k - 1).bit_length()))  # noqa: E731 - no chunk wider than K
+        return ExpertsConfig(16, GemmConfig(block_n=16, block_k=chunk(k1), num_warps=4, num_stages=1),
+                             GemmConfig(block_n=16, block_k=chunk(n1 // 2), num_warps=4, num_stages=1),
+                             per_pair=True, gemv=True)
     if num_tokens <= PER_PAIR_MAX_TOKENS:
         return ExpertsConfig(16, GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
                              GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4), per_pair=True)

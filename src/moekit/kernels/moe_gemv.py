@@ -17,30 +17,6 @@ FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14
 
 
 @triton.jit
-def _fp4_low(b):
-    """fp16 value x 2^-14 of the low nibble of bytes b (int32): sign to bit 15, the 3 magnitude
-    bits to exponent/mantissa bits 11..9 (code 1 lands on the fp16 subnormal 2^-15, exactly)."""
-    return (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _fp4_high(b):
-    return (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _scale_values(s, FORMAT: tl.constexpr):
-    """Block scales from their codes, times 2^14 (the nibble decoding's unit)."""
-    s = s.to(tl.int32)
-    if FORMAT == MXFP4:
-        # 2^(s - 127) * 2^14 = 2^(s - 113): exact in fp32 for every code; 0 is 2^-127 (-> 2^-113), 255 NaN.
-        scale = tl.where(s == 255, float("nan"), tl.where(s == 0, 2.0 ** -113, ((s + 14) << 23).to(tl.float32, bitcast=True)))
-    else:
-        scale = _e4m3_values(s) * FP16_E2M1_UNIT
-    return scale
-
-
-@triton.jit
 def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """(weights, scales) of one K chunk as loaded: dense [BLOCK_N, BLOCK_K] (scales unused); 4-bit
@@ -82,14 +58,27 @@ def _load_x(x_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr
 @triton.jit
 def _chunk_sums(w, s, xv, FORMAT: tl.constexpr):
     """Products of a loaded chunk with its activations: [BLOCK_N, BLOCK_K] for dense weights,
-    [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit."""
+    [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit.
+
+    A nibble's E2M1 bits go to an fp16's sign and exponent/mantissa bits 11..9, which reads 2^-14
+    of its value (code 1 lands on the fp16 subnormal 2^-15, exactly); the scales carry the 2^14.
+    Decoding stays inline here: each helper call costs the interpreter a re-patch of the language."""
     if FORMAT == DENSE:
         part = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     else:
         x_even, x_odd = tl.split(xv.to(tl.float32))
         b = w.to(tl.int32)
-        prod = _fp4_low(b) * x_even[None, :, :] + _fp4_high(b) * x_odd[None, :, :]
-        part = tl.sum(prod, axis=2) * _scale_values(s, FORMAT)
+        low = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        prod = low * x_even[None, :, :] + high * x_odd[None, :, :]
+        codes = s.to(tl.int32)
+        if FORMAT == MXFP4:
+            # 2^(s - 127) * 2^14 = 2^(s - 113): exact in fp32 for every code; 0 is 2^-127 (-> 2^-113), 255 NaN.
+            scale = tl.where(codes == 255, float("nan"),
+                             tl.where(codes == 0, 2.0 ** -113, ((codes + 14) << 23).to(tl.float32, bitcast=True)))
+        else:
+            scale = _e4m3_values(codes) * FP16_E2M1_UNIT
+        part = tl.sum(prod, axis=2) * scale
     return part
 
 

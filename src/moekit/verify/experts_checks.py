@@ -24,8 +24,9 @@ def experts_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device,
-                  only: list[str] | None = None, with_layer: bool = True) -> list[CheckResult]:
-    """Experts checks for the backends in ``only`` (default: every one here), plus the whole layer."""
+                  only: list[str] | None = None, with_layer: bool = True, low_bit: bool = True) -> list[CheckResult]:
+    """Experts checks for the backends in ``only`` (default: every one here): dense weights, and
+    with ``low_bit`` MXFP4, NVFP4 and FP8 W8A8; plus the whole layer."""
     spec = spec if spec.name.endswith("@scaled") else spec.scaled()
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
     tol = TOL[dtype]
@@ -46,7 +47,8 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
         results.append(score_values(CheckResult("fused_experts", backend, spec.name, num_tokens), got, ref, tol,
                                     got is out))
 
-    results += _four_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol)
+    if low_bit:
+        results += _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol)
 
     M = max(1, num_tokens)
     xb = torch.randn(E, M, H, device=device).to(dtype)
@@ -77,19 +79,28 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     return results
 
 
-def _four_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
-    """fused_experts with MXFP4 and NVFP4 weights, against float64 on the dequantized weights."""
+W8A8_TOL = Tolerance(3e-2, 3e-2)  # FP8 W8A8's budget against its float64 reference
+
+
+def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
+    """fused_experts with MXFP4 and NVFP4 weights (against float64 on the dequantized weights) and
+    FP8 W8A8 in 128x128 blocks (against float64 on dequantized weights and E4M3-rounded activations)."""
     from ..formats import dequantize, quantize_experts
 
     results = []
-    for fmt in ("mxfp4", "nvfp4"):
+    for fmt in ("mxfp4", "nvfp4", "fp8_block"):
         q13, q2 = quantize_experts(w13.float(), fmt), quantize_experts(w2.float(), fmt)
-        ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation=spec.activation,
-                                      w13_bias=b13, w2_bias=b2)
+        act_quant = "fp8_group" if fmt.startswith("fp8") else None
+        if act_quant:
+            ref = reference.fused_experts_w8a8(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13,
+                                               w2_bias=b2)
+        else:
+            ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation=spec.activation,
+                                          w13_bias=b13, w2_bias=b2)
         for backend in backends:
             out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
             got = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
-                                backend=backend)
+                                backend=backend, act_quant=act_quant)
             results.append(score_values(CheckResult(f"fused_experts[{fmt}]", backend, spec.name, x.shape[0]), got, ref,
-                                        tol, got is out))
+                                        W8A8_TOL if act_quant else tol, got is out))
     return results

@@ -19,6 +19,7 @@ from .. import reference
 from .metrics import Tolerance, rel_errors
 
 TOL = {torch.float32: Tolerance(1e-4, 1e-5), torch.float16: Tolerance(2e-2, 5e-3), torch.bfloat16: Tolerance(2e-2, 5e-3)}
+W8A8_TOL = Tolerance(3e-2, 3e-2)  # the W8A8 budget: fp32 sums of the same E4M3 products, rare rounding flips
 _ENABLED: bool | None = None
 _RESULTS: dict = {}
 
@@ -72,7 +73,7 @@ def _describe(call) -> str:
 
 def _case(call, gen):
     """Small random weights and inputs in the call's format, plus their float reference weights."""
-    from ..formats import dequantize, fp8, quantize_experts
+    from ..formats import dequantize, quantize_experts
 
     E, H, I, dev, dt = 6, 64, 32, call.device, call.act_dtype
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
@@ -81,16 +82,18 @@ def _case(call, gen):
         w13, w2 = w13.to(dt), w2.to(dt)
         ref13, ref2 = w13, w2
     else:
-        quantize = fp8.quantize_blocks if call.weight_format == "fp8" else (lambda w: quantize_experts(w, call.weight_format))
-        w13, w2 = quantize(w13), quantize(w2)
+        fmt = "fp8_block" if call.weight_format == "fp8" else call.weight_format
+        w13, w2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
         ref13, ref2 = dequantize(w13), dequantize(w2)
     biases = (rnd(E, 2 * I).mul(0.1).to(dt), rnd(E, H).mul(0.1).to(dt))
     return E, H, w13, w2, ref13, ref2, biases
 
 
 def check(backend, call) -> tuple[bool, str]:
-    """(passed, detail) of ``backend`` on a small random case shaped like ``call``."""
-    if call.act_quant is not None:
+    """(passed, detail) of ``backend`` on a small random case shaped like ``call``. FP8 W8A8 calls
+    are checked against the W8A8 float64 reference (activations rounded to E4M3 1x128 groups)."""
+    w8a8 = call.act_quant == "fp8_group" and call.weight_format == "fp8"
+    if call.act_quant is not None and not w8a8:
         return True, "activation emulation: the torch reference is the definition"
     gen = torch.Generator().manual_seed(1234)
     dt, dev = call.act_dtype, call.device
@@ -103,8 +106,12 @@ def check(backend, call) -> tuple[bool, str]:
             valid = torch.arange(M, device=dev)[None, :] < counts[:, None].long()
             x[~valid] = float("nan")                                                      # padding must not leak
             out = torch.full_like(x, float("nan"))
-            backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, None, None)
-            ref = reference.batched_experts(x, counts, ref13, ref2, activation=call.activation, w13_bias=b13, w2_bias=b2)
+            backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, None, call.act_quant)
+            if w8a8:
+                ref = torch.stack([_w8a8_one_expert(x[e], w13, w2, e, call.activation, b13, b2) for e in range(E)])
+            else:
+                ref = reference.batched_experts(x, counts, ref13, ref2, activation=call.activation, w13_bias=b13,
+                                                w2_bias=b2)
             got, ref = out[valid], ref[valid]
         else:
             T, k = 9, 2                                                                   # a partial row block
@@ -114,12 +121,22 @@ def check(backend, call) -> tuple[bool, str]:
             ids = torch.stack([first, second], dim=1).to(dev, torch.int32)
             tw = torch.rand(T, k, generator=gen).to(dev)
             out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
-            backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, None, None, None)
+            backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, None, None, call.act_quant)
             got = out
-            ref = reference.fused_experts(x, ref13, ref2, tw, ids, activation=call.activation, w13_bias=b13, w2_bias=b2)
+            ref_fn = reference.fused_experts_w8a8 if w8a8 else reference.fused_experts
+            ref = ref_fn(x, w13 if w8a8 else ref13, w2 if w8a8 else ref2, tw, ids, activation=call.activation,
+                         w13_bias=b13, w2_bias=b2)
     except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
         return False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     max_rel, rms_rel = rel_errors(got, ref)
-    tol = TOL[dt]
+    tol = W8A8_TOL if w8a8 else TOL[dt]
     detail = f"max_rel={max_rel:.2e} rms_rel={rms_rel:.2e} (budget {tol.max_rel:.0e}/{tol.rms_rel:.0e})"
     return max_rel <= tol.max_rel and rms_rel <= tol.rms_rel, detail
+
+
+def _w8a8_one_expert(rows, w13, w2, e, activation, b13, b2) -> torch.Tensor:
+    """Expert ``e`` of FP8 stacks on every row (float64 W8A8): the batched format's reference."""
+    n = rows.shape[0]
+    ones = torch.ones(n, 1, device=rows.device)
+    ids = torch.full((n, 1), e, dtype=torch.int32, device=rows.device)
+    return reference.fused_experts_w8a8(rows, w13, w2, ones, ids, activation=activation, w13_bias=b13, w2_bias=b2)
