@@ -157,6 +157,19 @@ def expert_variants():
             yield f"{mod.__name__.split('.')[-1]} {name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: \
                 fused_experts(x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13,
                               w2_bias=b2, backend="triton")
+    from moekit.formats import fp8
+
+    spec = presets.get("deepseek-v3")  # W8A8: E4M3 tensor cores, 128x128 block and per-channel weight scales
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    for gran, quantize in (("block", fp8.quantize_blocks), ("channel", fp8.quantize_per_channel)):
+        one13, one2 = quantize(torch.randn(1, 2 * I, H)), quantize(torch.randn(1, H, I))
+        grow = lambda t: fp8.FP8Tensor(t.data.expand(E, -1, -1), t.scale.expand(E, -1, -1), t.granularity)  # noqa: E731
+        q13, q2 = grow(one13), grow(one2)
+        for T in (1, 16, 1024, 16384):
+            x = torch.empty(T, H, dtype=torch.bfloat16)
+            ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
+            yield f"fp8 {gran} {spec.name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2: fused_experts(
+                x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton")
     spec = presets.get("mixtral-8x7b").scaled()
     w13, w2, _ = weights(spec, torch.float32)
     x = torch.empty(40, spec.hidden_size)
@@ -180,6 +193,7 @@ def main() -> int:
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
     _triton.can_launch = lambda device: True  # CPU tensors stand in for CUDA ones
+    _triton.fp8_tensor_cores = lambda device: True
     failures = 0
     rows = []
     only = sys.argv[1:]

@@ -357,7 +357,7 @@ def _quantized(fmt, w13, w2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,E,H,I,k,act,biases,why", [
     (1, 6, 64, 32, 2, "swiglu_oai", True, "per-pair decode mode, gpt-oss activation"),
-    (9, 7, 64, 64, 6, "silu_and_mul", False, "aligned, prime E, k=6, K spans two tiles"),
+    (9, 7, 64, 64, 6, "silu_and_mul", False, "CUDA-core decode kernels (4-bit heuristic up to 16 tokens), prime E, k=6"),
     (33, 8, 96, 32, 4, "swiglu_oai", True, "many rows, H=96 (3 MXFP4 groups)"),
 ])
 def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backend, dtype, T, E, H, I, k, act, biases, why):

@@ -62,7 +62,7 @@ class WeightOperand:
     @property
     def format_id(self) -> int:
         """The kernels' FORMAT: FP8 without FP8 tensor cores (the interpreter) decodes its bytes."""
-        if self.format == "fp8" and self.data.device.type != "cuda":
+        if self.format == "fp8" and not _triton.fp8_tensor_cores(self.data.device):
             return FORMAT_IDS["fp8_emulated"]
         return FORMAT_IDS[self.format]
 
@@ -87,7 +87,7 @@ class WeightOperand:
     def _fp8(cls, w) -> "WeightOperand":
         E, N, K = w.shape
         data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
-        if data.device.type != "cuda":
+        if not _triton.fp8_tensor_cores(data.device):
             data = data.view(torch.uint8)  # decoded from its bytes (the interpreter has no FP8 type)
         scale = w.scale.float()
         if w.granularity == "block":
@@ -273,7 +273,8 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
 
 
 def _fp8_codes_dtype(device: torch.device) -> torch.dtype:
-    return torch.float8_e4m3fn if device.type == "cuda" else torch.float32  # the interpreter keeps code values
+    # the interpreter keeps the codes' fp32 values
+    return torch.float8_e4m3fn if _triton.fp8_tensor_cores(device) else torch.float32
 
 
 def fp8_groups(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +287,8 @@ def fp8_groups(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(rows, groups, dtype=torch.float32, device=x2d.device)
     if rows:
         quantize_groups_kernel[(rows, groups)](x2d, x2d.stride(0), x2d.stride(1), q, q.stride(0), scales,
-                                               scales.stride(0), k, EMULATED=x2d.device.type != "cuda", num_warps=4)
+                                               scales.stride(0), k, EMULATED=not _triton.fp8_tensor_cores(x2d.device),
+                                               num_warps=4)
     return q, scales
 
 

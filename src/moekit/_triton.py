@@ -29,6 +29,12 @@ def can_launch(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """The FP8 expert kernels run on E4M3 tensor cores: on CUDA devices (the backend admits sm_89+
+    only). Elsewhere (the interpreter) they decode E4M3 bytes to fp32: the same products."""
+    return device.type == "cuda"
+
+
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 NUM_COUNTERS = 4096
 
