@@ -137,8 +137,14 @@ def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> None:
     """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks."""
     num_experts, hidden = args.weight.shape
     choice = router_tiers.choose_tier(args.x.shape[0], hidden, num_experts, args.weight.device, tier)
+    run = choice.tier
+    if tier == "auto" and run == "triton" and args.x.shape[0] > 0:
+        from .verify import router_gate
+
+        if router_gate.gemm_refusal(args.x.shape[0], args.weight, args.bias, args.lora, out2.dtype):
+            run = "cublas" if args.weight.is_cuda else "torch"
     if args.x.shape[0] > 0:
-        _RUNNERS[choice.tier](args, out2)
+        _RUNNERS[run](args, out2)
 
 
 def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
@@ -277,6 +283,10 @@ def _fused_router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     num_tokens = x.shape[0]
     fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
         num_tokens, weight.device, weight.shape[1], weight.shape[0]))
+    if fused and impl == "auto" and num_tokens:
+        from .verify import router_gate
+
+        fused = router_gate.fused_refusal(num_tokens, weight, args.bias, corr_bias, args.lora, opts) is None
     if not fused:
         logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
         _gemm(args, logits)

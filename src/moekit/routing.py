@@ -125,13 +125,21 @@ def route(
     return route_with(logits, opts, correction_bias, impl=impl)
 
 
+def _triton_serves_auto(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and _triton.can_launch(logits.device)
+
+
 def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str = "auto"):
     """:func:`route` on already validated arguments (used by the router)."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    use_triton = impl == "triton" or (impl == "auto" and logits.is_cuda and _triton.can_launch(logits.device))
+    use_triton = impl == "triton" or (impl == "auto" and _triton_serves_auto(logits))
     if use_triton and not _triton.can_launch(logits.device):
         raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
+    if use_triton and impl == "auto" and logits.shape[0]:
+        from .verify import router_gate
+
+        use_triton = router_gate.route_refusal(logits, correction_bias, opts) is None
     if use_triton:
         return torch.ops.moekit.route_triton(logits, None if correction_bias is None else correction_bias.contiguous(),
                                              opts.top_k, opts.method, opts.renormalize, opts.num_groups,

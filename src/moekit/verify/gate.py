@@ -5,7 +5,9 @@ with a warning naming it and the measured error, and the next candidate serves t
 
 The check exercises what broke engines' kernels: biases, a strided input, a token count that
 leaves a partial tile, an expert with no tokens, NaN padding rows (batched), and ``out`` poisoned
-with NaN so that an unwritten or rebound output shows.
+with NaN so that an unwritten or rebound output shows. The router's fast paths use the same
+verdicts through :mod:`moekit.verify.router_gate`. A check cannot run inside a CUDA-graph capture:
+the first call of each shape must be eager.
 """
 
 from __future__ import annotations
@@ -46,18 +48,31 @@ def results() -> dict:
     return dict(_RESULTS)
 
 
-def refusal(backend, call) -> str | None:
-    """None when ``backend`` may serve ``call`` (gate off, or its check passed), else why not."""
-    if not enabled() or torch.compiler.is_compiling():
-        return None
-    key = (backend.name, call.shape_class())
+def active() -> bool:
+    """The gate checks calls now: enabled, and not while torch.compile traces."""
+    return enabled() and not torch.compiler.is_compiling()
+
+
+def verdict(key: tuple, name: str, describe: str, run_check) -> str | None:
+    """None when the fast path ``key`` passed its check (run now, the first time), else why not.
+    A failure warns once, naming ``name`` and the measured error; the verdict is kept for the process."""
     if key not in _RESULTS:
-        _RESULTS[key] = check(backend, call)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"moekit's verification gate has not checked {name} for {describe} yet and cannot "
+                               "while a CUDA graph is being captured: run one eager call of this shape first")
+        _RESULTS[key] = run_check()
         if not _RESULTS[key][0]:
-            warnings.warn(f"moekit: backend {backend.name!r} failed its accuracy check for {_describe(call)}: "
-                          f"{_RESULTS[key][1]}; it is disabled for this process", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"moekit: backend {name!r} failed its accuracy check for {describe}: "
+                          f"{_RESULTS[key][1]}; it is disabled for this process", RuntimeWarning, stacklevel=5)
     passed, detail = _RESULTS[key]
     return None if passed else f"failed the verification gate ({detail})"
+
+
+def refusal(backend, call) -> str | None:
+    """None when ``backend`` may serve ``call`` (gate off, or its check passed), else why not."""
+    if not active():
+        return None
+    return verdict((backend.name, call.shape_class()), backend.name, _describe(call), lambda: check(backend, call))
 
 
 def known_failure(backend, call) -> str | None:

@@ -1,0 +1,108 @@
+"""The verification gate on the router's fast paths: a broken Triton router GEMM, fused router or
+routing kernel that would serve an automatic call is caught by its first-call check, disabled
+with a warning, and the call is served by the fallback (here on the CPU: plain torch). The real
+kernels (through the interpreter) pass. The auto decisions are forced to the fast paths, as they
+would be on a GPU."""
+
+import pytest
+import torch
+
+from moekit import reference, router, router_tiers, routing
+from moekit.router import fused_router, router_gemm
+from moekit.verify import gate
+from moekit.verify.metrics import Tolerance, check_close
+
+
+@pytest.fixture
+def fast_paths(monkeypatch):
+    """auto picks the Triton GEMM, the fused router and the Triton routing kernel, as on a GPU."""
+    choose = router_tiers.choose_tier
+
+    def choose_triton(num_tokens, hidden, num_experts, device, tier="auto"):
+        return router_tiers.TierChoice("triton", "forced") if tier == "auto" else choose(
+            num_tokens, hidden, num_experts, device, tier)
+
+    monkeypatch.setattr(router_tiers, "choose_tier", choose_triton)
+    monkeypatch.setattr(router_tiers, "fused_applies", lambda *a: True)
+    monkeypatch.setattr(routing, "_triton_serves_auto", lambda logits: True)
+    gate.reset()
+    gate.set_verification(True)
+    yield monkeypatch
+    gate.set_verification(False)
+    gate.reset()
+
+
+def _gemm_case(T=5, H=48, E=12):
+    x = torch.randn(T, H + 3)[:, 3:]
+    w = torch.randn(E, H) * H ** -0.5
+    b = torch.randn(E)
+    return x, w, b, reference.router_logits(x, w, b)
+
+
+def _bf16_logits(args, out2):                      # the reverted gpt-oss small-batch kernel
+    out2.copy_((args.x.float() @ args.weight.float().T + args.bias.float()).bfloat16())
+
+
+def _ignores_row_stride(args, out2):
+    x = args.x.as_strided(args.x.shape, (args.x.shape[1], 1))
+    out2.copy_(x.float() @ args.weight.float().T + args.bias.float())
+
+
+def _drops_bias(args, out2):
+    out2.copy_(args.x.float() @ args.weight.float().T)
+
+
+@pytest.mark.parametrize("broken", [_bf16_logits, _ignores_row_stride, _drops_bias])
+def test_a_broken_router_gemm_is_disabled(fast_paths, broken):
+    fast_paths.setitem(router._RUNNERS, "triton", broken)
+    x, w, b, ref = _gemm_case()
+    with pytest.warns(RuntimeWarning, match="'triton router GEMM' failed its accuracy check"):
+        got = router_gemm(x, w, b)
+    check_close("served by torch", got, ref, Tolerance(1e-5, 1e-6))
+    gate.set_verification(False)                       # without the gate the broken kernel serves
+    with pytest.raises(AssertionError):
+        check_close("ungated", router_gemm(x, w, b), ref, Tolerance(1e-5, 1e-6))
+
+
+def test_the_real_router_kernels_pass_and_are_checked_once_per_regime(fast_paths):
+    x, w, b, ref = _gemm_case(T=5)
+    for T in (1, 5, 7):                                # the same regime as 5 except T=1 (GEMV)
+        router_gemm(x[:T], w, b)
+    kinds = sorted(k[-1] for k in gate.results())
+    assert kinds == [2, 9] and all(v[0] for v in gate.results().values())
+    tw, tid = fused_router(x, w, b, top_k=3, method="softmax_topk")
+    ref_w, ref_ids = reference.route(ref, 3, "softmax_topk")
+    assert torch.equal(tid.long().sort(1).values, ref_ids.sort(1).values)
+    routing.route(torch.randn(9, 12), 3, "sigmoid_grouped", num_groups=4, topk_groups=2)
+    assert len(gate.results()) == 4 and all(v[0] for v in gate.results().values())
+
+
+def test_a_broken_fused_router_is_disabled(fast_paths):
+    launch = router._launch
+
+    def drops_bias(args, *, routing=None, **kw):       # routes from the logits without the router bias
+        if routing is None:
+            return launch(args, **kw)
+        return launch(router._GemmArgs(args.x, args.weight, None, args.lora), routing=routing, **kw)
+
+    fast_paths.setattr(router, "_launch", drops_bias)
+    x, w, b, ref = _gemm_case(T=9, E=16)
+    b = b * 3
+    with pytest.warns(RuntimeWarning, match="'fused router' failed its accuracy check"):
+        tw, tid = fused_router(x, w, b, top_k=4, method="topk_softmax")
+    ref_w, ref_ids = reference.route(reference.router_logits(x, w, b), 4, "topk_softmax")
+    assert torch.equal(tid.long().sort(1).values, ref_ids.sort(1).values)   # the unfused path served
+
+
+def test_a_routing_kernel_on_bf16_scores_is_disabled(fast_paths):
+    real = routing._route_triton
+
+    def bf16_scores(logits, opts, corr):               # near-tied choices flip in bf16
+        return real(logits.bfloat16().float(), opts, corr)
+
+    fast_paths.setattr(routing, "_route_triton", bf16_scores)
+    logits = torch.randn(20, 32)
+    with pytest.warns(RuntimeWarning, match="'triton routing' failed its accuracy check"):
+        tw, tid = routing.route(logits, 4, "softmax_topk")
+    ref_w, ref_ids = reference.route(logits.double(), 4, "softmax_topk")
+    assert torch.equal(tid.long().sort(1).values, ref_ids.sort(1).values)
