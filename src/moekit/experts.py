@@ -216,8 +216,13 @@ def fused_experts(
         act_quant: ``"nvfp4"`` emulates NVFP4 W4A4 (Blackwell): each expert's GEMM inputs are
             NVFP4-rounded with a global scale from the amax of the tokens routed to it (torch
             backend; with NVFP4 weights this reproduces a W4A4 deployment's numerics).
-            ``"fp8_group"``: FP8 W8A8 as DeepSeek-V3 runs it (activations in E4M3 with one scale
-            per 1x128 group; pair with :class:`moekit.formats.fp8.FP8Tensor` 128x128-block weights).
+            ``"fp8_group"``: FP8 W8A8 as DeepSeek-V3 runs it: both GEMM inputs in E4M3 with one
+            scale per row and 1x128 group (scale = amax / 448), weights a
+            :class:`moekit.formats.fp8.FP8Tensor` [E, N, K] with 128x128 block, per-channel
+            [E, N, 1] or per-tensor (1 or E values) scales. The Triton backend runs it on FP8
+            tensor cores (compute capability >= 8.9), quantizing x in one small kernel and GEMM1's
+            output in its epilogue; products are summed in fp32 per 128-deep step. FP8 weights
+            without ``act_quant`` run W8A16 on the torch backend.
 
     Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
     bounds. The k slots are summed in fp32 in slot order, without atomics: results are the same
