@@ -86,3 +86,18 @@ def test_bench_plot_has_one_line_per_implementation(tmp_path):
     plot(records, ["moekit"], tmp_path / "f.png", preset="p", gpu="H200", metric="floor")
     with pytest.raises(ValueError, match="no records for preset"):
         plot(records, ["moekit"], tmp_path / "x.png", preset="q", gpu="H200")
+
+
+def test_bench_low_bit_weights_name_their_format_first(capsys):
+    # a preset without a checkpoint format is refused before any GPU work, on any machine
+    assert main(["bench", "--weights", "native", "--preset", "mixtral-8x7b"]) == 2
+    assert "mixtral-8x7b has no low-bit checkpoint format" in capsys.readouterr().err
+    from moekit.bench import lowbit
+
+    assert [lowbit.weight_format(p, "native") for p in lowbit.DEFAULT_PRESETS] == ["mxfp4", "nvfp4", "fp8_block"]
+    assert lowbit.weight_format("mixtral-8x7b", "nvfp4") == "nvfp4"
+    rows = [{"preset": "gpt-oss-120b", "format": "mxfp4", "T": 1, "moekit_lowbit": 50.0, "moekit_bf16": 60.0,
+             "torch_grouped_mm": 170.0, "speedup_vs_bf16": 1.2, "floor_lowbit_us": 12.6, "lowbit_floor_ratio": 3.97,
+             "lowbit_err_vs_dequantized": 2e-3, "lowbit_err_vs_bf16_layer": 0.19}]
+    md = lowbit.markdown(rows, {"gpu": "H200", "date": "today", "torch": "t", "triton": "3.6.0"}, 8e14)
+    assert "| gpt-oss-120b | mxfp4 | 1 | 50.0 | 60.0 | 170.0 | 1.20 | 12.6 | 3.97 |" in md

@@ -124,14 +124,27 @@ def presets_names() -> list[str]:
 
 
 def cmd_bench(args) -> int:
-    from .bench import experts
+    from .bench import experts, lowbit
 
+    if args.weights != "bf16":
+        args.name = "lowbit" if args.name == "experts" else args.name
+        try:  # fail on a preset without a low-bit format before any GPU work
+            [lowbit.weight_format(name, args.weights) for name in args.presets]
+        except ValueError as exc:
+            print(f"moekit bench: {exc}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("moekit bench needs a CUDA GPU (its timings are CUDA-graph replays); `moekit verify` checks "
               "accuracy on this machine", file=sys.stderr)
         return 2
-    records, rate = experts.run(args)
-    print(experts.save(args, records, rate))
+    if args.weights == "bf16":
+        records, rate = experts.run(args)
+        print(experts.save(args, records, rate))
+        impls = ["moekit"] + args.peers
+    else:
+        records, rate = lowbit.run(args)
+        print(experts.save(args, records, rate, lowbit.markdown))
+        impls = lowbit.IMPLS
     if args.plot:
         from .bench.plot import plot
 
@@ -139,7 +152,7 @@ def cmd_bench(args) -> int:
         for name in args.presets:
             path = Path(args.plot)
             target = path if len(args.presets) == 1 else path.with_name(f"{path.stem}_{name}{path.suffix}")
-            print(f"wrote {plot(records, ['moekit'] + args.peers, target, preset=name, gpu=gpu, metric=args.metric)}")
+            print(f"wrote {plot(records, impls, target, preset=name, gpu=gpu, metric=args.metric)}")
     return 0
 
 
@@ -159,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.experts import add_arguments
 
     add_arguments(b)
+    b.add_argument("--weights", default="bf16",
+                   help="bf16 (default: against every peer), or low-bit experts against moekit bf16 and torch "
+                        "grouped_mm: 'native' (gpt-oss MXFP4, qwen3 NVFP4, deepseek-v3/kimi-k2 FP8 W8A8) or one of "
+                        "mxfp4, nvfp4, fp8_block, fp8_channel")
     b.add_argument("--plot", help="save a PNG (one per preset when several: NAME_preset.png)")
     b.add_argument("--metric", choices=["us", "floor"], default="us", help="plot time, or %% of the floor")
     b.set_defaults(func=cmd_bench, out=Path("moekit-bench"))  # results here, not into a source tree
