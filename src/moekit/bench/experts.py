@@ -313,9 +313,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="experts")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
+def script_main(doc: str, add_args, run_fn, render=None, argv=None) -> None:
+    """A benchmark module as a script: its arguments, a run, the saved table printed."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
     args = p.parse_args(argv)
-    records, rate = run(args)
-    print(save(args, records, rate))
+    records, rate = run_fn(args)
+    print(save(args, records, rate, render))
+
+
+def main(argv=None) -> None:
+    script_main(__doc__, add_arguments, run, argv=argv)

@@ -23,7 +23,7 @@ from .. import presets, reference
 from ..experts import fused_experts
 from ..formats import dequantize, quantize_experts
 from ..verify.metrics import rel_errors
-from .experts import COPY_BW, _gen, _torch_grouped_mm, make_cases, matmul_rate, save, time_impl
+from .experts import COPY_BW, _gen, _torch_grouped_mm, make_cases, matmul_rate, save, script_main, time_impl
 
 FORMATS = ("mxfp4", "nvfp4", "fp8_block", "fp8_channel")
 
@@ -155,8 +155,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    records, rate = run(args)
-    print(save(args, records, rate, markdown))
+    script_main(__doc__, add_arguments, run, markdown, argv)

@@ -150,6 +150,28 @@ def _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP: 
 
 
 @triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate, up) in fp32: SiLU(gate) * up, or gpt-oss's clamped SwiGLU with its +1 on up."""
+    if ACTIVATION == SILU_AND_MUL:
+        act = gate * tl.sigmoid(gate) * up
+    else:
+        g = tl.minimum(gate, SWIGLU_LIMIT)
+        u = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+        act = (u + 1.0) * g * tl.sigmoid(SWIGLU_ALPHA * g)
+    return act
+
+
+@triton.jit
+def _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, stride_we, s_ptr, stride_se,
+                   h_ptr, stride_hm, HAS_MAP: tl.constexpr):
+    """One (token, slot) pair of a per-token GEMM2: (local expert or -1, its weights, its scales,
+    the pair's activation row)."""
+    e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+    return (e, w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se,
+            h_ptr + pair.to(tl.int64) * stride_hm)
+
+
+@triton.jit
 def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
                 num_global, num_local, ROWS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr):
     """(expert, slot of each row in the compact row space, pair id of each row, row valid).
@@ -238,12 +260,7 @@ def gemm1_act_kernel(
         b_e = bias_ptr + e.to(tl.int64) * stride_be
         acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION == SILU_AND_MUL:
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    else:
-        gate = tl.minimum(acc_gate, SWIGLU_LIMIT)
-        up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-        act = (up + 1.0) * gate * tl.sigmoid(SWIGLU_ALPHA * gate)
+    act = _activate(acc_gate, acc_up, ACTIVATION)
     if FORMAT >= FP8:
         _fp8_quantize_store(act, h_ptr, h_rows, stride_hm, offs_n, hs_ptr, stride_hs, pid_n, row_ok, n_ok,
                             FORMAT == FP8_EMULATED)
@@ -328,11 +345,9 @@ def gemm2_tokens_kernel(
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(0, top_k):
         pair = t * top_k + j
-        e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+        e, w_e, s_e, h_row = _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, stride_we,
+                                            s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
         if e >= 0:
-            w_e = w_ptr + e.to(tl.int64) * stride_we
-            s_e = s_ptr + e.to(tl.int64) * stride_se
-            h_row = h_ptr + pair.to(tl.int64) * stride_hm
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -11,7 +11,7 @@ work per byte is a handful of integer ops and two FMAs. Partial sums are kept pe
 import triton
 import triton.language as tl
 
-from .moe_gemm import DENSE, MXFP4, NVFP4, SILU_AND_MUL, SWIGLU_ALPHA, SWIGLU_LIMIT, _e4m3_values, _pair_expert
+from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _pair_expert, _slot_operands
 
 FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14 of their value
 
@@ -133,12 +133,7 @@ def gemv1_act_kernel(
             b_e = bias_ptr + e.to(tl.int64) * stride_be
             gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
             up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
-        if ACTIVATION == SILU_AND_MUL:
-            act = gate * tl.sigmoid(gate) * up
-        else:
-            g = tl.minimum(gate, SWIGLU_LIMIT)
-            u = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-            act = (u + 1.0) * g * tl.sigmoid(SWIGLU_ALPHA * g)
+        act = _activate(gate, up, ACTIVATION)
         tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -163,11 +158,9 @@ def gemv2_tokens_kernel(
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(0, top_k):  # slots in order: the same bits on every run
         pair = t * top_k + j
-        e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+        e, w_e, s_e, h_row = _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, stride_we,
+                                            s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
         if e >= 0:
-            w_e = w_ptr + e.to(tl.int64) * stride_we
-            s_e = s_ptr + e.to(tl.int64) * stride_se
-            h_row = h_ptr + pair.to(tl.int64) * stride_hm
             acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
             w, s = _load_chunk(w_e, s_e, rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
             hv = _load_x(h_row, 0, K, 1, FORMAT, BLOCK_K)
