@@ -140,7 +140,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
-    gemm1_act_kernel[grid](
+    return gemm1_act_kernel[grid](
         x3, *x_strides,
         *w.args(),
         *_bias_args(b13, x3),
@@ -163,7 +163,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
-    gemm2_kernel[grid](
+    return gemm2_kernel[grid](
         h, h.stride(0), *_scale_args(h_scales, h),
         *w.args(),
         *_bias_args(b2, h),
@@ -185,7 +185,7 @@ def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
-    gemm2_tokens_kernel[grid](
+    return gemm2_tokens_kernel[grid](
         h, h.stride(0), *_scale_args(h_scales, h),
         *w.args(),
         *_bias_args(b2, h),
@@ -204,7 +204,7 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
 
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
-    gemv1_act_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
+    return gemv1_act_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
         x, x.stride(0), x.stride(1),
         *w.args(),
         *_bias_args(b13, x),
@@ -221,7 +221,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
     from .kernels.moe_gemv import gemv2_tokens_kernel
 
     hidden, inter = w.shape[1], w.shape[2]
-    gemv2_tokens_kernel[(out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)](
+    return gemv2_tokens_kernel[(out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)](
         h, h.stride(0),
         *w.args(),
         *_bias_args(b2, h),

@@ -57,6 +57,9 @@ def gemv_candidates() -> list[GemmConfig]:
     return [GemmConfig(bn, bk, w, 1) for bn, bk, w in space if bn * bk <= 64 * 32 * w]
 
 
+MAX_SPILL_BYTES = 16  # as tests/sm90_compile.py: a config that spills more is never kept
+
+
 def _time(fn, reps: int = 10) -> float:
     from .bench.timing import graph_time_us
 
@@ -104,22 +107,29 @@ class _Problem:
         # FP8 fixes BLOCK_K (and GEMM1's BLOCK_N) at 128: time each effective config once
         space = list(dict.fromkeys(operands[0][which - 1].config(c, tiles=2 if which == 1 else 1) for c in space))
         for cfg in space:
-            def call(w13, w2, cfg=cfg):
+            def call(w13, w2, cfg=cfg):  # returns the launched kernel (its register and spill counts)
                 if gemv and which == 1:
-                    ext._gemv1(self.x, w13, None, h, self.ids.reshape(-1), None, spec.num_experts,
-                               self.spec.activation, spec.top_k, cfg)
+                    return ext._gemv1(self.x, w13, None, h, self.ids.reshape(-1), None, spec.num_experts,
+                                      self.spec.activation, spec.top_k, cfg)
                 elif gemv:
-                    ext._gemv2_tokens(h, w2, None, self.tw, self.ids.reshape(-1), None, spec.num_experts, y,
-                                      spec.top_k, cfg)
+                    return ext._gemv2_tokens(h, w2, None, self.tw, self.ids.reshape(-1), None, spec.num_experts,
+                                             y, spec.top_k, cfg)
                 elif which == 1:
-                    ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation, blocks,
-                               cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts, self.xs, hs)
+                    return ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation,
+                                      blocks, cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts,
+                                      self.xs, hs)
                 elif per_pair:
-                    ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k, cfg, hs)
+                    return ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k,
+                                             cfg, hs)
                 else:
-                    ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m, mode,
-                               num_pairs, 0, hs)
+                    return ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m,
+                                      mode, num_pairs, 0, hs)
             try:
+                kernel = call(*operands[0])  # compiled here, before any graph capture
+                spills = getattr(kernel, "n_spills", 0) or 0  # ptxas's count, filled in by the launch
+                if spills > MAX_SPILL_BYTES:
+                    print(f"    skip {cfg}: spills {spills} bytes")
+                    continue
                 fns = [lambda w=w: call(*w) for w in operands]
                 results.append((sum(_time(f) for f in fns) / len(fns), cfg))
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
