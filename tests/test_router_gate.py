@@ -106,3 +106,53 @@ def test_a_routing_kernel_on_bf16_scores_is_disabled(fast_paths):
         tw, tid = routing.route(logits, 4, "softmax_topk")
     ref_w, ref_ids = reference.route(logits.double(), 4, "softmax_topk")
     assert torch.equal(tid.long().sort(1).values, ref_ids.sort(1).values)
+
+
+@pytest.mark.gpu
+def test_gpu_gate_checks_the_real_router_paths_and_falls_back_to_cublas(monkeypatch):
+    gate.reset()
+    gate.set_verification(True)
+    try:
+        E, H = 128, 2880                                            # gpt-oss-120b's router
+        w = (torch.randn(E, H, device="cuda") * H ** -0.5).bfloat16()
+        b = torch.randn(E, device="cuda")
+        for T in (1, 9, 33):
+            x = torch.randn(T, H, device="cuda").bfloat16()
+            router_gemm(x, w, b)
+            fused_router(x, w, b, top_k=4, method="topk_softmax")
+        assert gate.results() and all(v[0] for v in gate.results().values()), gate.results()
+        gate.reset()
+        monkeypatch.setitem(router._RUNNERS, "triton", _bf16_logits)
+        x = torch.randn(2, H, device="cuda").bfloat16()
+        with pytest.warns(RuntimeWarning, match="'triton router GEMM' failed"):
+            got = router_gemm(x, w, b)
+        check_close("cuBLAS served", got, reference.router_logits(x, w, b), Tolerance(1e-4, 1e-5))
+    finally:
+        gate.set_verification(False)
+        gate.reset()
+
+
+@pytest.mark.gpu
+def test_gpu_gate_refuses_to_check_inside_a_graph_capture():
+    gate.reset()
+    gate.set_verification(True)
+    try:
+        E, H = 32, 256
+        w = torch.randn(E, H, device="cuda").bfloat16()
+        x = torch.randn(3, H, device="cuda").bfloat16()
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="run one eager call of this shape first"):
+            with torch.cuda.graph(graph):
+                router_gemm(x, w)
+        torch.cuda.synchronize()
+        gate.reset()
+        ref = router_gemm(x, w)                                     # eager: checked here
+        out = torch.empty_like(ref)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(router_gemm(x, w))
+        graph.replay()
+        assert torch.equal(out, ref)
+    finally:
+        gate.set_verification(False)
+        gate.reset()
