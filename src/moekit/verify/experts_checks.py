@@ -10,6 +10,7 @@ from ..experts import batched_experts, fused_experts
 from ..layer import FusedMoE
 from ..routing import route
 from .metrics import Tolerance
+from .gate import W8A8_TOL
 from .router_checks import CheckResult, score_values
 
 TOL = {torch.float32: Tolerance(1e-4, 1e-5), torch.float16: Tolerance(2e-2, 5e-3), torch.bfloat16: Tolerance(2e-2, 5e-3)}
@@ -77,9 +78,6 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     results.append(score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
                            Tolerance(float("inf"), tol.rms_rel * 2) if dtype != torch.float32 else tol))
     return results
-
-
-W8A8_TOL = Tolerance(3e-2, 3e-2)  # FP8 W8A8's budget against its float64 reference
 
 
 def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:

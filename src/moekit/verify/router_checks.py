@@ -73,12 +73,12 @@ def check_router(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, dev
     ref32_w, ref32_ids = reference.route(logits32, spec.top_k, spec.routing, **kwargs)
     for impl in impls["route"]:
         tw, tid = route(logits32, spec.top_k, spec.routing, impl=impl, **kwargs)
-        results.append(_score_routes(CheckResult("route", impl, spec.name, num_tokens), tw, tid,
-                                     ref32_w, ref32_ids, separable, spec))
+        results.append(score_routes(CheckResult("route", impl, spec.name, num_tokens), tw, tid,
+                                    ref32_w, ref32_ids, separable, spec.num_experts))
     for impl in impls["fused_router"]:
         tw, tid = fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, impl=impl, **kwargs)
-        results.append(_score_routes(CheckResult("fused_router", impl, spec.name, num_tokens), tw, tid,
-                                     ref_w, ref_ids, separable, spec))
+        results.append(score_routes(CheckResult("fused_router", impl, spec.name, num_tokens), tw, tid,
+                                    ref_w, ref_ids, separable, spec.num_experts))
     return results
 
 
@@ -90,11 +90,10 @@ def score_values(r: CheckResult, got, ref, tol: Tolerance, written_in_place: boo
     return r
 
 
-def _score_routes(r: CheckResult, tw, tid, ref_w, ref_ids, separable, spec) -> CheckResult:
+def score_routes(r: CheckResult, tw, tid, ref_w, ref_ids, separable, num_experts: int) -> CheckResult:
+    """Fill ``r`` with the top-k agreement on separable tokens, the weight error there, and whether
+    both (and every id in [0, num_experts)) are within budget."""
     r.agree, r.max_rel = routes_agree(tw, tid, ref_w, ref_ids, separable)
-    r.ok = r.agree == 1.0 and r.max_rel <= WEIGHT_TOL and _ids_valid(tid, spec)
+    ids_valid = tid.numel() == 0 or bool((tid.min() >= 0) & (tid.max() < num_experts))
+    r.ok = r.agree == 1.0 and r.max_rel <= WEIGHT_TOL and ids_valid
     return r
-
-
-def _ids_valid(ids: torch.Tensor, spec: presets.MoESpec) -> bool:
-    return ids.numel() == 0 or bool((ids.min() >= 0) & (ids.max() < spec.num_experts))

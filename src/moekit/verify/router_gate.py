@@ -16,8 +16,8 @@ import torch
 
 from .. import reference, router_tiers
 from . import gate
-from .metrics import rel_errors, routes_agree, separable_tokens
-from .router_checks import LOGITS_TOL, WEIGHT_TOL
+from .metrics import separable_tokens
+from .router_checks import LOGITS_TOL, WEIGHT_TOL, CheckResult, score_routes, score_values
 
 
 def _regime_tokens(num_tokens: int) -> int:
@@ -72,11 +72,9 @@ def gemm_refusal(num_tokens: int, weight, bias, lora, out_dtype) -> str | None:
 
 
 def _values_verdict(got, ref, in_place: bool) -> tuple[bool, str]:
-    max_rel, rms_rel = rel_errors(got, ref)
-    detail = f"max_rel={max_rel:.2e} rms_rel={rms_rel:.2e} (budget {LOGITS_TOL.max_rel:.0e}/{LOGITS_TOL.rms_rel:.0e})"
-    if not in_place:
-        return False, "out= not written in place; " + detail
-    return max_rel <= LOGITS_TOL.max_rel and rms_rel <= LOGITS_TOL.rms_rel, detail
+    r = score_values(CheckResult("router_gemm", "triton", "gate", got.shape[0]), got, ref, LOGITS_TOL, in_place)
+    detail = f"max_rel={r.max_rel:.2e} rms_rel={r.rms_rel:.2e} (budget {LOGITS_TOL.max_rel:.0e}/{LOGITS_TOL.rms_rel:.0e})"
+    return r.ok, (r.detail + "; " if r.detail else "") + detail
 
 
 def _routes_verdict(tw, tid, logits64, opts, corr) -> tuple[bool, str]:
@@ -84,10 +82,10 @@ def _routes_verdict(tw, tid, logits64, opts, corr) -> tuple[bool, str]:
                   topk_groups=opts.topk_groups, scaling=opts.scaling)
     ref_w, ref_ids = reference.route(logits64, opts.top_k, opts.method, **kwargs)
     separable = separable_tokens(logits64, opts.top_k, opts.method, **kwargs)
-    agree, err = routes_agree(tw, tid, ref_w, ref_ids, separable)
-    ids_ok = tid.numel() == 0 or bool((tid.min() >= 0) & (tid.max() < logits64.shape[1]))
-    detail = f"top-k agreement {agree:.3f} on separable tokens, max weight error {err:.2e} (budget {WEIGHT_TOL:.0e})"
-    return agree == 1.0 and err <= WEIGHT_TOL and ids_ok, detail
+    r = score_routes(CheckResult("route", "gate", "gate", tid.shape[0]), tw, tid, ref_w, ref_ids, separable,
+                     logits64.shape[1])
+    return r.ok, f"top-k agreement {r.agree:.3f} on separable tokens, max weight error {r.max_rel:.2e} " \
+                 f"(budget {WEIGHT_TOL:.0e})"
 
 
 def fused_refusal(num_tokens: int, weight, bias, corr_bias, lora, opts) -> str | None:
