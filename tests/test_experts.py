@@ -558,7 +558,8 @@ W8A8_TOL = Tolerance(3e-2, 3e-2)  # the issue's budget; fp32 sums of identical E
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("T,E,H,I,k,act,biases,config,why", [
     (9, 4, 256, 128, 2, "swiglu_oai", True, None, "two groups along H, gpt-oss activation, biases"),
-    (7, 7, 200, 136, 6, "silu_and_mul", False, None, "prime E, H and I end in partial groups, k=6"),
+    (0, 4, 256, 128, 2, "silu_and_mul", False, None, "no tokens"),
+    (7, 7, 200, 135, 6, "silu_and_mul", False, None, "prime E, odd I, H and I end in partial groups, k=6"),
     (2, 3, 256, 136, 3, "silu_and_mul", True, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), per_pair=True),
      "per-pair decode mode"),
     (40, 6, 128, 256, 2, "swiglu_oai", False, ExpertsConfig(32, GemmConfig(64, 64), GemmConfig(32, 64)),
@@ -568,7 +569,8 @@ def test_fp8_w8a8_matches_an_independent_emulation(granularity, backend, T, E, H
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
     q13, q2, d13, d2 = _fp8_weights(granularity, w13, w2)
     x = torch.randn(T, H + 4)[:, 4:]                                  # strided, offset rows
-    x[0] *= 30                                                        # one token's groups far from the others'
+    if T:
+        x[0] *= 30                                                    # one token's groups far from the others'
     tw, tid = _routes(T, E, k)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group", out=out,
@@ -599,6 +601,10 @@ def test_fp8_w8a8_batched_padding_and_expert_map(granularity):
     tid = torch.tensor([[1, 0], [2, 4], [5, 3], [1, 2], [4, 5]], dtype=torch.int32)
     got = fused_experts(xt, q13, q2, tw, tid, expert_map=emap, act_quant="fp8_group", backend="triton")
     check_close("expert_map W8A8", got, _w8a8_reference(xt, q13, q2, tw, tid, "silu_and_mul", expert_map=emap), W8A8_TOL)
+    xs, tws = torch.randn(40, H), torch.rand(40, 2)
+    one = torch.stack([torch.full((40,), 2), torch.randint(0, E, (40,))], 1).int()   # every token on expert 2
+    got = fused_experts(xs, q13, q2, tws, one, act_quant="fp8_group", backend="triton")
+    check_close("one expert W8A8", got, _w8a8_reference(xs, q13, q2, tws, one, "silu_and_mul"), W8A8_TOL)
 
 
 def test_fp8_weights_bad_input():
