@@ -229,7 +229,7 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HALVES_ASM=not _triton.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -245,7 +245,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
-        BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
+        BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -54,7 +54,7 @@ def _load_x(x_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
-def _chunk_sums(w, s, xv, FORMAT: tl.constexpr):
+def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     """Products of a loaded chunk with its activations: [BLOCK_N, BLOCK_K] for dense weights,
     [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit.
 
@@ -70,8 +70,13 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr):
         # nibble j of both halves to bit 0 of each half; the four shifts side by side in one thread
         t = tl.reshape(tl.join(tl.join(w, w >> 8), tl.join(w >> 4, w >> 12)), [w.shape[0], w.shape[1], w.shape[2], 4])
         bits = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)  # masks 0x0E000E00, 0x80008000
-        low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if HALVES_ASM:  # ptxas reads each half in place (HADD2.F32 .H0 / .H1): no extraction
+            low, high = tl.inline_asm_elementwise(
+                "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                "=r,=r,r", [bits], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:  # the interpreter runs no PTX
+            low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         prod = low * x_low[None, :, :, :] + high * x_high[None, :, :, :]
         codes = s.to(tl.int32)
         if FORMAT == MXFP4:
@@ -95,7 +100,7 @@ def gemv1_act_kernel(
     top_k, num_global, num_local, I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pair = tl.program_id(0) // num_n
@@ -122,8 +127,8 @@ def gemv1_act_kernel(
             wu_next, su_next = _load_chunk(w_e, s_e, up_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                            BLOCK_K)
             xv_next = _load_x(x_row, k1, K, stride_xk, FORMAT, BLOCK_K)
-            acc_gate += _chunk_sums(wg, sg, xv, FORMAT)
-            acc_up += _chunk_sums(wu, su, xv, FORMAT)
+            acc_gate += _chunk_sums(wg, sg, xv, FORMAT, HALVES_ASM)
+            acc_up += _chunk_sums(wu, su, xv, FORMAT, HALVES_ASM)
             wg, sg, wu, su, xv = wg_next, sg_next, wu_next, su_next, xv_next
         gate = tl.sum(acc_gate, axis=1)
         up = tl.sum(acc_up, axis=1)
@@ -149,7 +154,7 @@ def gemv2_tokens_kernel(
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -170,7 +175,7 @@ def gemv2_tokens_kernel(
                 w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk, stride_sn,
                                              FORMAT, BLOCK_K)
                 hv_next = _load_x(h_row, k0 + BLOCK_K, K, 1, FORMAT, BLOCK_K)
-                acc += _chunk_sums(w, s, hv, FORMAT)
+                acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM)
                 w, s, hv = w_next, s_next, hv_next
             y = tl.sum(acc, axis=1)
             if FORMAT == NVFP4:
