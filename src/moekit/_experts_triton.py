@@ -105,6 +105,22 @@ class WeightOperand:
             return (d, d.stride(0), d.stride(1), d.stride(2), s, s.stride(0), s.stride(1), s)
         return (d, d.stride(0), d.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
 
+    def gemv_args(self) -> tuple:
+        """args() for the CUDA-core kernels: 4-bit codes read as int32 words of 8 (K % 8 == 0 in
+        both formats; a view whose offset or strides are not whole words is copied first)."""
+        if self.format == "dense":
+            return self.args()
+        d = self.data
+        per_group = (32 if self.format == "mxfp4" else 16) // 8
+        try:
+            words = d.view(torch.int32)
+        except RuntimeError:
+            words = d.contiguous().view(torch.int32)
+        if words.stride(1) % per_group:  # the kernel assumes rows start on whole scale groups
+            words = d.contiguous().view(torch.int32)
+        s = self.scales
+        return (words, words.stride(0), words.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
+
     def gemv_block_k(self, block_k: int) -> int:
         """A 4-bit K chunk holds whole scale groups."""
         return block_k if self.format == "dense" else max(block_k, FOUR_BIT_MIN_BLOCK_K)
@@ -206,14 +222,14 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
     step, up_off = _gate_up(activation, inter)
     return gemv1_act_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
         x, x.stride(0), x.stride(1),
-        *w.args(),
+        *w.gemv_args(),
         *_bias_args(b13, x),
         h, h.stride(0),
         ids, expert_map if expert_map is not None else ids,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HALVES_ASM=not _triton.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -223,13 +239,13 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
     hidden, inter = w.shape[1], w.shape[2]
     return gemv2_tokens_kernel[(out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)](
         h, h.stride(0),
-        *w.args(),
+        *w.gemv_args(),
         *_bias_args(b2, h),
         weights, ids, expert_map if expert_map is not None else ids,
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
-        BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
+        BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -20,8 +20,8 @@ FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14
 def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """(weights, scales) of one K chunk as loaded: dense [BLOCK_N, BLOCK_K] (scales unused); 4-bit
-    packed bytes [BLOCK_N, groups, group / 2] and their scale codes [BLOCK_N, groups]. The group
-    is its own axis so that its sum stays inside a thread (no reshape, no layout change)."""
+    int32 words of 8 packed codes [BLOCK_N, groups, words per group] and their scale codes
+    [BLOCK_N, groups]. The group is its own axis so that its sum stays inside a thread."""
     if FORMAT == DENSE:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_e + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk,
@@ -30,47 +30,54 @@ def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FO
     else:
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         GROUPS: tl.constexpr = BLOCK_K // GROUP
+        WORDS: tl.constexpr = GROUP // 8  # int32 words (8 nibbles each) per scale group
         g = k0 // GROUP + tl.arange(0, GROUPS)
         g_ok = g < K // GROUP
-        kb = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
-        w = tl.load(w_e + rows[:, None, None] * stride_wn + kb[None, :, :],
-                    mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
+        kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+        # Rows start on whole groups (the host guarantees stride_wn % WORDS == 0): one vector load each.
+        off = tl.multiple_of(rows[:, None, None] * stride_wn, [1, 1, WORDS]) + kw[None, :, :]
+        w = tl.load(w_e + off, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
         s = tl.load(s_e + rows[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
     return w, s
 
 
 @triton.jit
 def _load_x(x_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation chunk, read contiguously: dense [BLOCK_K]; 4-bit [groups, group / 2, 2]
-    (element pairs matching the packed bytes)."""
-    if FORMAT == DENSE:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
-    else:
+    """One activation chunk, read contiguously: dense [BLOCK_K]; 4-bit [groups, words, 4, 2]:
+    element 8w + j at [.., w, j, 0] and 8w + j + 4 at [.., w, j, 1] (the two halves of a word)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    xv = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+    if FORMAT != DENSE:
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
-        xv = tl.reshape(xv, [GROUPS, GROUP // 2, 2])
+        xv = tl.permute(tl.reshape(xv, [BLOCK_K // GROUP, GROUP // 8, 2, 4]), (0, 1, 3, 2))
     return xv
 
 
 @triton.jit
-def _chunk_sums(w, s, xv, FORMAT: tl.constexpr):
+def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     """Products of a loaded chunk with its activations: [BLOCK_N, BLOCK_K] for dense weights,
     [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit.
 
-    A nibble's E2M1 bits go to an fp16's sign and exponent/mantissa bits 11..9, which reads 2^-14
-    of its value (code 1 lands on the fp16 subnormal 2^-15, exactly); the scales carry the 2^14.
-    Decoding stays inline here: each helper call costs the interpreter a re-patch of the language."""
+    A word's nibbles j and j + 4 sit at bit 4j of its two 16-bit halves; shifted right by 4j, their
+    E2M1 bits go to each half's sign and exponent/mantissa bits 11..9 at once, which as an fp16
+    reads 2^-14 of the code's value (code 1 lands on the fp16 subnormal 2^-15, exactly); the
+    scales carry the 2^14. Decoding stays inline: each helper call costs the interpreter a
+    re-patch of the language."""
     if FORMAT == DENSE:
         part = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     else:
-        x_even, x_odd = tl.split(xv.to(tl.float32))
-        b = w.to(tl.int32)
-        low = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        high = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        prod = low * x_even[None, :, :] + high * x_odd[None, :, :]
+        x_low, x_high = tl.split(xv.to(tl.float32))  # [groups, words, 4]: elements 8w + j, 8w + j + 4
+        # nibble j of both halves to bit 0 of each half; the four shifts side by side in one thread
+        t = tl.reshape(tl.join(tl.join(w, w >> 8), tl.join(w >> 4, w >> 12)), [w.shape[0], w.shape[1], w.shape[2], 4])
+        bits = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)  # masks 0x0E000E00, 0x80008000
+        if HALVES_ASM:  # ptxas reads each half in place (HADD2.F32 .H0 / .H1): no extraction
+            low, high = tl.inline_asm_elementwise(
+                "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                "=r,=r,r", [bits], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:  # the interpreter runs no PTX
+            low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        prod = low * x_low[None, :, :, :] + high * x_high[None, :, :, :]
         codes = s.to(tl.int32)
         if FORMAT == MXFP4:
             # 2^(s - 127) * 2^14 = 2^(s - 113): exact in fp32 for every code; 0 is 2^-127 (-> 2^-113), 255 NaN.
@@ -78,14 +85,14 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr):
                              tl.where(codes == 0, 2.0 ** -113, ((codes + 14) << 23).to(tl.float32, bitcast=True)))
         else:
             scale = _e4m3_values(codes) * FP16_E2M1_UNIT
-        part = tl.sum(prod, axis=2) * scale
+        part = tl.sum(tl.sum(prod, axis=3), axis=2) * scale
     return part
 
 
 @triton.jit
 def gemv1_act_kernel(
     x_ptr, stride_xm, stride_xk,  # x [T, H]
-    w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit: bytes [E, 2I, H/2])
+    w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit: int32 words [E, 2I, H/8])
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [T*k, I], one row per pair
@@ -93,7 +100,7 @@ def gemv1_act_kernel(
     top_k, num_global, num_local, I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pair = tl.program_id(0) // num_n
@@ -120,8 +127,8 @@ def gemv1_act_kernel(
             wu_next, su_next = _load_chunk(w_e, s_e, up_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                            BLOCK_K)
             xv_next = _load_x(x_row, k1, K, stride_xk, FORMAT, BLOCK_K)
-            acc_gate += _chunk_sums(wg, sg, xv, FORMAT)
-            acc_up += _chunk_sums(wu, su, xv, FORMAT)
+            acc_gate += _chunk_sums(wg, sg, xv, FORMAT, HALVES_ASM)
+            acc_up += _chunk_sums(wu, su, xv, FORMAT, HALVES_ASM)
             wg, sg, wu, su, xv = wg_next, sg_next, wu_next, su_next, xv_next
         gate = tl.sum(acc_gate, axis=1)
         up = tl.sum(acc_up, axis=1)
@@ -140,14 +147,14 @@ def gemv1_act_kernel(
 @triton.jit
 def gemv2_tokens_kernel(
     h_ptr, stride_hm,  # activations [T*k, I] from gemv1_act_kernel
-    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit: bytes [E, H, I/2])
+    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit: int32 words [E, H, I/8])
     s_ptr, stride_se, stride_sn, gs_ptr,
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -168,7 +175,7 @@ def gemv2_tokens_kernel(
                 w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk, stride_sn,
                                              FORMAT, BLOCK_K)
                 hv_next = _load_x(h_row, k0 + BLOCK_K, K, 1, FORMAT, BLOCK_K)
-                acc += _chunk_sums(w, s, hv, FORMAT)
+                acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM)
                 w, s, hv = w_next, s_next, hv_next
             y = tl.sum(acc, axis=1)
             if FORMAT == NVFP4:
