@@ -137,8 +137,8 @@ def test_gpu_gate_refuses_to_check_inside_a_graph_capture():
     gate.reset()
     gate.set_verification(True)
     try:
-        E, H = 32, 256
-        w = torch.randn(E, H, device="cuda").bfloat16()
+        E, H = 128, 2880                        # a shape the Triton tier serves (a tiny one goes to cuBLAS, unchecked)
+        w = (torch.randn(E, H, device="cuda") * H ** -0.5).bfloat16()
         x = torch.randn(3, H, device="cuda").bfloat16()
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(RuntimeError, match="run one eager call of this shape first"):
