@@ -54,3 +54,40 @@ def test_e4m3_decoder(device):
     expect = b.cpu().view(torch.float8_e4m3fn).float()
     nan = torch.isnan(expect)
     assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], expect[~nan])
+
+
+@triton.jit
+def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
+    rows = tl.arange(0, 16).to(tl.int64)
+    tile = moe_gemm._w4_tile(w_ptr, s_ptr, rows, rows < 16, 0, 128, 64, 128 // (32 if FORMAT == 1 else 16), FORMAT,
+                             128, DTYPE)
+    tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], tile)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,dtype,why", [
+    ("nvfp4", torch.bfloat16, "the bf16-bits decode (code * 2^-126 times 2^63 twice) the GPU kernels run"),
+    ("nvfp4", torch.float32, "the fp32 decode (interpreter, fp32 activations)"),
+    ("mxfp4", torch.float16, "the fp32 decode rounded to fp16"),
+])
+def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dtype, why):
+    from moekit.formats import mxfp4, nvfp4
+
+    if not _triton.can_launch(torch.device(device)):
+        pytest.skip("no Triton launch here")
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter flushes bf16 subnormals (code 0.5 * 2^-126); the GPU's HMUL2.BF16 keeps them")
+    # 16 rows x 64 bytes: every byte value 4 times; scales: every finite positive E4M3 (NVFP4) or a
+    # spread of exponents that stays in range of the output dtype (MXFP4)
+    packed = torch.arange(1024, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(16, 64)
+    if fmt == "nvfp4":
+        scales = torch.arange(128, dtype=torch.int32).remainder(127).to(torch.uint8).reshape(16, 8)  # 0x7F is NaN
+        t = nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.ones(()), (16, 128))
+        expect = nvfp4.dequantize(t, torch.float64)
+    else:
+        scales = (torch.arange(64, dtype=torch.int32).remainder(20) + 117).to(torch.uint8).reshape(16, 4)
+        expect = mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (16, 128)), torch.float64)
+    out = torch.full((16, 128), float("nan"), dtype=dtype, device=device)
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
+    _w4_tile_all[(1,)](packed.to(device), scales.to(device), out, FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype)
+    assert torch.equal(out.cpu().double(), expect.to(dtype).double()), why

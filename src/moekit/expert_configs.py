@@ -69,13 +69,24 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
     """Rows per expert decide the regime: about one row per expert streams weights (small row
     block, narrow columns so many programs share the bytes), many rows reuse each weight tile
     (128-row blocks, wide tiles, L2-grouped ordering). 4-bit weights at decode sizes go to the
-    CUDA-core kernels: their tensor-core tiles pay a dequantize-and-rearrange per element."""
+    CUDA-core kernels; above, tensor-core tiles hold 64 or 128 weight rows as the MMA's M side."""
     rows = num_tokens * top_k / max(num_experts, 1)
     if weight_format in ("mxfp4", "nvfp4") and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
         chunk = lambda k: min(256, max(32, 1 << (k - 1).bit_length()))  # noqa: E731 - no chunk wider than K
         return ExpertsConfig(16, GemmConfig(block_n=16, block_k=chunk(k1), num_warps=4, num_stages=1),
                              GemmConfig(block_n=16, block_k=chunk(n1 // 2), num_warps=4, num_stages=1),
                              per_pair=True, gemv=True)
+    if weight_format in ("mxfp4", "nvfp4"):
+        # The weight tile is the MMA's A operand: 64 or 128 weight rows per tile, the tokens on the
+        # MMA's N side. Past these sizes GEMM1's two accumulators spill (tests/sm90_compile.py).
+        if rows <= 24:
+            return ExpertsConfig(16 if rows <= 12 else 32, GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
+                                 GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4))
+        if rows <= 96:
+            tile = GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=4)
+            return ExpertsConfig(64, tile, tile)
+        tile = GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8)
+        return ExpertsConfig(128, tile, tile)
     if num_tokens <= PER_PAIR_MAX_TOKENS:
         return ExpertsConfig(16, GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
                              GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4), per_pair=True)

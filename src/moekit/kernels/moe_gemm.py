@@ -20,6 +20,7 @@ FP8 = tl.constexpr(3)  # E4M3 weights and activations on FP8 tensor cores; activ
 FP8_EMULATED = tl.constexpr(4)  # the same numbers from E4M3 bytes decoded to fp32 (interpreter, no FP8 tensor cores)
 FP8_GROUP = tl.constexpr(128)  # activation groups along K; weight blocks are FP8_GROUP x FP8_GROUP
 E4M3_MAX = tl.constexpr(448.0)
+TWO_POW_63 = tl.constexpr(9.223372036854775808e18)
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -70,12 +71,62 @@ def _e4m3_values(b):
 
 
 @triton.jit
+def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+             DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
+    codes times their block scale (the NVFP4 global scale is divided out in the epilogue). The bytes
+    are K-contiguous."""
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
+                     other=0)
+    sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],
+                other=0)
+    scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
+    if FORMAT == NVFP4 and DTYPE == tl.bfloat16:
+        # Straight to bf16 bits, two codes per 32-bit op: sign to bit 15, the three magnitude bits to
+        # bits 8:6 make the bf16 number code * 2^-126 (zero and 0.5 included, no select). Times 2^63
+        # twice, once folded into the scale: every step is exact (e2m1 x e4m3 needs 6 of bf16's 8 bits).
+        c = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.uint16)
+        v = tl.reshape((((c & 8) << 12) | ((c & 7) << 6)).to(tl.bfloat16, bitcast=True), [BLOCK_N, BLOCK_K // GROUP, GROUP])
+        two_63 = tl.full(scale.shape, TWO_POW_63, tl.float32).to(tl.bfloat16)  # the interpreter has no bf16 constants
+        scale = (scale * TWO_POW_63).to(tl.bfloat16)
+        tile = tl.reshape(v * two_63[:, :, None] * scale[:, :, None], [BLOCK_N, BLOCK_K])
+    else:
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
+        vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
+        tile = tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE)
+    return tile
+
+
+@triton.jit
+def _w4_dot(acc_t, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
+            BLOCK_K: tl.constexpr, SCALED_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
+    tensor cores' register operand (Hopper reads only that one from registers), so its codes are
+    decoded where the MMA wants them and never pass through shared memory as 16-bit values.
+    SCALED_DOT (MXFP4, compiled): Triton's own E2M1 upcast (tl.dot_scaled), the same exact values."""
+    if SCALED_DOT:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :],
+                         mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+        sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // 32)[None, :],
+                    other=0)
+        out = tl.dot_scaled(packed, s, "e2m1", tl.trans(a), None, "bf16" if a.dtype == tl.bfloat16 else "fp16",
+                            acc_t)
+    else:
+        w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype)
+        out = tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
 def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
                  FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE.
-
-    4-bit formats are dequantized here, in registers: codes times their block scale (the NVFP4
-    global scale is divided out in the epilogue). Their bytes are K-contiguous (stride 1)."""
+    """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE."""
     # One return at the end: the JIT compiles code after an early return even when the branch is constexpr.
     if FORMAT == DENSE or FORMAT == FP8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -86,18 +137,7 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
         tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                                     mask=n_ok[None, :] & (offs_k < K)[:, None], other=0)).to(DTYPE)
     else:
-        BLOCK_N: tl.constexpr = rows.shape[0]
-        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
-                         other=0)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
-        sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],
-                    other=0)
-        scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
-        vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
-        tile = tl.trans(tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE))
+        tile = tl.trans(_w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE))
     return tile
 
 
@@ -214,6 +254,7 @@ def gemm1_act_kernel(
     DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False,  # FP8 weights: 128x128 block scales (else one scale per column)
+    SCALED_DOT: tl.constexpr = False,  # MXFP4: tl.dot_scaled (compiled only; the interpreter has none)
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -232,23 +273,38 @@ def gemm1_act_kernel(
     up_rows = gate_rows + up_offset
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulators: the weight is the MMA's A operand
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
         a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=row_ok[:, None] & (offs_k < K)[None, :],
                     other=0.0)
-        w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
-        w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
-        if FORMAT >= FP8:
-            a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
-            acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, n_ok, k0, stride_sn, W_BLOCKED,
-                                 DOT_PRECISION)
-            acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, n_ok, k0, stride_sn, W_BLOCKED, DOT_PRECISION)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:
+            acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
+                               SCALED_DOT, DOT_PRECISION)
+            acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
+                             SCALED_DOT, DOT_PRECISION)
         else:
-            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
+                                  a.dtype)
+            w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
+            if FORMAT >= FP8:
+                a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
+                acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, n_ok, k0, stride_sn, W_BLOCKED,
+                                     DOT_PRECISION)
+                acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, n_ok, k0, stride_sn, W_BLOCKED,
+                                   DOT_PRECISION)
+            else:
+                acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if FORMAT == MXFP4 or FORMAT == NVFP4:
+        acc_gate = tl.trans(acc_gate)
+        acc_up = tl.trans(acc_up)
     if FORMAT == NVFP4:
         gs = tl.load(gs_ptr + e)
         acc_gate = acc_gate / gs
@@ -283,7 +339,7 @@ def gemm2_kernel(
     N, K,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_BLOCKED: tl.constexpr = False,
+    W_BLOCKED: tl.constexpr = False, SCALED_DOT: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -295,17 +351,26 @@ def gemm2_kernel(
     rows = offs_n.to(tl.int64)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulator: the weight is the MMA's A operand
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
                     other=0.0)
-        w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
-        if FORMAT >= FP8:
-            a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
-            acc = _fp8_step(acc, a, w, a_scale, s_e, rows, n_ok, k0, stride_sn, W_BLOCKED, DOT_PRECISION)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:
+            acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, SCALED_DOT,
+                          DOT_PRECISION)
         else:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
+            if FORMAT >= FP8:
+                a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
+                acc = _fp8_step(acc, a, w, a_scale, s_e, rows, n_ok, k0, stride_sn, W_BLOCKED, DOT_PRECISION)
+            else:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if FORMAT == MXFP4 or FORMAT == NVFP4:
+        acc = tl.trans(acc)
     if FORMAT == NVFP4:
         acc = acc / tl.load(gs_ptr + e)
     if FORMAT >= FP8 and not W_BLOCKED:
