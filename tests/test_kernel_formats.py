@@ -66,7 +66,8 @@ def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexp
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt,dtype,why", [
-    ("nvfp4", torch.bfloat16, "the bf16-bits decode (code * 2^-126 times 2^63 twice) the GPU kernels run"),
+    ("nvfp4", torch.bfloat16, "the bf16-bits decode (code * 2^-126, times 2^126, times the scale) the GPU kernels run"),
+    ("mxfp4", torch.bfloat16, "the bf16-bits decode with E8M0 scales (exact for every exponent)"),
     ("nvfp4", torch.float32, "the fp32 decode (interpreter, fp32 activations)"),
     ("mxfp4", torch.float16, "the fp32 decode rounded to fp16"),
 ])

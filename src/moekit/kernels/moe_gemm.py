@@ -20,7 +20,7 @@ FP8 = tl.constexpr(3)  # E4M3 weights and activations on FP8 tensor cores; activ
 FP8_EMULATED = tl.constexpr(4)  # the same numbers from E4M3 bytes decoded to fp32 (interpreter, no FP8 tensor cores)
 FP8_GROUP = tl.constexpr(128)  # activation groups along K; weight blocks are FP8_GROUP x FP8_GROUP
 E4M3_MAX = tl.constexpr(448.0)
-TWO_POW_63 = tl.constexpr(9.223372036854775808e18)
+TWO_POW_126 = tl.constexpr(8.507059173023462e37)
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -85,15 +85,15 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
     s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],
                 other=0)
     scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
-    if FORMAT == NVFP4 and DTYPE == tl.bfloat16:
-        # Straight to bf16 bits, two codes per 32-bit op: sign to bit 15, the three magnitude bits to
-        # bits 8:6 make the bf16 number code * 2^-126 (zero and 0.5 included, no select). Times 2^63
-        # twice, once folded into the scale: every step is exact (e2m1 x e4m3 needs 6 of bf16's 8 bits).
+    if DTYPE == tl.bfloat16:
+        # Straight to bf16 bits: sign to bit 15, the three magnitude bits to bits 8:6 make the bf16
+        # number code * 2^-126 (zero and 0.5 included, no select); times 2^126, then the scale (E4M3
+        # and E8M0 are exact in bf16), both products exact, two codes per 32-bit multiply.
         c = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.uint16)
-        v = tl.reshape((((c & 8) << 12) | ((c & 7) << 6)).to(tl.bfloat16, bitcast=True), [BLOCK_N, BLOCK_K // GROUP, GROUP])
-        two_63 = tl.full(scale.shape, TWO_POW_63, tl.float32).to(tl.bfloat16)  # the interpreter has no bf16 constants
-        scale = (scale * TWO_POW_63).to(tl.bfloat16)
-        tile = tl.reshape(v * two_63[:, :, None] * scale[:, :, None], [BLOCK_N, BLOCK_K])
+        v = tl.reshape((((c & 8) << 12) | ((c & 7) << 6)).to(tl.bfloat16, bitcast=True),
+                       [BLOCK_N, BLOCK_K // GROUP, GROUP])
+        two_126 = tl.full(scale.shape, TWO_POW_126, tl.float32).to(tl.bfloat16)  # the interpreter has no bf16 constants
+        tile = tl.reshape(v * two_126[:, :, None] * scale.to(tl.bfloat16)[:, :, None], [BLOCK_N, BLOCK_K])
     else:
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
         vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
