@@ -101,3 +101,35 @@ def test_bench_low_bit_weights_name_their_format_first(capsys):
              "lowbit_err_vs_dequantized": 2e-3, "lowbit_err_vs_bf16_layer": 0.19}]
     md = lowbit.markdown(rows, {"gpu": "H200", "date": "today", "torch": "t", "triton": "3.6.0"}, 8e14)
     assert "| gpt-oss-120b | mxfp4 | 1 | 50.0 | 60.0 | 170.0 | 1.20 | 12.6 | 3.97 |" in md
+
+
+def test_verify_router_checks_past_the_fused_kernels_limit():
+    # The GPU default token list has 129 and 1000: the one-launch fused kernel refuses them by design,
+    # so verify checks only the unfused path there (it once raised and lost the whole Triton group).
+    from moekit import presets, router_tiers
+    from moekit.verify.router_checks import check_router
+
+    spec = presets.get("qwen3-30b-a3b").scaled()
+    impls = {"router_gemm": [], "route": [], "fused_router": ["unfused", "fused"]}
+    T = router_tiers.FUSED_MAX_TOKENS + 1
+    rows = check_router(spec, T, torch.float32, torch.device("cpu"), impls)
+    assert [r.impl for r in rows] == ["unfused"] and rows[0].ok
+
+
+def test_verify_a_raising_check_fails_its_case_and_the_group_goes_on(monkeypatch):
+    from moekit.verify import runner
+
+    calls = []
+
+    def flaky(spec, T, *args, **kwargs):
+        calls.append(T)
+        if T == 7:
+            raise RuntimeError("boom")
+        return []
+
+    monkeypatch.setattr(runner, "check_router", flaky)
+    monkeypatch.setattr(runner, "experts_backends", lambda device, dtype: [])
+    rows = runner.run_group("torch", ["mixtral-8x7b"], [7, 9], torch.float32, torch.device("cpu"),
+                            {"route": ["torch"]}, on_gpu=False)
+    assert calls == [7, 9]
+    assert len(rows) == 1 and not rows[0].ok and "RuntimeError: boom" in rows[0].detail and rows[0].tokens == 7

@@ -125,13 +125,8 @@ class WeightOperand:
         """A 4-bit K chunk holds whole scale groups."""
         return block_k if self.format == "dense" else max(block_k, FOUR_BIT_MIN_BLOCK_K)
 
-    def scaled_dot(self, dtype: torch.dtype) -> bool:
-        """MXFP4 through tl.dot_scaled: compiled kernels with 16-bit activations (the interpreter has no
-        dot_scaled; fp32 activations take the kernels' own decode)."""
-        return self.format == "mxfp4" and dtype in (torch.bfloat16, torch.float16) and not _triton.interpreting()
-
     def config(self, cfg: GemmConfig, tiles: int = 1) -> GemmConfig:
-        """4-bit tiles hold whole scale groups along K, and their dequantized fp32 values (``tiles``
+        """4-bit tiles hold whole scale groups along K, and their dequantized 16-bit values (``tiles``
         of them per K step) must fit in registers (tests/sm90_compile.py shows spills past this)."""
         if self.format == "dense":
             return cfg
@@ -173,7 +168,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
-        SCALED_DOT=w.scaled_dot(x3.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -195,7 +190,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         hidden, inter,
         HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
-        SCALED_DOT=w.scaled_dot(h.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -103,24 +103,13 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
 
 @triton.jit
 def _w4_dot(acc_t, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
-            BLOCK_K: tl.constexpr, SCALED_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
     decoded where the MMA wants them and never pass through shared memory as 16-bit values.
-    SCALED_DOT (MXFP4, compiled): Triton's own E2M1 upcast (tl.dot_scaled), the same exact values."""
-    if SCALED_DOT:
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :],
-                         mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
-        sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // 32)[None, :],
-                    other=0)
-        out = tl.dot_scaled(packed, s, "e2m1", tl.trans(a), None, "bf16" if a.dtype == tl.bfloat16 else "fp16",
-                            acc_t)
-    else:
-        w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype)
-        out = tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
-    return out
+    (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
+    w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype)
+    return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -254,7 +243,6 @@ def gemm1_act_kernel(
     DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False,  # FP8 weights: 128x128 block scales (else one scale per column)
-    SCALED_DOT: tl.constexpr = False,  # MXFP4: tl.dot_scaled (compiled only; the interpreter has none)
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -286,9 +274,9 @@ def gemm1_act_kernel(
                     other=0.0)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                               SCALED_DOT, DOT_PRECISION)
+                               DOT_PRECISION)
             acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                             SCALED_DOT, DOT_PRECISION)
+                             DOT_PRECISION)
         else:
             w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
                                   a.dtype)
@@ -339,7 +327,7 @@ def gemm2_kernel(
     N, K,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_BLOCKED: tl.constexpr = False, SCALED_DOT: tl.constexpr = False,
+    W_BLOCKED: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -360,8 +348,7 @@ def gemm2_kernel(
         a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
                     other=0.0)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
-            acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, SCALED_DOT,
-                          DOT_PRECISION)
+            acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION)
         else:
             w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
             if FORMAT >= FP8:
