@@ -254,3 +254,18 @@ def test_quantize_experts_equals_whole_stack_quantization():
                                          for e in range(3))
     with pytest.raises(ValueError, match="weight_format must be"):
         quantize_experts(w, "fp8")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block", "fp8_channel", "fp8_tensor"])
+def test_expert_of_a_quantized_stack_is_its_slice_of_the_whole_dequantization(fmt):
+    # references dequantize one expert at a time (a DeepSeek-V3 stack never exists in float)
+    from moekit.formats import dequantize, expert, quantize_experts
+
+    w = torch.randn(5, 48, 256)
+    q = quantize_experts(w, fmt)
+    whole = dequantize(q)
+    for e in (0, 3, 4):
+        assert torch.equal(expert(q, e), whole[e]), e
+    assert expert(w, 2) is not None and torch.equal(expert(w, 2), w[2])
+    with pytest.raises(TypeError, match="cannot take an expert"):
+        expert(object(), 0)

@@ -89,8 +89,8 @@ def cmd_verify(args) -> int:
         groups = [args.backend]
     if not args.backend:
         console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: backends "
-                      f"{', '.join(groups)} (each in its own process), router on {'real' if on_gpu else 'scaled-down'} "
-                      f"presets, experts on scaled-down presets, dtype {str(dtype).replace('torch.', '')}")
+                      f"{', '.join(groups)} (each in its own process), router and experts on "
+                      f"{'real' if on_gpu else 'scaled-down'} presets, dtype {str(dtype).replace('torch.', '')}")
     start = time.time()
     results = []
     passthrough = ["--preset", *names, "--tokens", *map(str, tokens)] + (["--dtype", args.dtype] if args.dtype else [])

@@ -165,8 +165,11 @@ def expert_mlp(
 
 
 def _expert(e, rows, w13, w2, activation, w13_bias, w2_bias) -> torch.Tensor:
-    """Expert ``e`` of stacked [E, ...] weights (and optional stacked biases) on ``rows``."""
-    return expert_mlp(rows, w13[e], w2[e], activation,
+    """Expert ``e`` of stacked [E, ...] weights (and optional stacked biases) on ``rows``; quantized
+    stacks (moekit.formats) are dequantized one expert at a time."""
+    from .formats import expert
+
+    return expert_mlp(rows, expert(w13, e), expert(w2, e), activation,
                       None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
 
 

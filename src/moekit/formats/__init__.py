@@ -7,7 +7,7 @@ fallbacks); they run on any device with plain torch.
 
 from . import fp4, fp8, mxfp4, nvfp4
 
-__all__ = ["dequantize", "fp4", "fp8", "mxfp4", "nvfp4", "quantize_experts"]
+__all__ = ["dequantize", "expert", "fp4", "fp8", "mxfp4", "nvfp4", "quantize_experts"]
 
 
 def dequantize(w, dtype=None):
@@ -21,6 +21,27 @@ def dequantize(w, dtype=None):
         if isinstance(w, cls):
             return mod.dequantize(w, dtype or torch.float32)
     raise TypeError(f"cannot dequantize a {type(w).__name__}")
+
+
+def expert(w, e: int, dtype=None):
+    """Expert ``e`` [N, K] of a stack [E, N, K]: a plain tensor's slice as is, a quantized stack's
+    expert dequantized to ``dtype`` (default float32), so a reference never holds the whole stack
+    in float (DeepSeek-V3's experts are 7.5e9 weights)."""
+    import torch
+
+    if isinstance(w, torch.Tensor):
+        return w[e]
+    dtype = dtype or torch.float32
+    if isinstance(w, fp8.FP8Tensor):
+        return fp8.dequantize(fp8.expert(w, e), dtype)
+    if isinstance(w, mxfp4.MXFP4Tensor):
+        return mxfp4.dequantize(mxfp4.MXFP4Tensor(w.data[e:e + 1], w.scales[e:e + 1], (1, *w.shape[1:])), dtype)[0]
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        gs = w.global_scale
+        gs = gs.reshape(-1)[e].reshape(1, *([1] * (gs.dim() - 1))) if gs.numel() > 1 else gs
+        one = nvfp4.NVFP4Tensor(w.data[e:e + 1], w.scales[e:e + 1], gs, (1, *w.shape[1:]), w.swizzled)
+        return nvfp4.dequantize(one, dtype)[0]
+    raise TypeError(f"cannot take an expert of a {type(w).__name__}")
 
 
 EXPERT_FORMATS = ("mxfp4", "nvfp4", "fp8_block", "fp8_channel", "fp8_tensor")

@@ -101,6 +101,8 @@ def dequantize(t: FP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tenso
         scale = scale.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)[..., :n, :k]
     elif t.granularity == "group":
         scale = scale.repeat_interleave(BLOCK, -1)[..., :q.shape[-1]]
+    elif t.granularity == "tensor" and scale.numel() > 1:  # one scale per expert of a stack [E, N, K]
+        scale = scale.reshape(-1, *([1] * (q.dim() - 1)))
     elif t.granularity not in ("tensor", "channel"):
         raise ValueError(f"unknown granularity {t.granularity!r}")
     return (q * scale).to(dtype)

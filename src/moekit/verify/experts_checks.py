@@ -1,5 +1,6 @@
 """Experts and whole-layer checks of `moekit verify`: every experts backend of this machine
-(Triton: CUDA, or the interpreter on CPUs; torch) on scaled-down presets."""
+(Triton: CUDA, or the interpreter on CPUs; torch), at the preset's sizes as given (the runner
+passes real presets on a GPU, scaled-down ones on a CPU)."""
 
 from __future__ import annotations
 
@@ -28,18 +29,36 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
                   only: list[str] | None = None, with_layer: bool = True, low_bit: bool = True) -> list[CheckResult]:
     """Experts checks for the backends in ``only`` (default: every one here): dense weights, and
     with ``low_bit`` MXFP4, NVFP4 and FP8 W8A8; plus the whole layer."""
-    spec = spec if spec.name.endswith("@scaled") else spec.scaled()
+    H, tol = spec.hidden_size, TOL[dtype]
+    backends = [b for b in experts_backends(device, dtype) if only is None or b in only]
+    results = _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) if backends else []
+    if not with_layer:
+        return results
+    layer = FusedMoE(spec, dtype=dtype, device=device)
+    xl = torch.randn(num_tokens, H, device=device).to(dtype)
+    with torch.no_grad():
+        got = layer(xl)
+    ref = reference.moe_layer(xl, layer.gate.weight, layer.w13, layer.w2, spec, router_bias=layer.gate.bias,
+                              correction_bias=layer.correction_bias, w13_bias=layer.w13_bias,
+                              w2_bias=layer.w2_bias, shared_w13=layer.shared_w13, shared_w2=layer.shared_w2)
+    # bf16/fp16 layers may route a near-tied token differently from float64; the budget is an RMS one.
+    results.append(score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
+                                Tolerance(float("inf"), tol.rms_rel * 2) if dtype != torch.float32 else tol))
+    return results
+
+
+def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> list[CheckResult]:
+    """fused_experts (dense and, with ``low_bit``, every low-bit format) and batched_experts of each backend."""
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    tol = TOL[dtype]
-    w13 = (torch.randn(E, 2 * I, H, device=device) * H ** -0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, device=device) * I ** -0.5).to(dtype)
+    # Drawn in their dtype: a float32 copy of Kimi-K2's experts alone would be 68 GB.
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype).mul_(H ** -0.5)
+    w2 = torch.randn(E, H, I, device=device, dtype=dtype).mul_(I ** -0.5)
     b13, b2 = ((torch.randn(E, 2 * I, device=device) * 0.05, torch.randn(E, H, device=device) * 0.05)
                if spec.expert_bias else (None, None))
     x = torch.randn(num_tokens, H + 3, device=device).to(dtype)[:, 3:]          # strided
     tw, tid = route(torch.randn(num_tokens, E, device=device), spec.top_k, spec.routing,
                     **spec.routing_kwargs())
     results = []
-    backends = [b for b in experts_backends(device, dtype) if only is None or b in only]
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2)
     for backend in backends:
         out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
@@ -51,7 +70,9 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     if low_bit:
         results += _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol)
 
-    M = max(1, num_tokens)
+    # Rows per expert: padding isolation shows at any M; past 129 a real-size slab (and its float64
+    # reference, [E, M, H]) only costs memory.
+    M = max(1, min(num_tokens, 129))
     xb = torch.randn(E, M, H, device=device).to(dtype)
     counts = torch.randint(0, M + 1, (E,), device=device, dtype=torch.int32)
     counts[0] = 0                                                                  # an empty expert
@@ -65,35 +86,23 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
         results.append(score_values(CheckResult("batched_experts", backend, spec.name, num_tokens), got[valid],
                                     ref[valid], tol, got is out))
 
-    if not with_layer:
-        return results
-    layer = FusedMoE(spec, dtype=dtype, device=device)
-    xl = torch.randn(num_tokens, H, device=device).to(dtype)
-    with torch.no_grad():
-        got = layer(xl)
-    ref = reference.moe_layer(xl, layer.gate.weight, layer.w13, layer.w2, spec, router_bias=layer.gate.bias,
-                              correction_bias=layer.correction_bias, w13_bias=layer.w13_bias,
-                              w2_bias=layer.w2_bias, shared_w13=layer.shared_w13, shared_w2=layer.shared_w2)
-    # bf16/fp16 layers may route a near-tied token differently from float64; the budget is an RMS one.
-    results.append(score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
-                           Tolerance(float("inf"), tol.rms_rel * 2) if dtype != torch.float32 else tol))
     return results
 
 
 def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
     """fused_experts with MXFP4 and NVFP4 weights (against float64 on the dequantized weights) and
     FP8 W8A8 in 128x128 blocks (against float64 on dequantized weights and E4M3-rounded activations)."""
-    from ..formats import dequantize, quantize_experts
+    from ..formats import quantize_experts
 
     results = []
     for fmt in ("mxfp4", "nvfp4", "fp8_block"):
-        q13, q2 = quantize_experts(w13.float(), fmt), quantize_experts(w2.float(), fmt)
+        q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)  # one expert at a time
         act_quant = "fp8_group" if fmt.startswith("fp8") else None
         if act_quant:
             ref = reference.fused_experts_w8a8(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13,
                                                w2_bias=b2)
         else:
-            ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation=spec.activation,
+            ref = reference.fused_experts(x, q13, q2, tw, tid, activation=spec.activation,  # dequantized per expert
                                           w13_bias=b13, w2_bias=b2)
         for backend in backends:
             out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
