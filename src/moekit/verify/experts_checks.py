@@ -49,12 +49,8 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
 
 def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> list[CheckResult]:
     """fused_experts (dense and, with ``low_bit``, every low-bit format) and batched_experts of each backend."""
-    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    # Drawn in their dtype: a float32 copy of Kimi-K2's experts alone would be 68 GB.
-    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype).mul_(H ** -0.5)
-    w2 = torch.randn(E, H, I, device=device, dtype=dtype).mul_(I ** -0.5)
-    b13, b2 = ((torch.randn(E, 2 * I, device=device) * 0.05, torch.randn(E, H, device=device) * 0.05)
-               if spec.expert_bias else (None, None))
+    E, H = spec.num_experts, spec.hidden_size
+    w13, w2, b13, b2 = _weights(spec, dtype, device)
     x = torch.randn(num_tokens, H + 3, device=device).to(dtype)[:, 3:]          # strided
     tw, tid = route(torch.randn(num_tokens, E, device=device), spec.top_k, spec.routing,
                     **spec.routing_kwargs())
@@ -89,6 +85,33 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
     return results
 
 
+_CACHE: dict = {}
+
+
+def _cached(key, make):
+    """One preset's weights (and their quantized copies) serve all its token counts: at real sizes
+    drawing and quantizing them is most of a case's time. Only the latest preset is kept."""
+    if _CACHE.get("owner") != key[:3]:
+        _CACHE.clear()
+        _CACHE["owner"] = key[:3]
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _weights(spec, dtype, device):
+    def make():
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        # Drawn in their dtype: a float32 copy of Kimi-K2's experts alone would be 68 GB.
+        w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype).mul_(H ** -0.5)
+        w2 = torch.randn(E, H, I, device=device, dtype=dtype).mul_(I ** -0.5)
+        b13, b2 = ((torch.randn(E, 2 * I, device=device) * 0.05, torch.randn(E, H, device=device) * 0.05)
+                   if spec.expert_bias else (None, None))
+        return w13, w2, b13, b2
+
+    return _cached((spec.name, dtype, device, "dense"), make)
+
+
 def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
     """fused_experts with MXFP4 and NVFP4 weights (against float64 on the dequantized weights) and
     FP8 W8A8 in 128x128 blocks (against float64 on dequantized weights and E4M3-rounded activations)."""
@@ -96,7 +119,8 @@ def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[C
 
     results = []
     for fmt in ("mxfp4", "nvfp4", "fp8_block"):
-        q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)  # one expert at a time
+        q13, q2 = _cached((spec.name, x.dtype, x.device, fmt),  # quantized one expert at a time
+                          lambda fmt=fmt: (quantize_experts(w13, fmt), quantize_experts(w2, fmt)))
         act_quant = "fp8_group" if fmt.startswith("fp8") else None
         if act_quant:
             ref = reference.fused_experts_w8a8(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13,
