@@ -359,6 +359,8 @@ def _quantized(fmt, w13, w2):
     (1, 6, 64, 32, 2, "swiglu_oai", True, "per-pair decode mode, gpt-oss activation"),
     (9, 7, 64, 64, 6, "silu_and_mul", False, "CUDA-core decode kernels (4-bit heuristic up to 16 tokens), prime E, k=6"),
     (33, 8, 96, 32, 4, "swiglu_oai", True, "many rows, H=96 (3 MXFP4 groups)"),
+    (0, 5, 64, 32, 2, "silu_and_mul", False, "no tokens: nothing launched, nothing read"),
+    (129, 5, 64, 64, 3, "silu_and_mul", True, "tensor-core tiles with the weight as A: a partial last row block"),
 ])
 def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backend, dtype, T, E, H, I, k, act, biases, why):
     if backend == "torch" and dtype == torch.float16:
@@ -416,6 +418,21 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
                   config=_GPU_4BIT_CONFIGS[mode])
     ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2)
     check_close(f"{why} ({mode})", out, ref, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_four_bit_every_token_on_one_expert(fmt):
+    # one expert's row blocks only (three of them, the last partial); the other experts get none
+    E, H, I, T = 6, 64, 32, 40
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    x = torch.randn(T, H)
+    tid = torch.full((T, 1), 4, dtype=torch.int32)
+    tw = torch.rand(T, 1)
+    out = _poisoned((T, H), torch.float32)
+    fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton")
+    check_close("one expert", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
+                TOL[torch.float32])
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
