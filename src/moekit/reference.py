@@ -222,14 +222,13 @@ def fused_experts_w8a8(
     with both GEMM inputs of each expert rounded to E4M3 in 1x128 groups first (scales per row
     and group: formats.fp8.quantize_groups). Weights are dequantized one expert at a time, so a
     DeepSeek-V3 stack never exists in float."""
-    from .formats import fp8
+    from .formats import expert, fp8
 
     def rounded(t):
         return fp8.dequantize(fp8.quantize_groups(t.float(), check_finite=False), torch.float32).to(F64)
 
     def expert_fn(e, rows):
-        d13 = fp8.dequantize(fp8.expert(w13, e), torch.float32)
-        d2 = fp8.dequantize(fp8.expert(w2, e), torch.float32)
+        d13, d2 = expert(w13, e), expert(w2, e)
         h = rounded(rows) @ d13.to(F64).T
         if w13_bias is not None:
             h = h + w13_bias[e].to(F64)
