@@ -49,8 +49,25 @@ def _load_x(x_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr
     xv = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
     if FORMAT != DENSE:
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-        xv = tl.permute(tl.reshape(xv, [BLOCK_K // GROUP, GROUP // 8, 2, 4]), (0, 1, 3, 2))
+        # converted before the rearrangement: once per element, not once per thread that uses it
+        xv = tl.permute(tl.reshape(xv.to(tl.float32), [BLOCK_K // GROUP, GROUP // 8, 2, 4]), (0, 1, 3, 2))
     return xv
+
+
+@triton.jit
+def _halves(mag, sign, HALVES_ASM: tl.constexpr):
+    """fp32 values, times 2^-14, of the two E2M1 codes whose magnitude bits sit at 9..11 of each
+    16-bit half of ``mag`` and whose sign bits sit at bit 15 of each half of ``sign``: together an
+    fp16 of 2^-14 of the code's value (code 1 is the fp16 subnormal 2^-15, exactly)."""
+    bits = (mag & 0x0E000E00) | (sign & -0x7FFF8000)  # masks 0x0E000E00, 0x80008000
+    if HALVES_ASM:  # ptxas reads each half in place (HADD2.F32 .H0 / .H1): no extraction
+        low, high = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+            "=r,=r,r", [bits], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:  # the interpreter runs no PTX
+        low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
 
 
 @triton.jit
@@ -58,26 +75,36 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     """Products of a loaded chunk with its activations: [BLOCK_N, BLOCK_K] for dense weights,
     [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit.
 
-    A word's nibbles j and j + 4 sit at bit 4j of its two 16-bit halves; shifted right by 4j, their
-    E2M1 bits go to each half's sign and exponent/mantissa bits 11..9 at once, which as an fp16
-    reads 2^-14 of the code's value (code 1 lands on the fp16 subnormal 2^-15, exactly); the
-    scales carry the 2^14. Decoding stays inline: each helper call costs the interpreter a
-    re-patch of the language."""
+    A word's nibbles j and j + 4 sit at bit 4j of its two 16-bit halves: the word shifted by 9 - 4j
+    and by 12 - 4j holds both codes' magnitude and sign bits where an fp16 wants them (see _halves),
+    two codes per 32-bit op; the scales carry the 2^14. Each word's eight products are one FFMA
+    chain, and the activations are converted to fp32 once, before their rearrangement."""
     if FORMAT == DENSE:
         part = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     else:
-        x_low, x_high = tl.split(xv.to(tl.float32))  # [groups, words, 4]: elements 8w + j, 8w + j + 4
-        # nibble j of both halves to bit 0 of each half; the four shifts side by side in one thread
-        t = tl.reshape(tl.join(tl.join(w, w >> 8), tl.join(w >> 4, w >> 12)), [w.shape[0], w.shape[1], w.shape[2], 4])
-        bits = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)  # masks 0x0E000E00, 0x80008000
-        if HALVES_ASM:  # ptxas reads each half in place (HADD2.F32 .H0 / .H1): no extraction
-            low, high = tl.inline_asm_elementwise(
-                "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
-                "=r,=r,r", [bits], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        else:  # the interpreter runs no PTX
-            low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        prod = low * x_low[None, :, :, :] + high * x_high[None, :, :, :]
+        # x [groups, words, 4 (j), 2 (half)] -> eight [groups, words] slices, element 8w + j + 4 * half
+        G: tl.constexpr = xv.shape[0]
+        W: tl.constexpr = xv.shape[1]
+        x_lo, x_hi = tl.split(xv.to(tl.float32))
+        even, odd = tl.split(tl.reshape(x_lo, [G, W, 2, 2]))  # j = 2 * j1 + j0: j0 = 0 -> j 0, 2
+        x0l, x2l = tl.split(even)
+        x1l, x3l = tl.split(odd)
+        even, odd = tl.split(tl.reshape(x_hi, [G, W, 2, 2]))
+        x0h, x2h = tl.split(even)
+        x1h, x3h = tl.split(odd)
+        # nibble j's magnitude bits to 9..11 (w shifted by 9 - 4j), its sign to 15 (by 12 - 4j), in both halves
+        lo, hi = _halves(w << 9, w << 12, HALVES_ASM)
+        acc = lo * x0l[None, :, :]
+        acc = hi * x0h[None, :, :] + acc
+        lo, hi = _halves(w << 5, w << 8, HALVES_ASM)
+        acc = lo * x1l[None, :, :] + acc
+        acc = hi * x1h[None, :, :] + acc
+        lo, hi = _halves(w << 1, w << 4, HALVES_ASM)
+        acc = lo * x2l[None, :, :] + acc
+        acc = hi * x2h[None, :, :] + acc
+        lo, hi = _halves(w >> 3, w, HALVES_ASM)
+        acc = lo * x3l[None, :, :] + acc
+        acc = hi * x3h[None, :, :] + acc
         codes = s.to(tl.int32)
         if FORMAT == MXFP4:
             # 2^(s - 127) * 2^14 = 2^(s - 113): exact in fp32 for every code; 0 is 2^-127 (-> 2^-113), 255 NaN.
@@ -85,7 +112,7 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
                              tl.where(codes == 0, 2.0 ** -113, ((codes + 14) << 23).to(tl.float32, bitcast=True)))
         else:
             scale = _e4m3_values(codes) * FP16_E2M1_UNIT
-        part = tl.sum(tl.sum(prod, axis=3), axis=2) * scale
+        part = tl.sum(acc, axis=2) * scale
     return part
 
 
