@@ -57,10 +57,10 @@ def test_e4m3_decoder(device):
 
 
 @triton.jit
-def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
+def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr):
     rows = tl.arange(0, 16).to(tl.int64)
     tile = moe_gemm._w4_tile(w_ptr, s_ptr, rows, rows < 16, 0, 128, 64, 128 // (32 if FORMAT == 1 else 16), FORMAT,
-                             128, DTYPE)
+                             128, DTYPE, HALVES_ASM)
     tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], tile)
 
 
@@ -91,5 +91,6 @@ def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dty
         expect = mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (16, 128)), torch.float64)
     out = torch.full((16, 128), float("nan"), dtype=dtype, device=device)
     tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
-    _w4_tile_all[(1,)](packed.to(device), scales.to(device), out, FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype)
+    _w4_tile_all[(1,)](packed.to(device), scales.to(device), out, FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype,
+                       HALVES_ASM=device == "cuda")
     assert torch.equal(out.cpu().double(), expect.to(dtype).double()), why

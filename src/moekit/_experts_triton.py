@@ -168,6 +168,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
+        HALVES_ASM=not _triton.interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -190,6 +191,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         hidden, inter,
         HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
+        HALVES_ASM=not _triton.interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -210,6 +212,7 @@ def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(h.dtype),
         FORMAT=w.format_id, W_BLOCKED=w.blocked,
+        HALVES_ASM=not _triton.interpreting(),
         BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -72,7 +72,7 @@ def _e4m3_values(b):
 
 @triton.jit
 def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-             DTYPE: tl.constexpr):
+             DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False):
     """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
     codes times their block scale (the NVFP4 global scale is divided out in the epilogue). The bytes
     are K-contiguous."""
@@ -89,9 +89,17 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
         # Straight to bf16 bits: sign to bit 15, the three magnitude bits to bits 8:6 make the bf16
         # number code * 2^-126 (zero and 0.5 included, no select); times 2^126, then the scale (E4M3
         # and E8M0 are exact in bf16), both products exact, two codes per 32-bit multiply.
-        c = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.uint16)
-        v = tl.reshape((((c & 8) << 12) | ((c & 7) << 6)).to(tl.bfloat16, bitcast=True),
-                       [BLOCK_N, BLOCK_K // GROUP, GROUP])
+        # Both codes of a byte in one 32-bit word: low nibble * (2^6 + 2^12) and high nibble * (2^18 + 2^24)
+        # land on disjoint bits; the mask keeps each code's sign (bit 15 / 31) and magnitude (8..6 / 24..22).
+        b = packed.to(tl.int32)
+        t = ((b & 0xF) * 0x1040 + (b & 0xF0) * 0x01040000) & -0x7E3F7E40  # mask 0x81C081C0
+        if HALVES_ASM:  # the two halves as they are (the MMA operand wants exactly this pair)
+            lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        else:  # the interpreter runs no PTX
+            lo = (t & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            hi = ((t >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // GROUP, GROUP])
         two_126 = tl.full(scale.shape, TWO_POW_126, tl.float32).to(tl.bfloat16)  # the interpreter has no bf16 constants
         tile = tl.reshape(v * two_126[:, :, None] * scale.to(tl.bfloat16)[:, :, None], [BLOCK_N, BLOCK_K])
     else:
@@ -103,18 +111,18 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
 
 @triton.jit
 def _w4_dot(acc_t, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
     decoded where the MMA wants them and never pass through shared memory as 16-bit values.
     (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
-    w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype)
+    w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM)
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
-                 FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+                 FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False):
     """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE."""
     # One return at the end: the JIT compiles code after an early return even when the branch is constexpr.
     if FORMAT == DENSE or FORMAT == FP8:
@@ -126,7 +134,8 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
         tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                                     mask=n_ok[None, :] & (offs_k < K)[:, None], other=0)).to(DTYPE)
     else:
-        tile = tl.trans(_w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE))
+        tile = tl.trans(_w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE,
+                                 HALVES_ASM))
     return tile
 
 
@@ -243,6 +252,7 @@ def gemm1_act_kernel(
     DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False,  # FP8 weights: 128x128 block scales (else one scale per column)
+    HALVES_ASM: tl.constexpr = False,  # 4-bit: inline PTX for the bf16 pair of a byte (not in the interpreter)
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -274,9 +284,9 @@ def gemm1_act_kernel(
                     other=0.0)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                               DOT_PRECISION)
+                               DOT_PRECISION, HALVES_ASM)
             acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                             DOT_PRECISION)
+                             DOT_PRECISION, HALVES_ASM)
         else:
             w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
                                   a.dtype)
@@ -327,7 +337,7 @@ def gemm2_kernel(
     N, K,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_BLOCKED: tl.constexpr = False,
+    W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -348,7 +358,8 @@ def gemm2_kernel(
         a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
                     other=0.0)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
-            acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION)
+            acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION,
+                          HALVES_ASM)
         else:
             w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
             if FORMAT >= FP8:
@@ -384,7 +395,7 @@ def gemm2_tokens_kernel(
     top_k, num_global, num_local, N, K,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_BLOCKED: tl.constexpr = False,
+    W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False,
 ):
     """Decode GEMM2 per token: its k slots in order, each a weighted expert product, summed in
     registers and written once (no per-slot buffer, no combine launch). Row 0 of each tile is the
@@ -406,7 +417,7 @@ def gemm2_tokens_kernel(
                 a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :], mask=row0 & (offs_k < K)[None, :],
                             other=0.0)
                 w = _weight_tile(w_e, s_e, offs_n.to(tl.int64), n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                 BLOCK_K, a.dtype)
+                                 BLOCK_K, a.dtype, HALVES_ASM)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + pair.to(tl.int64) * stride_hs + k0 // FP8_GROUP + tl.zeros([BLOCK_M], tl.int64))
                     acc = _fp8_step(acc, a, w, a_scale, s_e, offs_n.to(tl.int64), n_ok, k0, stride_sn, W_BLOCKED,
