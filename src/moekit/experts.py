@@ -106,13 +106,6 @@ def _storage(w) -> torch.Tensor:
     return w if isinstance(w, torch.Tensor) else w.data
 
 
-def _dense(w) -> torch.Tensor:
-    """Quantized weights dequantized to fp32 (the torch backend's reference path); dense as is."""
-    from .formats import dequantize
-
-    return dequantize(w, torch.float32)
-
-
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     """fp32 [.., 2I] -> [.., I] (layouts: [gate; up] for silu_and_mul, interleaved for swiglu_oai)."""
     if activation == "silu_and_mul":
@@ -152,15 +145,18 @@ _ROUND_ACTIVATIONS = {"nvfp4": _nvfp4_rows, "fp8_group": _fp8_rows}
 def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None):
     """Expert ``e`` of stacked weights (and optional stacked biases) on fp32 rows, in fp32; with
     ``act_quant`` both GEMM inputs are rounded as that format's kernels see them, over ``rows``."""
+    from .formats import expert
+
     if act_quant:
         x32 = _ROUND_ACTIVATIONS[act_quant](x32, rows)
-    h = x32 @ w13[e].float().T
+    # Quantized stacks are dequantized one expert at a time: kimi-k2's whole stack in fp32 is 64 GB.
+    h = x32 @ expert(w13, e).float().T
     if w13_bias is not None:
         h = h + w13_bias[e].float()
     a = _activate(h, activation)
     if act_quant:
         a = _ROUND_ACTIVATIONS[act_quant](a, rows)
-    y = a @ w2[e].float().T
+    y = a @ expert(w2, e).float().T
     return y if w2_bias is None else y + w2_bias[e].float()
 
 
@@ -266,7 +262,6 @@ def fused_torch(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w
     weights = torch.where(valid, topk_weights, 0.0)
     acc = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device)
     x32 = x.float()
-    w13, w2 = _dense(w13), _dense(w2)
     # A dense pass per expert keeps shapes static (no host sync, graph-capturable); the Triton path
     # replaces it with token-aligned grouped GEMMs.
     for e in range(E):
@@ -331,6 +326,5 @@ def batched_torch(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_b
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
     # them first keeps NaN padding out of the arithmetic altogether.
     x32 = torch.where(valid[..., None], x.float(), 0.0)
-    w13, w2 = _dense(w13), _dense(w2)
     ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias, act_quant, valid[e]) for e in range(E)]
     out.copy_(torch.where(valid[..., None], torch.stack(ys), 0.0))
