@@ -1,0 +1,77 @@
+"""A/B of explicit expert-kernel configs against the shipped table, in one device call.
+
+Whole `fused_experts` calls (alignment included), CUDA-graph replay over two layers' weights, each
+config's output compared with the table config's. For kernel changes whose effect depends on the
+block shape (e.g. a config the tuner skips because it spills outside the K loop).
+
+    python benchmarks/ab_configs.py --preset deepseek-v3 --weights fp8_block --tokens 4096 \\
+        --config table 128:128,128,8,3,8:128,128,8,3,8
+
+A config is ``table`` or ``BLOCK_M:gemm1:gemm2`` with each GEMM as
+``block_n,block_k,num_warps,num_stages,group_m``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from moekit import presets
+from moekit.bench.timing import graph_time_us
+from moekit.expert_configs import ExpertsConfig, GemmConfig
+from moekit.experts import fused_experts
+from moekit.tune import random_weights
+
+
+def parse_config(text: str) -> ExpertsConfig | None:
+    if text == "table":
+        return None
+    block_m, g1, g2 = text.split(":")
+    gemm = lambda s: GemmConfig(*(int(v) for v in s.split(",")))  # noqa: E731
+    return ExpertsConfig(int(block_m), gemm(g1), gemm(g2))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="deepseek-v3")
+    p.add_argument("--weights", default="dense", help="dense, mxfp4, nvfp4, fp8_block, fp8_channel")
+    p.add_argument("--tokens", nargs="+", type=int, default=[4096])
+    p.add_argument("--config", nargs="+", default=["table"])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "ab_configs.json")
+    args = p.parse_args(argv)
+    spec = presets.get(args.preset)
+    act_quant = "fp8_group" if args.weights.startswith("fp8") else None
+    layers = random_weights(spec, layers=2, weight_format=args.weights)
+    rows = []
+    for T in args.tokens:
+        x = torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(T, spec.num_experts, device="cuda").argsort(1)[:, :spec.top_k].int().contiguous()
+        weights = torch.softmax(torch.randn(T, spec.top_k, device="cuda"), -1)
+
+        def call(w13, w2, config):
+            return fused_experts(x, w13, w2, weights, ids, activation=spec.activation, act_quant=act_quant,
+                                 backend="triton", config=config)
+
+        ref = call(*layers[0], None).float()
+        for text in ["table"] + [c for c in args.config if c != "table"]:
+            config = parse_config(text)
+            try:
+                diff = ((call(*layers[0], config).float() - ref).norm() / ref.norm()).item()
+                us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2) / len(layers)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is a result too
+                us, diff = float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"
+            rows.append({"T": T, "config": text, "us": us, "rel_diff_vs_table": diff})
+            print(f"T={T:6d} {text:40s} {us:10.1f} us   diff vs table {diff}", flush=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "preset": args.preset, "weights": args.weights}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
