@@ -188,7 +188,7 @@ def _expand_quantized(mod, one, num_experts):
 
 
 def main() -> int:
-    from moekit import _triton
+    from moekit import _sass, _triton
 
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
@@ -210,10 +210,17 @@ def main() -> int:
         for kname, kernel in BUILT:
             use = resource_usage(kernel)
             # ptxas sometimes parks one 64-bit value (8 bytes) even at 72 registers; that costs a
-            # store/load pair. Register pressure shows as hundreds of bytes, and fails.
-            failures += use["SPILL"] > MAX_SPILL_BYTES
-            rows.append((label, kname, use["REG"], kernel.metadata.shared,
-                         f"spills {use['SPILL']} bytes" if use["SPILL"] else f"ok (stack {use['STACK']})"))
+            # store/load pair. Past that, only spills inside a loop fail: values saved before the K
+            # loop and reloaded for the epilogue cost nothing measurable (moekit/_sass.py).
+            checked = use["SPILL"] > MAX_SPILL_BYTES
+            in_loops = _sass.spills_in_loops(kernel) if checked else 0
+            failures += in_loops is None or in_loops > 0
+            note = f"ok (stack {use['STACK']})"
+            if use["SPILL"]:
+                where = {None: ", inside loops unknown (no nvdisasm)", 0: ", none inside loops"}.get(
+                    in_loops, f", {in_loops} LDL/STL inside loops")
+                note = f"spills {use['SPILL']} bytes" + (where if checked else "")
+            rows.append((label, kname, use["REG"], kernel.metadata.shared, note))
     for r in rows:
         print(f"{r[0]:34s} {r[1]!s:16s} regs={r[2]!s:4s} smem={r[3]!s:6s} {r[4]}")
     print(f"{len(rows)} variants, {failures} failed")
