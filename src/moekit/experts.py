@@ -149,7 +149,7 @@ def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows
 
     if act_quant:
         x32 = _ROUND_ACTIVATIONS[act_quant](x32, rows)
-    # Quantized stacks are dequantized one expert at a time: kimi-k2's whole stack in fp32 is 64 GB.
+    # Quantized stacks are dequantized one expert at a time: kimi-k2's whole stack in fp32 is 68 GB.
     h = x32 @ expert(w13, e).float().T
     if w13_bias is not None:
         h = h + w13_bias[e].float()
