@@ -243,18 +243,22 @@ def main(argv=None) -> None:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)
             cfg, info = tune(spec, bucket, weights, args.format, args.modes)
-            table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = cfg.to_dict() | {"measured": info}
+            entry = cfg.to_dict() | {"measured": info}
+            table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = entry
             args.out.write_text(json.dumps(table, indent=1))  # keep partial results if interrupted
+            if args.merge:  # likewise: a sweep cut off by a time limit keeps the buckets it finished
+                _merge_entry(key, shape, str(bucket), entry)
         del weights
         torch.cuda.empty_cache()
-    if args.merge:
-        target = Path(__file__).parent / "configs" / expert_configs.TABLE_FILE
-        merged = json.loads(target.read_text()) if target.exists() else {}
-        for k, shapes in table.items():
-            for s, buckets in shapes.items():
-                merged.setdefault(k, {}).setdefault(s, {}).update(buckets)
-        target.write_text(json.dumps(merged, indent=1))
     print(f"wrote {args.out}")
+
+
+def _merge_entry(key: str, shape: str, bucket: str, entry: dict, target: Path | None = None) -> None:
+    """One tuned bucket into the package's table (configs/experts_tuned.json), other entries kept."""
+    target = target or Path(__file__).parent / "configs" / expert_configs.TABLE_FILE
+    merged = json.loads(target.read_text()) if target.exists() else {}
+    merged.setdefault(key, {}).setdefault(shape, {})[bucket] = entry
+    target.write_text(json.dumps(merged, indent=1))
 
 
 if __name__ == "__main__":
