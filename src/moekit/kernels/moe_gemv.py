@@ -42,11 +42,12 @@ def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FO
 
 
 @triton.jit
-def _load_x(x_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation chunk, read contiguously: dense [BLOCK_K]; 4-bit [groups, words, 4, 2]:
-    element 8w + j at [.., w, j, 0] and 8w + j + 4 at [.., w, j, 1] (the two halves of a word)."""
+def _load_x(x_row, k0, K, stride_xk, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation chunk (zeros unless ``ok``), read contiguously: dense [BLOCK_K]; 4-bit
+    [groups, words, 4, 2]: element 8w + j at [.., w, j, 0] and 8w + j + 4 at [.., w, j, 1] (the
+    two halves of a word)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    xv = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+    xv = tl.load(x_row + offs_k * stride_xk, mask=(offs_k < K) & ok, other=0.0)
     if FORMAT != DENSE:
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         # converted before the rearrangement: once per element, not once per thread that uses it
@@ -146,14 +147,14 @@ def gemv1_act_kernel(
         # The next chunk's loads are issued before this chunk's math: one program keeps two chunks in flight.
         wg, sg = _load_chunk(w_e, s_e, gate_rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
         wu, su = _load_chunk(w_e, s_e, up_rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
-        xv = _load_x(x_row, 0, K, stride_xk, FORMAT, BLOCK_K)
+        xv = _load_x(x_row, 0, K, stride_xk, True, FORMAT, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K
             wg_next, sg_next = _load_chunk(w_e, s_e, gate_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                            BLOCK_K)
             wu_next, su_next = _load_chunk(w_e, s_e, up_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                            BLOCK_K)
-            xv_next = _load_x(x_row, k1, K, stride_xk, FORMAT, BLOCK_K)
+            xv_next = _load_x(x_row, k1, K, stride_xk, True, FORMAT, BLOCK_K)
             acc_gate += _chunk_sums(wg, sg, xv, FORMAT, HALVES_ASM)
             acc_up += _chunk_sums(wu, su, xv, FORMAT, HALVES_ASM)
             wg, sg, wu, su, xv = wg_next, sg_next, wu_next, su_next, xv_next
@@ -169,6 +170,27 @@ def gemv1_act_kernel(
             up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
         act = _activate(gate, up, ACTIVATION)
         tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _slot_step(it, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
+               w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
+               weights_ptr, K, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Loads of step ``it`` of a token's GEMM2 (slot it // steps_per_slot, its K chunk it % steps_per_slot):
+    (weights, scales, activations, the slot's factor: router weight / NVFP4 global scale). Steps past
+    the last and slots of other ranks load nothing and have factor 0."""
+    j = tl.minimum(it // steps_per_slot, top_k - 1)  # the prefetch past the last step stays on this token
+    pair = t * top_k + j
+    e, w_e, s_e, h_row = _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, stride_we,
+                                        s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
+    ok = (it < steps) & (e >= 0)  # rows of other ranks' pairs were never written by GEMM1
+    k0 = (it % steps_per_slot) * BLOCK_K
+    w, s = _load_chunk(w_e, s_e, rows, n_ok & ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
+    xv = _load_x(h_row, k0, K, 1, ok, FORMAT, BLOCK_K)
+    factor = tl.load(weights_ptr + pair)
+    if FORMAT == NVFP4:
+        factor = factor / tl.load(gs_ptr + tl.maximum(e, 0))
+    return w, s, xv, tl.where(ok, factor, 0.0)
 
 
 @triton.jit
@@ -189,26 +211,28 @@ def gemv2_tokens_kernel(
     n_ok = offs_n < N
     rows = offs_n.to(tl.int64)
     ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, top_k):  # slots in order: the same bits on every run
-        pair = t * top_k + j
-        e, w_e, s_e, h_row = _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, stride_we,
-                                            s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
-        if e >= 0:
-            acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-            w, s = _load_chunk(w_e, s_e, rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
-            hv = _load_x(h_row, 0, K, 1, FORMAT, BLOCK_K)
-            for k0 in range(0, K, BLOCK_K):
-                w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk, stride_sn,
-                                             FORMAT, BLOCK_K)
-                hv_next = _load_x(h_row, k0 + BLOCK_K, K, 1, FORMAT, BLOCK_K)
-                acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM)
-                w, s, hv = w_next, s_next, hv_next
-            y = tl.sum(acc, axis=1)
-            if FORMAT == NVFP4:
-                y = y / tl.load(gs_ptr + e)
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok,
-                             other=0.0).to(tl.float32)
-            total += tl.load(weights_ptr + pair) * y
+    # One loop over (slot, K chunk), the next step's loads issued before this step's math: the
+    # stream of weight loads does not drain at each slot's end (at T = 1 a program runs all k slots).
+    # Each slot's factor scales its activations, so one accumulator serves every slot.
+    steps_per_slot = tl.cdiv(K, BLOCK_K)
+    steps = top_k * steps_per_slot
+    acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    w, s, hv, factor = _slot_step(0, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr,
+                                  num_global, num_local, w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se,
+                                  stride_sn, gs_ptr, h_ptr, stride_hm, weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
+    for it in range(0, steps):  # slots in order: the same bits on every run
+        w_next, s_next, hv_next, factor_next = _slot_step(
+            it + 1, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
+            w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
+            weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
+        acc += _chunk_sums(w, s, hv.to(tl.float32) * factor, FORMAT, HALVES_ASM)
+        w, s, hv, factor = w_next, s_next, hv_next, factor_next
+    total = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        for j in range(0, top_k):
+            pair = t * top_k + j
+            e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+            if e >= 0:
+                total += tl.load(weights_ptr + pair) * tl.load(
+                    bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
