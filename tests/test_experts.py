@@ -581,6 +581,8 @@ W8A8_TOL = Tolerance(3e-2, 3e-2)  # the issue's budget; fp32 sums of identical E
      "per-pair decode mode"),
     (40, 6, 128, 256, 2, "swiglu_oai", False, ExpertsConfig(32, GemmConfig(64, 64), GemmConfig(32, 64)),
      "aligned 32-row blocks, I in two groups (GEMM1 tile forced to 128 columns)"),
+    (33, 7, 384, 256, 6, "silu_and_mul", True, ExpertsConfig(32, GemmConfig(64, 128), GemmConfig(64, 128)),
+     "[gate; up] with I in whole blocks: one block scale per weight tile; H and I multiples of BLOCK_K"),
 ])
 def test_fp8_w8a8_matches_an_independent_emulation(granularity, backend, T, E, H, I, k, act, biases, config, why):
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)

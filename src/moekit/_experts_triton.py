@@ -146,6 +146,12 @@ def _scale_args(scales: torch.Tensor | None, fallback: torch.Tensor):
     return (scales, scales.stride(0)) if scales is not None else (fallback, 0)
 
 
+def _tile_scale(w: WeightOperand, block_n: int, row_step: int = 1, up_offset: int = 0) -> bool:
+    """FP8 128x128 blocks: every weight tile of BLOCK_N rows (gate and up alike) lies in one 128-row
+    block, so the kernels promote with one scale per tile (kernels/moe_gemm.py _fp8_step)."""
+    return w.blocked and row_step == 1 and FP8_GROUP % block_n == 0 and up_offset % FP8_GROUP == 0
+
+
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
@@ -168,7 +174,8 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
-        HALVES_ASM=not _triton.interpreting(),
+        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
+        EVEN_K=hidden % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -191,7 +198,8 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         hidden, inter,
         HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
-        HALVES_ASM=not _triton.interpreting(),
+        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
+        EVEN_K=inter % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -212,7 +220,8 @@ def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(h.dtype),
         FORMAT=w.format_id, W_BLOCKED=w.blocked,
-        HALVES_ASM=not _triton.interpreting(),
+        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
+        EVEN_K=inter % cfg.block_k == 0,
         BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

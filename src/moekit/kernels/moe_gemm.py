@@ -71,18 +71,31 @@ def _e4m3_values(b):
 
 
 @triton.jit
+def _and_k(mask, offs_k, K, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
+    """mask & (offs_k < K) along axis K_AXIS of a 2-D tile. EVEN_K (K a multiple of BLOCK_K) drops
+    the K test: the mask stays loop-invariant and its per-step compares and selects go."""
+    if EVEN_K:
+        out = mask
+    elif K_AXIS == 0:
+        out = mask & (offs_k < K)[:, None]
+    else:
+        out = mask & (offs_k < K)[None, :]
+    return out
+
+
+@triton.jit
 def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-             DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False):
+             DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
     codes times their block scale (the NVFP4 global scale is divided out in the epilogue). The bytes
     are K-contiguous."""
     BLOCK_N: tl.constexpr = rows.shape[0]
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
+    packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=_and_k(n_ok[:, None], kb, K // 2, 1, EVEN_K),
                      other=0)
     sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],
+    s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=_and_k(n_ok[:, None], sk, K // GROUP, 1, EVEN_K),
                 other=0)
     scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
     if DTYPE == tl.bfloat16:
@@ -111,31 +124,32 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
 
 @triton.jit
 def _w4_dot(acc_t, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr):
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr, EVEN_K: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
     decoded where the MMA wants them and never pass through shared memory as 16-bit values.
     (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
-    w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM)
+    w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K)
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
-                 FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False):
+                 FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False,
+                 EVEN_K: tl.constexpr = False):
     """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE."""
     # One return at the end: the JIT compiles code after an early return even when the branch is constexpr.
     if FORMAT == DENSE or FORMAT == FP8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                       mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+                       mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0.0)
     elif FORMAT == FP8_EMULATED:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                                    mask=n_ok[None, :] & (offs_k < K)[:, None], other=0)).to(DTYPE)
+                                    mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0)).to(DTYPE)
     else:
         tile = tl.trans(_w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE,
-                                 HALVES_ASM))
+                                 HALVES_ASM, EVEN_K))
     return tile
 
 
@@ -150,14 +164,23 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _fp8_step(acc, a, w, a_scale, s_e, rows, n_ok, k0, stride_sn, W_BLOCKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+def _fp8_step(acc, a, w, a_scale, s_e, rows, first_row, n_ok, k0, stride_sn, W_BLOCKED: tl.constexpr,
+              W_TILE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + one 128-deep FP8 product, scaled by its activation group scales (and, for 128x128
-    weight blocks, the block scale of each column) in fp32: promoted every K step."""
-    part = tl.dot(a, w, input_precision=DOT_PRECISION) * a_scale[:, None]
-    if W_BLOCKED:
-        part *= tl.load(s_e + (rows // FP8_GROUP) * stride_sn + k0 // FP8_GROUP, mask=n_ok, other=0.0)[None, :]
-    return acc + part
+    weight blocks, the block scale of each column) in fp32: promoted every K step.
+
+    W_TILE_SCALE: the tile's rows (``first_row`` onwards) lie in one 128-row block, so one weight
+    scale serves the tile: the promotion is one FFMA per accumulator element (the CUDA cores run
+    it between tensor-core steps, so it is on the loop's critical path)."""
+    if W_TILE_SCALE:
+        w_scale = tl.load(s_e + (first_row // FP8_GROUP) * stride_sn + k0 // FP8_GROUP)
+        out = tl.dot(a, w, input_precision=DOT_PRECISION) * (a_scale * w_scale)[:, None] + acc
+    else:
+        part = tl.dot(a, w, input_precision=DOT_PRECISION) * a_scale[:, None]
+        if W_BLOCKED:
+            part *= tl.load(s_e + (rows // FP8_GROUP) * stride_sn + k0 // FP8_GROUP, mask=n_ok, other=0.0)[None, :]
+        out = acc + part
+    return out
 
 
 @triton.jit
@@ -253,6 +276,8 @@ def gemm1_act_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False,  # FP8 weights: 128x128 block scales (else one scale per column)
     HALVES_ASM: tl.constexpr = False,  # 4-bit: inline PTX for the bf16 pair of a byte (not in the interpreter)
+    W_TILE_SCALE: tl.constexpr = False,  # FP8 blocks: each tile's gate rows and up rows in one 128-row block
+    EVEN_K: tl.constexpr = False,  # K % BLOCK_K == 0
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -269,6 +294,7 @@ def gemm1_act_kernel(
     n_ok = offs_n < I
     gate_rows = offs_n.to(tl.int64) * gate_step
     up_rows = gate_rows + up_offset
+    gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
     if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulators: the weight is the MMA's A operand
@@ -280,23 +306,24 @@ def gemm1_act_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
-        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=row_ok[:, None] & (offs_k < K)[None, :],
+        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
                     other=0.0)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                               DOT_PRECISION, HALVES_ASM)
+                               DOT_PRECISION, HALVES_ASM, EVEN_K)
             acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                             DOT_PRECISION, HALVES_ASM)
+                             DOT_PRECISION, HALVES_ASM, EVEN_K)
         else:
             w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
-                                  a.dtype)
-            w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
+                                  a.dtype, EVEN_K=EVEN_K)
+            w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
+                                EVEN_K=EVEN_K)
             if FORMAT >= FP8:
                 a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
-                acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, n_ok, k0, stride_sn, W_BLOCKED,
-                                     DOT_PRECISION)
-                acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, n_ok, k0, stride_sn, W_BLOCKED,
-                                   DOT_PRECISION)
+                acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
+                                     W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
+                acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, gate_first + up_offset, n_ok, k0, stride_sn,
+                                   W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
             else:
                 acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
                 acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
@@ -337,7 +364,8 @@ def gemm2_kernel(
     N, K,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False,
+    W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -355,16 +383,18 @@ def gemm2_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
+        a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
                     other=0.0)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION,
-                          HALVES_ASM)
+                          HALVES_ASM, EVEN_K)
         else:
-            w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype)
+            w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
+                             EVEN_K=EVEN_K)
             if FORMAT >= FP8:
                 a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
-                acc = _fp8_step(acc, a, w, a_scale, s_e, rows, n_ok, k0, stride_sn, W_BLOCKED, DOT_PRECISION)
+                acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
+                                W_TILE_SCALE, DOT_PRECISION)
             else:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if FORMAT == MXFP4 or FORMAT == NVFP4:
@@ -395,7 +425,8 @@ def gemm2_tokens_kernel(
     top_k, num_global, num_local, N, K,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False,
+    W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     """Decode GEMM2 per token: its k slots in order, each a weighted expert product, summed in
     registers and written once (no per-slot buffer, no combine launch). Row 0 of each tile is the
@@ -414,14 +445,14 @@ def gemm2_tokens_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :], mask=row0 & (offs_k < K)[None, :],
-                            other=0.0)
+                a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :],
+                            mask=_and_k(row0, offs_k, K, 1, EVEN_K), other=0.0)
                 w = _weight_tile(w_e, s_e, offs_n.to(tl.int64), n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                 BLOCK_K, a.dtype, HALVES_ASM)
+                                 BLOCK_K, a.dtype, HALVES_ASM, EVEN_K)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + pair.to(tl.int64) * stride_hs + k0 // FP8_GROUP + tl.zeros([BLOCK_M], tl.int64))
-                    acc = _fp8_step(acc, a, w, a_scale, s_e, offs_n.to(tl.int64), n_ok, k0, stride_sn, W_BLOCKED,
-                                    DOT_PRECISION)
+                    acc = _fp8_step(acc, a, w, a_scale, s_e, offs_n.to(tl.int64), (tl.program_id(0) % num_n) * BLOCK_N,
+                                    n_ok, k0, stride_sn, W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
                 else:
                     acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             y = tl.sum(acc, axis=0)  # rows other than 0 are zero
