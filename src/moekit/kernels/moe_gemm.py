@@ -21,6 +21,7 @@ FP8_EMULATED = tl.constexpr(4)  # the same numbers from E4M3 bytes decoded to fp
 FP8_GROUP = tl.constexpr(128)  # activation groups along K; weight blocks are FP8_GROUP x FP8_GROUP
 E4M3_MAX = tl.constexpr(448.0)
 TWO_POW_126 = tl.constexpr(8.507059173023462e37)
+TWO_POW_120 = tl.constexpr(1.329227995784916e36)
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -71,6 +72,27 @@ def _e4m3_values(b):
 
 
 @triton.jit
+def _e8m0_bf16(s):
+    """bf16 2^(s - 127) of uint8 exponents, exactly: the byte is bf16's exponent field (0 is the
+    subnormal 2^-127, 0x0040; 255 is NaN)."""
+    s = s.to(tl.int32)
+    bits = tl.where(s == 0, 0x40, tl.where(s == 255, 0x7FC0, s << 7))
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bf16(b):
+    """bf16 value of E4M3FN bytes, exactly. Exponent and mantissa bits moved under bf16's read
+    2^-120 of the value (E4M3 subnormals become bf16 subnormals: no special case), and one exact
+    multiply by 2^120 follows; 0x7F / 0xFF become NaN. A handful of integer ops per scale where the
+    fp32 decode took about fifteen (convert, select, convert back)."""
+    b = b.to(tl.int32)
+    bits = ((b & 0x7F) << 4) | ((b & 0x80) << 8) | tl.where((b & 0x7F) == 0x7F, 0x7FC0, 0)
+    two_120 = tl.full(b.shape, TWO_POW_120, tl.float32).to(tl.bfloat16)  # the interpreter has no bf16 constants
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True) * two_120
+
+
+@triton.jit
 def _and_k(mask, offs_k, K, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
     """mask & (offs_k < K) along axis K_AXIS of a 2-D tile. EVEN_K (K a multiple of BLOCK_K) drops
     the K test: the mask stays loop-invariant and its per-step compares and selects go."""
@@ -97,7 +119,6 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
     sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=_and_k(n_ok[:, None], sk, K // GROUP, 1, EVEN_K),
                 other=0)
-    scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
     if DTYPE == tl.bfloat16:
         # Straight to bf16 bits: sign to bit 15, the three magnitude bits to bits 8:6 make the bf16
         # number code * 2^-126 (zero and 0.5 included, no select); times 2^126, then the scale (E4M3
@@ -113,9 +134,12 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
             lo = (t & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
             hi = ((t >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // GROUP, GROUP])
+        # The scales go straight to bf16 bits too (each thread decodes one per 16 or 32 of its weights).
+        scale = _e8m0_bf16(s) if FORMAT == MXFP4 else _e4m3_bf16(s)
         two_126 = tl.full(scale.shape, TWO_POW_126, tl.float32).to(tl.bfloat16)  # the interpreter has no bf16 constants
-        tile = tl.reshape(v * two_126[:, :, None] * scale.to(tl.bfloat16)[:, :, None], [BLOCK_N, BLOCK_K])
+        tile = tl.reshape(v * two_126[:, :, None] * scale[:, :, None], [BLOCK_N, BLOCK_K])
     else:
+        scale = _e8m0_values(s) if FORMAT == MXFP4 else _e4m3_values(s)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
         vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
         tile = tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE)
