@@ -213,7 +213,8 @@ def gemv2_tokens_kernel(
     ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
     # One loop over (slot, K chunk), the next step's loads issued before this step's math: the
     # stream of weight loads does not drain at each slot's end (at T = 1 a program runs all k slots).
-    # Each slot's factor scales its activations, so one accumulator serves every slot.
+    # Each slot's factor scales its activations (dense) or group sums (4-bit), so one accumulator
+    # serves every slot.
     steps_per_slot = tl.cdiv(K, BLOCK_K)
     steps = top_k * steps_per_slot
     acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
@@ -225,7 +226,10 @@ def gemv2_tokens_kernel(
             it + 1, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
             w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
             weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
-        acc += _chunk_sums(w, s, hv.to(tl.float32) * factor, FORMAT, HALVES_ASM)
+        if FORMAT == DENSE:  # the factor on the BLOCK_K activations, not on BLOCK_N x BLOCK_K products
+            acc += _chunk_sums(w, s, hv.to(tl.float32) * factor, FORMAT, HALVES_ASM)
+        else:  # 4-bit sums come per scale group: fewer of them than activations
+            acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM) * factor
         w, s, hv, factor = w_next, s_next, hv_next, factor_next
     total = tl.sum(acc, axis=1)
     if HAS_BIAS:
