@@ -63,7 +63,7 @@ def main(argv=None) -> None:
             config = parse_config(text)
             try:
                 diff = ((call(*layers[0], config).float() - ref).norm() / ref.norm()).item()
-                us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2) / len(layers)
+                us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2)  # per call
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is a result too
                 us, diff = float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"
             rows.append({"T": T, "config": text, "us": us, "rel_diff_vs_table": diff})

@@ -377,9 +377,15 @@ def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backen
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("gemv", [False, True])
-def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv):
+@pytest.mark.parametrize("gemv,flat", [
+    (False, False),  # tensor-core per-pair kernels
+    (True, False),   # CUDA-core GEMM2, a loop per slot (what 4-bit weights run)
+    (True, True),    # CUDA-core GEMM2, one loop over (slot, K chunk) (dense's loop, kept working for 4-bit)
+])
+def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, flat, monkeypatch):
     # block_k 32: one MXFP4 group / two NVFP4 groups per K step; H = 160 ends on a partial chunk pair
+    if flat:
+        monkeypatch.setattr(_experts_triton, "FLAT_SLOT_FORMATS", ("dense", fmt))
     E, H, I, T, k = 5, 160, 96, 3, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
     q13, q2, d13, d2 = _quantized(fmt, w13, w2)
@@ -388,7 +394,7 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv):
     cfg = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 32), per_pair=True, gemv=gemv)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
-    check_close(f"gemv={gemv}", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
+    check_close(f"gemv={gemv} flat={flat}", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
                 TOL[torch.float32])
 
 

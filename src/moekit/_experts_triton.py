@@ -138,6 +138,11 @@ class WeightOperand:
         return replace(cfg, block_k=block_k)
 
 
+# CUDA-core GEMM2 formats that run a token's slots as one loop over (slot, K chunk): on the H200
+# that took qwen3 bf16 T=1 from 33.5 to 30.3 us, but gpt-oss MXFP4 T=1 from 37.6 to 40.2 us
+# (results/ab_s6_kernels_old_vs_new.json), so 4-bit weights keep the loop per slot.
+FLAT_SLOT_FORMATS = ("dense",)
+
 ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = 0, 1, 2  # kernels/moe_gemm.py row modes
 PER_PAIR_BLOCK_M = 16  # the smallest tensor-core tile; row 0 is the pair
 
@@ -258,7 +263,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FLAT_SLOTS=w.format in FLAT_SLOT_FORMATS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -194,23 +194,12 @@ def _slot_step(it, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_
 
 
 @triton.jit
-def gemv2_tokens_kernel(
-    h_ptr, stride_hm,  # activations [T*k, I] from gemv1_act_kernel
-    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit: int32 words [E, H, I/8])
-    s_ptr, stride_se, stride_sn, gs_ptr,
-    bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
-    weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
-    out_ptr, stride_ot,  # out [T, H]
-    top_k, num_global, num_local, N, K,
-    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
-):
-    num_n = tl.cdiv(N, BLOCK_N)
-    t = tl.program_id(0) // num_n
-    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
+def _flat_slots(t, top_k, offs_n, n_ok, rows, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk, s_ptr,
+                stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr, expert_map_ptr,
+                num_global, num_local, K, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
+                BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, HALVES_ASM: tl.constexpr):
+    """A token's weighted sum over its slots [BLOCK_N] as one loop over (slot, K chunk)."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
     # One loop over (slot, K chunk), the next step's loads issued before this step's math: the
     # stream of weight loads does not drain at each slot's end (at T = 1 a program runs all k slots).
     # Each slot's factor scales its activations (dense) or group sums (4-bit), so one accumulator
@@ -239,4 +228,54 @@ def gemv2_tokens_kernel(
             if e >= 0:
                 total += tl.load(weights_ptr + pair) * tl.load(
                     bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+    return total
+
+
+@triton.jit
+def gemv2_tokens_kernel(
+    h_ptr, stride_hm,  # activations [T*k, I] from gemv1_act_kernel
+    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit: int32 words [E, H, I/8])
+    s_ptr, stride_se, stride_sn, gs_ptr,
+    bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
+    weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
+    out_ptr, stride_ot,  # out [T, H]
+    top_k, num_global, num_local, N, K,
+    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
+    FLAT_SLOTS: tl.constexpr = True,  # one loop over (slot, K chunk); else a loop per slot
+):
+    num_n = tl.cdiv(N, BLOCK_N)
+    t = tl.program_id(0) // num_n
+    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
+    if FLAT_SLOTS:
+        total = _flat_slots(t, top_k, offs_n, n_ok, rows, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk,
+                            s_ptr, stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr,
+                            expert_map_ptr, num_global, num_local, K, HAS_BIAS, HAS_MAP, FORMAT, BLOCK_K, ACC_K,
+                            HALVES_ASM)
+    else:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(0, top_k):  # slots in order: the same bits on every run
+            pair = t * top_k + j
+            e, w_e, s_e, h_row = _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr,
+                                                stride_we, s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
+            if e >= 0:
+                acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+                w, s = _load_chunk(w_e, s_e, rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
+                hv = _load_x(h_row, 0, K, 1, True, FORMAT, BLOCK_K)
+                for k0 in range(0, K, BLOCK_K):
+                    w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
+                                                 stride_sn, FORMAT, BLOCK_K)
+                    hv_next = _load_x(h_row, k0 + BLOCK_K, K, 1, True, FORMAT, BLOCK_K)
+                    acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM)
+                    w, s, hv = w_next, s_next, hv_next
+                y = tl.sum(acc, axis=1)
+                if FORMAT == NVFP4:
+                    y = y / tl.load(gs_ptr + e)
+                if HAS_BIAS:
+                    y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok,
+                                 other=0.0).to(tl.float32)
+                total += tl.load(weights_ptr + pair) * y
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
