@@ -170,6 +170,23 @@ def expert_variants():
             ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
             yield f"fp8 {gran} {spec.name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2: fused_experts(
                 x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton")
+    from moekit.expert_configs import ExpertsConfig, GemmConfig
+
+    for name in ("qwen3-30b-a3b", "deepseek-v3"):  # TMA weight boxes: the experts must be back to back (no stride 0)
+        spec = presets.get(name)
+        E, H, I = 4, spec.hidden_size, spec.intermediate_size
+        w13, w2 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
+        x = torch.empty(4096, H, dtype=torch.bfloat16)
+        ids = torch.zeros(4096, spec.top_k, dtype=torch.int32) % E
+        for bm, g1, g2 in ((128, GemmConfig(128, 64, 8, 4, 8, tma=True), GemmConfig(256, 64, 8, 4, 8, tma=True)),
+                           (64, GemmConfig(64, 128, 4, 3, 8, tma=True), GemmConfig(128, 128, 4, 3, 8, tma=True))):
+            cfg = ExpertsConfig(bm, g1, g2)
+            yield f"tma {name} BM={bm}", lambda x=x, ids=ids, w13=w13, w2=w2, cfg=cfg: fused_experts(
+                x, w13, w2, torch.zeros(ids.shape), ids, backend="triton", config=cfg)
+        q13, q2 = fp8.quantize_blocks(torch.randn(E, 2 * I, H)), fp8.quantize_blocks(torch.randn(E, H, I))
+        cfg = ExpertsConfig(64, GemmConfig(128, 128, 8, 3, 8, tma=True), GemmConfig(128, 128, 4, 4, 8, tma=True))
+        yield f"tma fp8 block {name} BM=64", lambda x=x, ids=ids, q13=q13, q2=q2, cfg=cfg: fused_experts(
+            x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton", config=cfg)
     spec = presets.get("mixtral-8x7b").scaled()
     w13, w2, _ = weights(spec, torch.float32)
     x = torch.empty(40, spec.hidden_size)
@@ -194,6 +211,7 @@ def main() -> int:
     JITFunction.run = _compile_only
     _triton.can_launch = lambda device: True  # CPU tensors stand in for CUDA ones
     _triton.fp8_tensor_cores = lambda device: True
+    _triton.tma_copies = lambda device: True
     failures = 0
     rows = []
     only = sys.argv[1:]

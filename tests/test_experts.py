@@ -86,6 +86,42 @@ def test_every_block_shape(config, why):
     _run_case("triton", torch.float32, 40, 6, 48, 40, 3, "swiglu_oai", True, why, config=config)
 
 
+_TMA1, _TMA2 = GemmConfig(16, 32, tma=True), GemmConfig(32, 32, tma=True)
+@pytest.mark.parametrize("H,I,act,config,uses_tma,why", [
+    (64, 40, "silu_and_mul", ExpertsConfig(32, _TMA1, _TMA2), (True, True),
+     "TMA weight boxes: I = 40 ends mid-tile (gate rows run into up rows, the last expert's past the stack)"),
+    (72, 48, "silu_and_mul", ExpertsConfig(64, GemmConfig(32, 64, group_m=2, tma=True), _TMA2), (True, True),
+     "K = 72 ends mid-box (TMA reads zeros past K), grouped order"),
+    (64, 40, "swiglu_oai", ExpertsConfig(32, _TMA1, _TMA2), (False, True),
+     "interleaved gate/up rows: GEMM1 falls back to per-thread copies, GEMM2 keeps TMA"),
+    (38, 24, "silu_and_mul", ExpertsConfig(32, _TMA1, _TMA2), (False, True),
+     "rows of 38 fp32 (152 bytes) are not whole 16-byte units: GEMM1 falls back"),
+])
+def test_tma_weight_tiles(H, I, act, config, uses_tma, why):
+    E = 5
+    w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
+    ops = (_experts_triton.WeightOperand.of(w13), _experts_triton.WeightOperand.of(w2))
+    taken = tuple(_experts_triton._weight_descriptor(op, cfg, step)[1]
+                  for op, cfg, step in zip(ops, (config.gemm1, config.gemm2), (1 if act == "silu_and_mul" else 2, 1)))
+    assert taken == uses_tma, why
+    _run_case("triton", torch.float32, 40, E, H, I, 3, act, True, why, config=config)
+
+
+def test_tma_weight_tiles_batched_format():
+    E, M, H, I = 3, 9, 64, 32
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    x = torch.randn(E, M, H)
+    counts = torch.tensor([9, 0, 4], dtype=torch.int32)              # a full expert, an empty one, a partial one
+    x[2, 4:] = float("nan")                                           # padding rows never reach valid rows
+    cfg = ExpertsConfig(16, _TMA1, _TMA2)
+    got = batched_experts(x, counts, w13, w2, w13_bias=b13, w2_bias=b2, backend="triton", config=cfg)
+    for e in range(E):
+        n = int(counts[e])
+        ref = reference.fused_experts(x[e, :n], w13[e:e + 1], w2[e:e + 1], torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32),
+                                      w13_bias=b13[e:e + 1], w2_bias=b2[e:e + 1])
+        check_close(f"expert {e}", got[e, :n], ref, TOL[torch.float32])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_every_token_on_one_expert_and_expert_map_half_remote(backend):
     E, H, I, T = 8, 32, 16, 20
@@ -260,6 +296,20 @@ def test_gpu_decode_modes(per_pair, T, E, H, I, k, act, biases, why):
     tile = GemmConfig(block_n=32, block_k=128, num_stages=4)
     _run_case("triton", torch.bfloat16, T, E, H, I, k, act, biases, why, device="cuda",
               config=ExpertsConfig(16, tile, tile, per_pair=per_pair))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,H,I,config,why", [
+    (1000, 13, 2048, 768, ExpertsConfig(64, GemmConfig(64, 128, 4, 3, 8, tma=True), GemmConfig(128, 128, 4, 3, 8, tma=True)),
+     "TMA boxes, qwen3 widths, prime E (the last expert's boxes run past the stack)"),
+    (300, 8, 2880, 720, ExpertsConfig(128, GemmConfig(128, 64, 8, 4, 8, tma=True), GemmConfig(256, 64, 8, 4, 8, tma=True)),
+     "TMA boxes, K = 2880 ends mid-box, I = 720 ends mid-tile (gate boxes run into up rows)"),
+])
+def test_gpu_tma_weight_tiles(T, E, H, I, config, why):
+    ops = _weights(E, H, I, torch.bfloat16, True, "cuda")
+    assert all(_experts_triton._weight_descriptor(_experts_triton.WeightOperand.of(w), c)[1]
+               for w, c in zip(ops[:2], (config.gemm1, config.gemm2))), why
+    _run_case("triton", torch.bfloat16, T, E, H, I, 8, "silu_and_mul", True, why, device="cuda", config=config)
 
 
 @pytest.mark.gpu
@@ -675,3 +725,8 @@ def test_gpu_fp8_w8a8(granularity, T, E, H, I, k, act, biases, why):
                              config=cfg)
         check_close(f"{why} ({granularity}, {cfg.per_pair=})", out2, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2),
                     W8A8_TOL)
+    else:  # TMA weight boxes (where the stack allows them: [gate; up] rows, 16-byte rows)
+        cfg = ExpertsConfig(64, GemmConfig(128, 128, 8, 3, 8, tma=True), GemmConfig(128, 128, 4, 4, 8, tma=True))
+        out2 = fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group",
+                             config=cfg)
+        check_close(f"{why} ({granularity}, TMA)", out2, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)

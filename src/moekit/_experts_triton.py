@@ -157,6 +157,24 @@ def _tile_scale(w: WeightOperand, block_n: int, row_step: int = 1, up_offset: in
     return w.blocked and row_step == 1 and FP8_GROUP % block_n == 0 and up_offset % FP8_GROUP == 0
 
 
+def _weight_descriptor(w: WeightOperand, cfg: GemmConfig, row_step: int = 1):
+    """(TMA descriptor of the stack as [E*N, K] rows, box [BLOCK_N, BLOCK_K], True) where ``cfg.tma``
+    asks for it and the stack allows it: dense or FP8 weights on Hopper or later (or the
+    interpreter), K contiguous, rows of whole 16-byte units, experts back to back, a 16-byte
+    aligned start and [gate; up] rows (row_step 1). Otherwise (the weights, False): per-thread copies."""
+    d = w.data
+    E, N, K = d.shape
+    ok = (cfg.tma and w.format_id in (FORMAT_IDS["dense"], FORMAT_IDS["fp8"]) and row_step == 1 and d.stride(2) == 1
+          and d.stride(0) == N * d.stride(1) and (d.stride(1) * d.element_size()) % 16 == 0 and d.data_ptr() % 16 == 0
+          and _triton.tma_copies(d.device))
+    if not ok:
+        return d, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = d.as_strided((E * N, K), (d.stride(1), 1))
+    return TensorDescriptor(rows, shape=[E * N, K], strides=[d.stride(1), 1], block_shape=[cfg.block_n, cfg.block_k]), True
+
+
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
@@ -167,9 +185,11 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
+    w_desc, tma = _weight_descriptor(w, cfg, step)
+    d, sd0, sd1, sd2, *scales = w.args()
     return gemm1_act_kernel[grid](
         x3, *x_strides,
-        *w.args(),
+        d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b13, x3),
         h, h.stride(0),
         *_scale_args(x_scales, x3), *_scale_args(h_scales, x3),
@@ -180,7 +200,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
-        EVEN_K=hidden % cfg.block_k == 0,
+        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -192,9 +212,11 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
+    w_desc, tma = _weight_descriptor(w, cfg)
+    d, sd0, sd1, sd2, *scales = w.args()
     return gemm2_kernel[grid](
         h, h.stride(0), *_scale_args(h_scales, h),
-        *w.args(),
+        d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b2, h),
         weights,
         y, *y_strides,
@@ -204,7 +226,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
-        EVEN_K=inter % cfg.block_k == 0,
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -35,6 +35,14 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def tma_copies(device: torch.device) -> bool:
+    """Tensor descriptors (TMA bulk copies) work here: Hopper or later, or the interpreter (which
+    emulates them)."""
+    if interpreting():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 NUM_COUNTERS = 4096
 

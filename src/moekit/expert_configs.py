@@ -30,6 +30,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 1
+    tma: bool = False
+    """Weight tiles by Hopper TMA copies (dense and FP8 weights in the aligned and batched modes,
+    where the stack allows it; elsewhere the per-thread copies run)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 import json
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def gemv_candidates() -> list[GemmConfig]:
     return [GemmConfig(bn, bk, w, 1) for bn, bk, w in space if bn * bk <= 64 * 32 * w]
 
 
+TMA_TUNE_MIN_BLOCK_M = 64  # tensor-core bound row blocks also try TMA weight boxes ...
+TMA_TUNE_TOP = 3  # ... on their fastest few configs
 MAX_SPILL_BYTES = 16  # as tests/sm90_compile.py: past this, a config is kept only if no spill is inside a loop
 
 
@@ -107,37 +110,46 @@ class _Problem:
         space = gemv_candidates() if gemv else candidates(block_m, 2 if which == 1 else 1)
         # FP8 fixes BLOCK_K (and GEMM1's BLOCK_N) at 128: time each effective config once
         space = list(dict.fromkeys(operands[0][which - 1].config(c, tiles=2 if which == 1 else 1) for c in space))
-        for cfg in space:
-            def call(w13, w2, cfg=cfg):  # returns the launched kernel (its register and spill counts)
-                if gemv and which == 1:
-                    return ext._gemv1(self.x, w13, None, h, self.ids.reshape(-1), None, spec.num_experts,
-                                      self.spec.activation, spec.top_k, cfg)
-                elif gemv:
-                    return ext._gemv2_tokens(h, w2, None, self.tw, self.ids.reshape(-1), None, spec.num_experts,
-                                             y, spec.top_k, cfg)
-                elif which == 1:
-                    return ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation,
-                                      blocks, cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts,
-                                      self.xs, hs)
-                elif per_pair:
-                    return ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k,
-                                             cfg, hs)
-                else:
-                    return ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m,
-                                      mode, num_pairs, 0, hs)
+
+        def call(w13, w2, cfg):  # returns the launched kernel (its register and spill counts)
+            if gemv and which == 1:
+                return ext._gemv1(self.x, w13, None, h, self.ids.reshape(-1), None, spec.num_experts,
+                                  self.spec.activation, spec.top_k, cfg)
+            elif gemv:
+                return ext._gemv2_tokens(h, w2, None, self.tw, self.ids.reshape(-1), None, spec.num_experts,
+                                         y, spec.top_k, cfg)
+            elif which == 1:
+                return ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation,
+                                  blocks, cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts,
+                                  self.xs, hs)
+            elif per_pair:
+                return ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k,
+                                         cfg, hs)
+            else:
+                return ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m,
+                                  mode, num_pairs, 0, hs)
+
+        def measure(cfg):
             try:
-                kernel = call(*operands[0])  # compiled here, before any graph capture
+                kernel = call(*operands[0], cfg)  # compiled here, before any graph capture
                 spills = getattr(kernel, "n_spills", 0) or 0  # ptxas's count, filled in by the launch
                 in_loops = _sass.spills_in_loops(kernel) if spills > MAX_SPILL_BYTES else 0
                 if in_loops is None or in_loops > 0:  # unknown counts as inside
                     where = f", {in_loops} LDL/STL in loops" if in_loops else ""
                     print(f"    skip {cfg}: spills {spills} bytes{where}")
-                    continue
-                fns = [lambda w=w: call(*w) for w in operands]
+                    return
+                fns = [lambda w=w: call(*w, cfg) for w in operands]
                 results.append((sum(_time(f) for f in fns) / len(fns), cfg))
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                 print(f"    skip {cfg}: {type(exc).__name__}")
                 torch.cuda.synchronize()
+
+        for cfg in space:
+            measure(cfg)
+        tma_format = operands[0][which - 1].format in ("dense", "fp8")
+        if not (gemv or per_pair) and block_m >= TMA_TUNE_MIN_BLOCK_M and tma_format:
+            for _, cfg in sorted(results, key=lambda r: r[0])[:TMA_TUNE_TOP]:  # the best few again, TMA boxes
+                measure(replace(cfg, tma=True))
         us, cfg = min(results, key=lambda r: r[0])
         return cfg, us
 

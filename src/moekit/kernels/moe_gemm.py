@@ -160,10 +160,17 @@ def _w4_dot(acc_t, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT:
 @triton.jit
 def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
                  FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False,
-                 EVEN_K: tl.constexpr = False):
-    """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE."""
+                 EVEN_K: tl.constexpr = False, w_desc=None, desc_row=0, W_TMA: tl.constexpr = False):
+    """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE.
+
+    W_TMA (dense and FP8 weights in rows of whole 16-byte units): one tensor-memory-accelerator
+    copy of the [BLOCK_N, BLOCK_K] box at row ``desc_row`` of the stack seen as [E*N, K] rows, no
+    per-thread addresses or copies. Rows past the expert's last belong to the next expert (or
+    read as zeros past the stack): their columns are never stored; K past its end reads zeros."""
     # One return at the end: the JIT compiles code after an early return even when the branch is constexpr.
-    if FORMAT == DENSE or FORMAT == FP8:
+    if W_TMA:
+        tile = tl.trans(w_desc.load([desc_row, k0]))
+    elif FORMAT == DENSE or FORMAT == FP8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                        mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0.0)
@@ -287,6 +294,7 @@ def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, nu
 def gemm1_act_kernel(
     x_ptr, stride_xe, stride_xm, stride_xk,  # standard: x [T, H] (stride_xe unused); batched: x [E, M, H]
     w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
+    w_desc,  # W_TMA: TMA descriptor of w13 as [E*2I, H] rows, box [BLOCK_N, BLOCK_K]
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
@@ -302,6 +310,7 @@ def gemm1_act_kernel(
     HALVES_ASM: tl.constexpr = False,  # 4-bit: inline PTX for the bf16 pair of a byte (not in the interpreter)
     W_TILE_SCALE: tl.constexpr = False,  # FP8 blocks: each tile's gate rows and up rows in one 128-row block
     EVEN_K: tl.constexpr = False,  # K % BLOCK_K == 0
+    W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc; [gate; up] rows)
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -319,6 +328,7 @@ def gemm1_act_kernel(
     gate_rows = offs_n.to(tl.int64) * gate_step
     up_rows = gate_rows + up_offset
     gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
+    desc_gate = (e * (stride_we // stride_wn) + gate_first).to(tl.int32)  # W_TMA: gate_step 1, experts back to back
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
     if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulators: the weight is the MMA's A operand
@@ -339,9 +349,9 @@ def gemm1_act_kernel(
                              DOT_PRECISION, HALVES_ASM, EVEN_K)
         else:
             w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
-                                  a.dtype, EVEN_K=EVEN_K)
+                                  a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA)
             w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
-                                EVEN_K=EVEN_K)
+                                EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA)
             if FORMAT >= FP8:
                 a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                 acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
@@ -379,6 +389,7 @@ def gemm2_kernel(
     h_ptr, stride_hm,  # activations [rows, I] from gemm1_act_kernel
     hs_ptr, stride_hs,  # FP8: their group scales [rows, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
+    w_desc,  # W_TMA: TMA descriptor of w2 as [E*H, I] rows, box [BLOCK_N, BLOCK_K]
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
@@ -389,7 +400,7 @@ def gemm2_kernel(
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -414,7 +425,8 @@ def gemm2_kernel(
                           HALVES_ASM, EVEN_K)
         else:
             w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
-                             EVEN_K=EVEN_K)
+                             EVEN_K=EVEN_K, w_desc=w_desc, desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32),
+                             W_TMA=W_TMA)
             if FORMAT >= FP8:
                 a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                 acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
