@@ -172,6 +172,17 @@ def expert_variants():
                 x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton")
     from moekit.expert_configs import ExpertsConfig, GemmConfig
 
+    decode = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True, pdl=True)
+    for name, mod in (("qwen3-30b-a3b", None), ("gpt-oss-120b", mxfp4)):  # GEMM2 as GEMM1's dependent launch
+        spec = presets.get(name)
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        w13, w2 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
+        if mod is not None:
+            w13, w2 = (_expand_quantized(mod, mod.quantize(torch.randn(1, *t.shape[1:])), E) for t in (w13, w2))
+        x, ids = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, spec.top_k, dtype=torch.int32)
+        yield f"pdl decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec: fused_experts(
+            x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=decode)
+
     for name in ("qwen3-30b-a3b", "deepseek-v3"):  # TMA weight boxes: the experts must be back to back (no stride 0)
         spec = presets.get(name)
         E, H, I = 4, spec.hidden_size, spec.intermediate_size
@@ -212,6 +223,7 @@ def main() -> int:
     _triton.can_launch = lambda device: True  # CPU tensors stand in for CUDA ones
     _triton.fp8_tensor_cores = lambda device: True
     _triton.tma_copies = lambda device: True
+    _triton.dependent_launches = lambda device: True
     failures = 0
     rows = []
     only = sys.argv[1:]

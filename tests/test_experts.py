@@ -243,6 +243,15 @@ def test_heuristic_regimes():
     assert expert_configs.token_bucket(3) == 4 and expert_configs.token_bucket(10**6) == 16384
 
 
+def test_configs_round_trip_through_the_table_format():
+    # every field reaches the table and back; entries written before a field existed read as its default
+    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1, tma=True), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True,
+                        pdl=True)
+    assert ExpertsConfig.from_dict(cfg.to_dict()) == cfg
+    old = {"block_m": 64, "gemm1": {"block_n": 64, "block_k": 64}, "gemm2": {"block_n": 128, "block_k": 64}}
+    assert ExpertsConfig.from_dict(old) == ExpertsConfig(64, GemmConfig(64, 64), GemmConfig(128, 64))
+
+
 def _bad(fn, err, match):
     with pytest.raises(err, match=match):
         fn()
@@ -389,6 +398,49 @@ def test_gpu_cuda_graph_replays_with_new_inputs(T):
         graph.replay()
         ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
         check_close(f"replay T={T}", out, ref, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])  # GEMM2's two loops: over (slot, K chunk), per slot
+def test_gpu_dependent_launch_decode_in_a_graph(fmt):
+    """GEMM2 launched as GEMM1's programmatic dependent reads GEMM1's output only once that grid has
+    ended: two chained layers in one graph, new inputs on each replay."""
+    E, H, I, k, T = 16, 1024, 512, 4, 3
+    layers = []
+    for _ in range(2):
+        w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, True, "cuda")
+        q13, q2, d13, d2 = _quantized(fmt, w13, w2) if fmt != "dense" else (w13, w2, w13, w2)
+        layers.append((q13, q2, d13, d2, b13, b2))
+    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 4, 1), per_pair=True, gemv=True, pdl=True)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    tw, tid = _routes(T, E, k, "cuda")
+    outs = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in layers]
+
+    def run():
+        inp = x
+        for (q13, q2, _, _, b13, b2), out in zip(layers, outs):
+            inp = fused_experts(inp, q13, q2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2, out=out,
+                                config=cfg)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()                                                               # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        new_w, new_id = _routes(T, E, k, "cuda")
+        tw.copy_(new_w)
+        tid.copy_(new_id)
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        for i, ((_, _, d13, d2, b13, b2), out) in enumerate(zip(layers, outs)):
+            inp = x if i == 0 else outs[i - 1]
+            ref = reference.fused_experts(inp, d13, d2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
+            check_close(f"{fmt} layer {i}", out, ref, TOL[torch.bfloat16])
 
 
 # --------------------------------------------------------------------------- 4-bit weights (W4A16)

@@ -254,7 +254,8 @@ def _gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
     )
 
 
-def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig):
+def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
+           pdl: bool = False):
     from .kernels.moe_gemv import gemv1_act_kernel
 
     inter, hidden = w.shape[1] // 2, w.shape[2]
@@ -268,11 +269,14 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
-        HALVES_ASM=not _triton.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HALVES_ASM=not _triton.interpreting(), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig):
+def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
+                  pdl: bool = False):
+    """``pdl``: launched as the previous grid's (_gemv1's) programmatic dependent."""
     from .kernels.moe_gemv import gemv2_tokens_kernel
 
     hidden, inter = w.shape[1], w.shape[2]
@@ -285,7 +289,8 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
-        FLAT_SLOTS=w.format in FLAT_SLOT_FORMATS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FLAT_SLOTS=w.format in FLAT_SLOT_FORMATS, PDL=pdl, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -379,8 +384,9 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
         h, hs = _activation_buffers(num_pairs, two_i // 2, dtype, x.device, fp8)
         if config.gemv and not fp8:
-            _gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1)
-            _gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2)
+            pdl = config.pdl and _triton.dependent_launches(x.device)
+            _gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl)
+            _gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl)
             return
         emap = expert_map if expert_map is not None else ids
         _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,

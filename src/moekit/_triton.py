@@ -43,6 +43,12 @@ def tma_copies(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def dependent_launches(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel starts before the previous one ends and waits for
+    it in-kernel): Hopper or later; not in the interpreter, which runs no PTX."""
+    return (not interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 NUM_COUNTERS = 4096
 

@@ -49,6 +49,10 @@ class ExpertsConfig:
     gemv: bool = False
     """With per_pair: both GEMMs on the CUDA cores (kernels/moe_gemv.py), one activation row per
     program instead of a 16-row tensor-core tile; block_k is then the K chunk per step."""
+    pdl: bool = False
+    """With gemv: GEMM2 is launched as GEMM1's programmatic dependent (Hopper and later; ignored
+    elsewhere): its programs start while GEMM1's last ones run, load their first weights, and wait
+    for GEMM1's grid before reading its output."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,7 +60,7 @@ class ExpertsConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ExpertsConfig":
         return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]), d.get("per_pair", False),
-                   d.get("gemv", False))
+                   d.get("gemv", False), d.get("pdl", False))
 
 
 def token_bucket(num_tokens: int) -> int:

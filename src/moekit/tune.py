@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import _experts_triton as ext
-from . import _sass
+from . import _sass, _triton
 from . import expert_configs, presets
 from .expert_configs import ExpertsConfig, GemmConfig
 
@@ -217,6 +217,17 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
         gemv_cfg = ExpertsConfig(16, g1, g2, per_pair=True, gemv=True)
         best_us = problem.whole_call_us(best[1]) if best else float("inf")
         gemv_us = problem.whole_call_us(gemv_cfg)
+        if _triton.dependent_launches(torch.device("cuda")):  # GEMM2 launched as GEMM1's dependent
+            try:
+                pdl_us = problem.whole_call_us(replace(gemv_cfg, pdl=True))
+            except Exception as exc:  # noqa: BLE001 - e.g. a capture that rejects the launch attribute
+                print(f"  T={num_tokens} dependent launch failed: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                torch.cuda.synchronize()
+            else:
+                print(f"  T={num_tokens} CUDA-core with dependent launch {pdl_us:.1f} us", flush=True)
+                info |= {"gemv_pdl_call_us": pdl_us}
+                if pdl_us < gemv_us:
+                    gemv_cfg, gemv_us = replace(gemv_cfg, pdl=True), pdl_us
         print(f"  T={num_tokens} whole call: best so far {best_us:.1f} us, CUDA-core {gemv_us:.1f} us {g1} {g2}",
               flush=True)
         info |= {"gemv_call_us": gemv_us}

@@ -10,6 +10,7 @@ work per byte is a handful of integer ops and two FMAs. Partial sums are kept pe
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _pair_expert, _slot_operands
 
@@ -129,7 +130,10 @@ def gemv1_act_kernel(
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
 ):
+    if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
+        gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
     pair = tl.program_id(0) // num_n
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,12 +177,13 @@ def gemv1_act_kernel(
 
 
 @triton.jit
-def _slot_step(it, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
-               w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
-               weights_ptr, K, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Loads of step ``it`` of a token's GEMM2 (slot it // steps_per_slot, its K chunk it % steps_per_slot):
-    (weights, scales, activations, the slot's factor: router weight / NVFP4 global scale). Steps past
-    the last and slots of other ranks load nothing and have factor 0."""
+def _slot_weights(it, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
+                  w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
+                  weights_ptr, K, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Step ``it`` of a token's GEMM2 (slot it // steps_per_slot, its K chunk it % steps_per_slot):
+    (weights, scales, the slot's factor: router weight / NVFP4 global scale, the pair's h row, the
+    chunk's start, whether it is live). Nothing here reads GEMM1's output. Steps past the last and
+    slots of other ranks load nothing and have factor 0."""
     j = tl.minimum(it // steps_per_slot, top_k - 1)  # the prefetch past the last step stays on this token
     pair = t * top_k + j
     e, w_e, s_e, h_row = _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, stride_we,
@@ -186,19 +191,19 @@ def _slot_step(it, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_
     ok = (it < steps) & (e >= 0)  # rows of other ranks' pairs were never written by GEMM1
     k0 = (it % steps_per_slot) * BLOCK_K
     w, s = _load_chunk(w_e, s_e, rows, n_ok & ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
-    xv = _load_x(h_row, k0, K, 1, ok, FORMAT, BLOCK_K)
     factor = tl.load(weights_ptr + pair)
     if FORMAT == NVFP4:
         factor = factor / tl.load(gs_ptr + tl.maximum(e, 0))
-    return w, s, xv, tl.where(ok, factor, 0.0)
+    return w, s, tl.where(ok, factor, 0.0), h_row, k0, ok
 
 
 @triton.jit
 def _flat_slots(t, top_k, offs_n, n_ok, rows, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk, s_ptr,
                 stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr, expert_map_ptr,
                 num_global, num_local, K, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
-                BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, HALVES_ASM: tl.constexpr):
-    """A token's weighted sum over its slots [BLOCK_N] as one loop over (slot, K chunk)."""
+                BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, HALVES_ASM: tl.constexpr, PDL: tl.constexpr):
+    """A token's weighted sum over its slots [BLOCK_N] as one loop over (slot, K chunk). PDL: the
+    first step's weights load before the wait for GEMM1's grid."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     # One loop over (slot, K chunk), the next step's loads issued before this step's math: the
     # stream of weight loads does not drain at each slot's end (at T = 1 a program runs all k slots).
@@ -207,14 +212,19 @@ def _flat_slots(t, top_k, offs_n, n_ok, rows, h_ptr, stride_hm, w_ptr, stride_we
     steps_per_slot = tl.cdiv(K, BLOCK_K)
     steps = top_k * steps_per_slot
     acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-    w, s, hv, factor = _slot_step(0, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr,
-                                  num_global, num_local, w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se,
-                                  stride_sn, gs_ptr, h_ptr, stride_hm, weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
+    w, s, factor, h_row, k0, ok = _slot_weights(0, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr,
+                                                expert_map_ptr, num_global, num_local, w_ptr, stride_we, stride_wn,
+                                                stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
+                                                weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
+    if PDL:
+        gdc_wait()
+    hv = _load_x(h_row, k0, K, 1, ok, FORMAT, BLOCK_K)
     for it in range(0, steps):  # slots in order: the same bits on every run
-        w_next, s_next, hv_next, factor_next = _slot_step(
+        w_next, s_next, factor_next, h_row, k0, ok = _slot_weights(
             it + 1, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
             w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
             weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
+        hv_next = _load_x(h_row, k0, K, 1, ok, FORMAT, BLOCK_K)
         if FORMAT == DENSE:  # the factor on the BLOCK_K activations, not on BLOCK_N x BLOCK_K products
             acc += _chunk_sums(w, s, hv.to(tl.float32) * factor, FORMAT, HALVES_ASM)
         else:  # 4-bit sums come per scale group: fewer of them than activations
@@ -243,6 +253,7 @@ def gemv2_tokens_kernel(
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     FLAT_SLOTS: tl.constexpr = True,  # one loop over (slot, K chunk); else a loop per slot
+    PDL: tl.constexpr = False,  # launched as GEMM1's programmatic dependent: wait for its grid before reading h
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -254,8 +265,10 @@ def gemv2_tokens_kernel(
         total = _flat_slots(t, top_k, offs_n, n_ok, rows, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk,
                             s_ptr, stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr,
                             expert_map_ptr, num_global, num_local, K, HAS_BIAS, HAS_MAP, FORMAT, BLOCK_K, ACC_K,
-                            HALVES_ASM)
+                            HALVES_ASM, PDL)
     else:
+        if PDL:  # the launch overlaps GEMM1's tail; the slots' first loads wait for it
+            gdc_wait()
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in range(0, top_k):  # slots in order: the same bits on every run
             pair = t * top_k + j
