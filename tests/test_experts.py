@@ -332,8 +332,10 @@ def test_gpu_past_2_pow_31_elements():
     tid = torch.arange(E - T * k, E, device="cuda", dtype=torch.int32).view(T, k)
     tw = torch.softmax(torch.randn(T, k, device="cuda"), -1)
     ref = reference.fused_experts(x, w13, w2, tw, tid)
-    tile = GemmConfig(block_n=64, block_k=128)
-    for cfg in (None, ExpertsConfig(16, tile, tile, per_pair=True), ExpertsConfig(64, tile, tile)):
+    tile, tma = GemmConfig(block_n=64, block_k=128), GemmConfig(block_n=64, block_k=128, tma=True)
+    for cfg in (None, ExpertsConfig(16, tile, tile, per_pair=True), ExpertsConfig(64, tile, tile),
+                ExpertsConfig(64, tma, tma),  # TMA boxes: row coordinates up to E * 2I, 64-bit addresses
+                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True)):
         out = _poisoned((T, H), torch.bfloat16, "cuda")
         fused_experts(x, w13, w2, tw, tid, out=out, config=cfg)
         check_close(f"past 2^31 {cfg}", out, ref, TOL[torch.bfloat16])
