@@ -375,6 +375,26 @@ def test_gpu_batched_padding_never_leaks(act, biases):
     check_close("valid rows", out[valid], ref[valid], TOL[torch.bfloat16])
 
 
+def _captured(run):
+    """A CUDA graph of ``run``, compiled first outside the capture."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def _new_inputs(x, tw, tid, num_experts):
+    """Fresh activations and routes, written into the tensors a graph captured."""
+    x.copy_(torch.randn_like(x))
+    new_w, new_id = _routes(tid.shape[0], num_experts, tid.shape[1], "cuda")
+    tw.copy_(new_w)
+    tid.copy_(new_id)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 16, 300])
 def test_gpu_cuda_graph_replays_with_new_inputs(T):
@@ -384,18 +404,9 @@ def test_gpu_cuda_graph_replays_with_new_inputs(T):
     tw, tid = _routes(T, E, k, "cuda")
     out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
     run = lambda: fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2, out=out)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        run()                                                               # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = _captured(run)
     for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        new_w, new_id = _routes(T, E, k, "cuda")
-        tw.copy_(new_w)
-        tid.copy_(new_id)
+        _new_inputs(x, tw, tid, E)
         out.fill_(float("nan"))
         graph.replay()
         ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
@@ -424,18 +435,9 @@ def test_gpu_dependent_launch_decode_in_a_graph(fmt):
             inp = fused_experts(inp, q13, q2, tw, tid, activation="swiglu_oai", w13_bias=b13, w2_bias=b2, out=out,
                                 config=cfg)
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        run()                                                               # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = _captured(run)
     for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        new_w, new_id = _routes(T, E, k, "cuda")
-        tw.copy_(new_w)
-        tid.copy_(new_id)
+        _new_inputs(x, tw, tid, E)
         for out in outs:
             out.fill_(float("nan"))
         graph.replay()
