@@ -183,7 +183,8 @@ def expert_variants():
         yield f"pdl decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec: fused_experts(
             x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=decode)
 
-    for name in ("qwen3-30b-a3b", "deepseek-v3"):  # TMA weight boxes: the experts must be back to back (no stride 0)
+    # TMA weight boxes: the experts must be back to back (no stride 0); gpt-oss's interleaved rows take paired boxes
+    for name in ("qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"):
         spec = presets.get(name)
         E, H, I = 4, spec.hidden_size, spec.intermediate_size
         w13, w2 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
@@ -192,8 +193,10 @@ def expert_variants():
         for bm, g1, g2 in ((128, GemmConfig(128, 64, 8, 4, 8, tma=True), GemmConfig(256, 64, 8, 4, 8, tma=True)),
                            (64, GemmConfig(64, 128, 4, 3, 8, tma=True), GemmConfig(128, 128, 4, 3, 8, tma=True))):
             cfg = ExpertsConfig(bm, g1, g2)
-            yield f"tma {name} BM={bm}", lambda x=x, ids=ids, w13=w13, w2=w2, cfg=cfg: fused_experts(
-                x, w13, w2, torch.zeros(ids.shape), ids, backend="triton", config=cfg)
+            yield f"tma {name} BM={bm}", lambda x=x, ids=ids, w13=w13, w2=w2, cfg=cfg, s=spec: fused_experts(
+                x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg)
+        if spec.activation != "silu_and_mul":
+            continue
         q13, q2 = fp8.quantize_blocks(torch.randn(E, 2 * I, H)), fp8.quantize_blocks(torch.randn(E, H, I))
         cfg = ExpertsConfig(64, GemmConfig(128, 128, 8, 3, 8, tma=True), GemmConfig(128, 128, 4, 4, 8, tma=True))
         yield f"tma fp8 block {name} BM=64", lambda x=x, ids=ids, q13=q13, q2=q2, cfg=cfg: fused_experts(

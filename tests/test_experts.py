@@ -87,23 +87,24 @@ def test_every_block_shape(config, why):
 
 
 _TMA1, _TMA2 = GemmConfig(16, 32, tma=True), GemmConfig(32, 32, tma=True)
-@pytest.mark.parametrize("H,I,act,config,uses_tma,why", [
-    (64, 40, "silu_and_mul", ExpertsConfig(32, _TMA1, _TMA2), (True, True),
+@pytest.mark.parametrize("H,I,act,config,access,why", [
+    (64, 40, "silu_and_mul", ExpertsConfig(32, _TMA1, _TMA2), (True, False, True),
      "TMA weight boxes: I = 40 ends mid-tile (gate rows run into up rows, the last expert's past the stack)"),
-    (72, 48, "silu_and_mul", ExpertsConfig(64, GemmConfig(32, 64, group_m=2, tma=True), _TMA2), (True, True),
+    (72, 48, "silu_and_mul", ExpertsConfig(64, GemmConfig(32, 64, group_m=2, tma=True), _TMA2), (True, False, True),
      "K = 72 ends mid-box (TMA reads zeros past K), grouped order"),
-    (64, 40, "swiglu_oai", ExpertsConfig(32, _TMA1, _TMA2), (False, True),
-     "interleaved gate/up rows: GEMM1 falls back to per-thread copies, GEMM2 keeps TMA"),
-    (38, 24, "silu_and_mul", ExpertsConfig(32, _TMA1, _TMA2), (False, True),
-     "rows of 38 fp32 (152 bytes) are not whole 16-byte units: GEMM1 falls back"),
+    (64, 40, "swiglu_oai", ExpertsConfig(32, _TMA1, _TMA2), (True, True, True),
+     "interleaved gate/up rows: one box of 2 x 16 rows, one product split into gate and up"),
+    (38, 24, "swiglu_oai", ExpertsConfig(32, _TMA1, _TMA2), (False, True, True),
+     "interleaved rows of 38 fp32 (152 bytes, not whole 16-byte units): the paired tile by per-thread copies"),
+    (38, 24, "silu_and_mul", ExpertsConfig(32, _TMA1, _TMA2), (False, False, True),
+     "rows of 38 fp32: GEMM1 falls back to per-thread copies"),
 ])
-def test_tma_weight_tiles(H, I, act, config, uses_tma, why):
+def test_tma_weight_tiles(H, I, act, config, access, why):
     E = 5
     w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
-    ops = (_experts_triton.WeightOperand.of(w13), _experts_triton.WeightOperand.of(w2))
-    taken = tuple(_experts_triton._weight_descriptor(op, cfg, step)[1]
-                  for op, cfg, step in zip(ops, (config.gemm1, config.gemm2), (1 if act == "silu_and_mul" else 2, 1)))
-    assert taken == uses_tma, why
+    op13, op2 = _experts_triton.WeightOperand.of(w13), _experts_triton.WeightOperand.of(w2)
+    _, tma1, paired = _experts_triton._gemm1_weights(op13, config.gemm1, 1 if act == "silu_and_mul" else 2)
+    assert (tma1, paired, _experts_triton._weight_descriptor(op2, config.gemm2)[1]) == access, why
     _run_case("triton", torch.float32, 40, E, H, I, 3, act, True, why, config=config)
 
 
@@ -308,17 +309,24 @@ def test_gpu_decode_modes(per_pair, T, E, H, I, k, act, biases, why):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,H,I,config,why", [
-    (1000, 13, 2048, 768, ExpertsConfig(64, GemmConfig(64, 128, 4, 3, 8, tma=True), GemmConfig(128, 128, 4, 3, 8, tma=True)),
+@pytest.mark.parametrize("T,E,H,I,act,config,why", [
+    (1000, 13, 2048, 768, "silu_and_mul",
+     ExpertsConfig(64, GemmConfig(64, 128, 4, 3, 8, tma=True), GemmConfig(128, 128, 4, 3, 8, tma=True)),
      "TMA boxes, qwen3 widths, prime E (the last expert's boxes run past the stack)"),
-    (300, 8, 2880, 720, ExpertsConfig(128, GemmConfig(128, 64, 8, 4, 8, tma=True), GemmConfig(256, 64, 8, 4, 8, tma=True)),
+    (300, 8, 2880, 720, "silu_and_mul",
+     ExpertsConfig(128, GemmConfig(128, 64, 8, 4, 8, tma=True), GemmConfig(256, 64, 8, 4, 8, tma=True)),
      "TMA boxes, K = 2880 ends mid-box, I = 720 ends mid-tile (gate boxes run into up rows)"),
+    (1000, 8, 2880, 720, "swiglu_oai",
+     ExpertsConfig(128, GemmConfig(128, 64, 8, 4, 8, tma=True), GemmConfig(256, 64, 8, 4, 8, tma=True)),
+     "gpt-oss widths, interleaved rows: paired boxes of 256 rows split into gate and up"),
 ])
-def test_gpu_tma_weight_tiles(T, E, H, I, config, why):
-    ops = _weights(E, H, I, torch.bfloat16, True, "cuda")
-    assert all(_experts_triton._weight_descriptor(_experts_triton.WeightOperand.of(w), c)[1]
-               for w, c in zip(ops[:2], (config.gemm1, config.gemm2))), why
-    _run_case("triton", torch.bfloat16, T, E, H, I, 8, "silu_and_mul", True, why, device="cuda", config=config)
+def test_gpu_tma_weight_tiles(T, E, H, I, act, config, why):
+    w13, w2, _, _ = _weights(E, H, I, torch.bfloat16, True, "cuda")
+    op13, op2 = _experts_triton.WeightOperand.of(w13), _experts_triton.WeightOperand.of(w2)
+    step = 1 if act == "silu_and_mul" else 2
+    assert _experts_triton._gemm1_weights(op13, config.gemm1, step)[1], why
+    assert _experts_triton._weight_descriptor(op2, config.gemm2)[1], why
+    _run_case("triton", torch.bfloat16, T, E, H, I, 8 if step == 1 else 4, act, True, why, device="cuda", config=config)
 
 
 @pytest.mark.gpu

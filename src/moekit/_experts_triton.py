@@ -157,14 +157,28 @@ def _tile_scale(w: WeightOperand, block_n: int, row_step: int = 1, up_offset: in
     return w.blocked and row_step == 1 and FP8_GROUP % block_n == 0 and up_offset % FP8_GROUP == 0
 
 
-def _weight_descriptor(w: WeightOperand, cfg: GemmConfig, row_step: int = 1):
-    """(TMA descriptor of the stack as [E*N, K] rows, box [BLOCK_N, BLOCK_K], True) where ``cfg.tma``
-    asks for it and the stack allows it: dense or FP8 weights on Hopper or later (or the
+def _paired(w: WeightOperand, cfg: GemmConfig, row_step: int) -> bool:
+    """GEMM1 reads interleaved gate/up rows (dense) as one tile of 2 * BLOCK_N adjacent rows, the
+    TMA box shape of that layout: with ``cfg.tma``."""
+    return cfg.tma and row_step == 2 and w.format == "dense"
+
+
+def _gemm1_weights(w: WeightOperand, cfg: GemmConfig, row_step: int):
+    """(TMA descriptor or the weights, TMA taken, paired) for GEMM1's weight tiles."""
+    paired = _paired(w, cfg, row_step)
+    if row_step == 1 or paired:  # [gate; up] rows: a box per half; interleaved rows: one box of both
+        return (*_weight_descriptor(w, cfg, 2 * cfg.block_n if paired else cfg.block_n), paired)
+    return w.data, False, False  # interleaved rows, not paired: no box holds a gate tile alone
+
+
+def _weight_descriptor(w: WeightOperand, cfg: GemmConfig, box_rows: int | None = None):
+    """(TMA descriptor of the stack as [E*N, K] rows, box [box_rows (BLOCK_N), BLOCK_K], True) where
+    ``cfg.tma`` asks for it and the stack allows it: dense or FP8 weights on Hopper or later (or the
     interpreter), K contiguous, rows of whole 16-byte units, experts back to back, a 16-byte
-    aligned start and [gate; up] rows (row_step 1). Otherwise (the weights, False): per-thread copies."""
+    aligned start. Otherwise (the weights, False): per-thread copies."""
     d = w.data
     E, N, K = d.shape
-    ok = (cfg.tma and w.format_id in (FORMAT_IDS["dense"], FORMAT_IDS["fp8"]) and row_step == 1 and d.stride(2) == 1
+    ok = (cfg.tma and w.format_id in (FORMAT_IDS["dense"], FORMAT_IDS["fp8"]) and d.stride(2) == 1
           and d.stride(0) == N * d.stride(1) and (d.stride(1) * d.element_size()) % 16 == 0 and d.data_ptr() % 16 == 0
           and _triton.tma_copies(d.device))
     if not ok:
@@ -172,7 +186,8 @@ def _weight_descriptor(w: WeightOperand, cfg: GemmConfig, row_step: int = 1):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows = d.as_strided((E * N, K), (d.stride(1), 1))
-    return TensorDescriptor(rows, shape=[E * N, K], strides=[d.stride(1), 1], block_shape=[cfg.block_n, cfg.block_k]), True
+    box = [box_rows or cfg.block_n, cfg.block_k]
+    return TensorDescriptor(rows, shape=[E * N, K], strides=[d.stride(1), 1], block_shape=box), True
 
 
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
@@ -185,7 +200,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
-    w_desc, tma = _weight_descriptor(w, cfg, step)
+    w_desc, tma, paired = _gemm1_weights(w, cfg, step)
     d, sd0, sd1, sd2, *scales = w.args()
     return gemm1_act_kernel[grid](
         x3, *x_strides,
@@ -200,7 +215,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
-        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma,
+        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -310,7 +310,8 @@ def gemm1_act_kernel(
     HALVES_ASM: tl.constexpr = False,  # 4-bit: inline PTX for the bf16 pair of a byte (not in the interpreter)
     W_TILE_SCALE: tl.constexpr = False,  # FP8 blocks: each tile's gate rows and up rows in one 128-row block
     EVEN_K: tl.constexpr = False,  # K % BLOCK_K == 0
-    W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc; [gate; up] rows)
+    W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
+    PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -329,6 +330,9 @@ def gemm1_act_kernel(
     up_rows = gate_rows + up_offset
     gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
     desc_gate = (e * (stride_we // stride_wn) + gate_first).to(tl.int32)  # W_TMA: gate_step 1, experts back to back
+    # PAIRED: rows 2n (gate) and 2n + 1 (up) side by side, as the product's adjacent columns
+    pair_rows = (2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)).to(tl.int64)
+    acc_pair = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
     if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulators: the weight is the MMA's A operand
@@ -347,6 +351,11 @@ def gemm1_act_kernel(
                                DOT_PRECISION, HALVES_ASM, EVEN_K)
             acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
                              DOT_PRECISION, HALVES_ASM, EVEN_K)
+        elif PAIRED:
+            w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
+                                  BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
+                                  desc_row=(e * (stride_we // stride_wn) + 2 * pid_n * BLOCK_N).to(tl.int32), W_TMA=W_TMA)
+            acc_pair = tl.dot(a, w_pair, acc_pair, input_precision=DOT_PRECISION)
         else:
             w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
                                   a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA)
@@ -364,6 +373,8 @@ def gemm1_act_kernel(
     if FORMAT == MXFP4 or FORMAT == NVFP4:
         acc_gate = tl.trans(acc_gate)
         acc_up = tl.trans(acc_up)
+    if PAIRED:
+        acc_gate, acc_up = tl.split(tl.reshape(acc_pair, [BLOCK_M, BLOCK_N, 2]))
     if FORMAT == NVFP4:
         gs = tl.load(gs_ptr + e)
         acc_gate = acc_gate / gs
