@@ -35,18 +35,20 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _hopper_or_later(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def tma_copies(device: torch.device) -> bool:
     """Tensor descriptors (TMA bulk copies) work here: Hopper or later, or the interpreter (which
     emulates them)."""
-    if interpreting():
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return interpreting() or _hopper_or_later(device)
 
 
 def dependent_launches(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel starts before the previous one ends and waits for
     it in-kernel): Hopper or later; not in the interpreter, which runs no PTX."""
-    return (not interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+    return not interpreting() and _hopper_or_later(device)
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}

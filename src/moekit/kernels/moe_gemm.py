@@ -329,7 +329,8 @@ def gemm1_act_kernel(
     gate_rows = offs_n.to(tl.int64) * gate_step
     up_rows = gate_rows + up_offset
     gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
-    desc_gate = (e * (stride_we // stride_wn) + gate_first).to(tl.int32)  # W_TMA: gate_step 1, experts back to back
+    w_row0 = e * (stride_we // stride_wn)  # W_TMA: the expert's first row in the [E*2I, H] view (experts back to back)
+    desc_gate = (w_row0 + gate_first).to(tl.int32)  # gate_step 1
     # PAIRED: rows 2n (gate) and 2n + 1 (up) side by side, as the product's adjacent columns
     pair_rows = (2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)).to(tl.int64)
     acc_pair = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
@@ -354,7 +355,7 @@ def gemm1_act_kernel(
         elif PAIRED:
             w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                   BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
-                                  desc_row=(e * (stride_we // stride_wn) + 2 * pid_n * BLOCK_N).to(tl.int32), W_TMA=W_TMA)
+                                  desc_row=(w_row0 + 2 * gate_first).to(tl.int32), W_TMA=W_TMA)
             acc_pair = tl.dot(a, w_pair, acc_pair, input_precision=DOT_PRECISION)
         else:
             w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
