@@ -23,6 +23,7 @@ import torch
 import triton
 
 from moekit import presets
+from moekit.bench.experts import routes
 from moekit.bench.timing import graph_time_us
 from moekit.expert_configs import ExpertsConfig, GemmConfig
 from moekit.experts import fused_experts
@@ -51,8 +52,7 @@ def main(argv=None) -> None:
     rows = []
     for T in args.tokens:
         x = torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
-        ids = torch.rand(T, spec.num_experts, device="cuda").argsort(1)[:, :spec.top_k].int().contiguous()
-        weights = torch.softmax(torch.randn(T, spec.top_k, device="cuda"), -1)
+        weights, ids = routes(spec, T)
 
         def call(w13, w2, config):
             return fused_experts(x, w13, w2, weights, ids, activation=spec.activation, act_quant=act_quant,

@@ -26,6 +26,7 @@ import triton  # noqa: E402
 
 from moekit import _experts_triton as ext  # noqa: E402
 from moekit import expert_configs, presets  # noqa: E402
+from moekit.bench.experts import routes  # noqa: E402
 from moekit.bench.timing import graph_time_us  # noqa: E402
 from moekit.expert_configs import GemmConfig  # noqa: E402
 from moekit.tune import random_weights  # noqa: E402
@@ -52,8 +53,8 @@ def profile(preset: str, weights: str, num_tokens: int, sweep: bool) -> dict:
     stacks = random_weights(spec, LAYERS, weight_format=weights)
     layers = [(ext.WeightOperand.of(a), ext.WeightOperand.of(b)) for a, b in stacks]
     x = torch.randn(num_tokens, H, device="cuda", dtype=torch.bfloat16)
-    ids = torch.rand(num_tokens, E, device="cuda").argsort(1)[:, :k].int().contiguous()
-    tw = torch.softmax(torch.randn(num_tokens, k, device="cuda"), -1).reshape(-1).contiguous()
+    tw, ids = routes(spec, num_tokens)
+    tw = tw.reshape(-1).contiguous()
     cfg, source = expert_configs.choose(num_tokens, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
     h = torch.randn(num_tokens * k, I, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(num_tokens, H, device="cuda", dtype=torch.bfloat16)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from . import _experts_triton as ext
 from . import _sass, _triton
 from . import expert_configs, presets
+from .bench.experts import routes
 from .expert_configs import ExpertsConfig, GemmConfig
 
 
@@ -74,15 +75,15 @@ class _Problem:
     """Inputs of one (shape, T) case, aligned once per row block."""
 
     def __init__(self, spec, num_tokens, weights, dtype=torch.bfloat16):
-        E, H = spec.num_experts, spec.hidden_size
+        H = spec.hidden_size
         self.spec, self.T, self.weights = spec, num_tokens, weights
         self.x_in = torch.randn(num_tokens, H, device="cuda", dtype=dtype)
         self.fp8 = ext.WeightOperand.of(weights[0][0]).format == "fp8"
         self.act_quant = "fp8_group" if self.fp8 else None
         # W8A8: the GEMMs read E4M3 codes with their 1x128 group scales
         self.x, self.xs = ext.fp8_groups(self.x_in) if self.fp8 else (self.x_in, None)
-        self.ids = torch.rand(num_tokens, E, device="cuda").argsort(1)[:, :spec.top_k].int().contiguous()
-        self.tw = torch.softmax(torch.randn(num_tokens, spec.top_k, device="cuda"), -1).reshape(-1).contiguous()
+        tw, self.ids = routes(spec, num_tokens)
+        self.tw = tw.reshape(-1).contiguous()
 
     def best(self, block_m: int, which: int, per_pair: bool = False, gemv: bool = False) -> tuple[GemmConfig, float]:
         """Fastest candidate for GEMM ``which`` (1 or 2) with this row block (or the per-pair mode,
