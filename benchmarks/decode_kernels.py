@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import sys
@@ -28,8 +27,7 @@ from moekit import _experts_triton as ext  # noqa: E402
 from moekit import expert_configs, presets  # noqa: E402
 from moekit.bench.experts import routes  # noqa: E402
 from moekit.bench.timing import graph_time_us  # noqa: E402
-from moekit.expert_configs import GemmConfig  # noqa: E402
-from moekit.tune import random_weights  # noqa: E402
+from moekit.tune import gemv_candidates, random_weights  # noqa: E402
 
 LAYERS = 4
 CALLS = 8
@@ -78,8 +76,8 @@ def profile(preset: str, weights: str, num_tokens: int, sweep: bool) -> dict:
           f"({row['gemm2_TBps']:.2f} TB/s), both {both:.1f} us, empty kernel {empty:.1f} us, "
           f"floor {row['floor_us']:.1f} us  [{cfg}]", flush=True)
     if sweep:  # each kernel's configs alone: is the table's pair also each kernel's best?
-        space = [GemmConfig(bn, bk, w, 1) for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))]
-        for name, fn in (("gemm1", gemv1), ("gemm2", gemv2)):
+        for which, name, fn in ((1, "gemm1", gemv1), (2, "gemm2", gemv2)):
+            space = gemv_candidates(which, k)
             timed = sorted((_graph_us(lambda w, c=c: fn(w, c), layers), str(c)) for c in space)
             row[f"{name}_sweep"] = timed
             print(f"  {name} best alone: " + "; ".join(f"{us:.1f} us {c}" for us, c in timed[:3]), flush=True)

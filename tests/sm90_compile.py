@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter
@@ -182,6 +183,9 @@ def expert_variants():
         x, ids = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, spec.top_k, dtype=torch.int32)
         yield f"pdl decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec: fused_experts(
             x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=decode)
+        slots = replace(decode, pdl=False, gemm2=GemmConfig(4, 512, 8, 1, slots=spec.top_k))  # every slot per step
+        yield f"slots decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=slots: fused_experts(
+            x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
 
     # TMA weight boxes: the experts must be back to back (no stride 0); gpt-oss's interleaved rows take paired boxes
     for name in ("qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"):

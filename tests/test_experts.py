@@ -4,6 +4,8 @@ CPU: the torch backend and the Triton kernels through the interpreter (fp32/fp16
 interpreter's bf16 dot is wrong). GPU (-m gpu): the Triton kernels in bf16 at model shapes.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -81,6 +83,10 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
     (ExpertsConfig(16, _TILE, GemmConfig(16, 16), per_pair=True), "per-pair decode mode, K in several blocks"),
     (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), per_pair=True, gemv=True),
      "CUDA-core decode kernels, K in several chunks, partial last N tile"),
+    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, slots=2), per_pair=True, gemv=True),
+     "CUDA-core GEMM2 two slots per step: k = 3 leaves the second step's second slot empty"),
+    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, slots=0), per_pair=True, gemv=True),
+     "CUDA-core GEMM2, a loop per slot for dense weights"),
 ])
 def test_every_block_shape(config, why):
     _run_case("triton", torch.float32, 40, 6, 48, 40, 3, "swiglu_oai", True, why, config=config)
@@ -149,9 +155,9 @@ def test_invalid_ids_contribute_zero(backend):
     check_close("bad ids", fused_experts(x, w13, w2, tw, tid, backend=backend), expect, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("gemv,slots", [(False, None), (True, None), (True, 4)])  # 4: every slot in one step
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv):
+def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots):
     E, H, I, k = 6, 32, 24, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
     x = torch.randn(T, H)
@@ -160,7 +166,7 @@ def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv):
     emap = torch.full((2 * E,), -1, dtype=torch.int32)
     emap[1::2] = torch.arange(E, dtype=torch.int32)                        # even global ids are remote
     tw = torch.rand(T, k)
-    cfg = ExpertsConfig(16, _TILE, _TILE, per_pair=True, gemv=gemv)
+    cfg = ExpertsConfig(16, _TILE, replace(_TILE, slots=slots), per_pair=True, gemv=gemv)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, w13, w2, tw, gid, w13_bias=b13, w2_bias=b2, expert_map=emap, out=out, backend="triton", config=cfg)
     valid = (gid >= 0) & (gid < 2 * E)
@@ -343,7 +349,9 @@ def test_gpu_past_2_pow_31_elements():
     tile, tma = GemmConfig(block_n=64, block_k=128), GemmConfig(block_n=64, block_k=128, tma=True)
     for cfg in (None, ExpertsConfig(16, tile, tile, per_pair=True), ExpertsConfig(64, tile, tile),
                 ExpertsConfig(64, tma, tma),  # TMA boxes: row coordinates up to E * 2I, 64-bit addresses
-                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True)):
+                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True),
+                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(4, 512, 8, 1, slots=8), per_pair=True,
+                              gemv=True)):  # eight experts' offsets in one step
         out = _poisoned((T, H), torch.bfloat16, "cuda")
         fused_experts(x, w13, w2, tw, tid, out=out, config=cfg)
         check_close(f"past 2^31 {cfg}", out, ref, TOL[torch.bfloat16])
@@ -491,24 +499,24 @@ def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backen
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("gemv,flat", [
-    (False, False),  # tensor-core per-pair kernels
-    (True, False),   # CUDA-core GEMM2, a loop per slot (what 4-bit weights run)
-    (True, True),    # CUDA-core GEMM2, one loop over (slot, K chunk) (dense's loop, kept working for 4-bit)
+@pytest.mark.parametrize("gemv,slots,k", [
+    (False, None, 3),  # tensor-core per-pair kernels
+    (True, None, 3),   # CUDA-core GEMM2, the format's default: a loop per slot
+    (True, 1, 3),      # one loop over (slot, K chunk)
+    (True, 2, 3),      # two slots per step: the second step's second slot is empty
+    (True, 4, 6),      # four per step, k = 6 not a power of two: the second step's last two are empty
 ])
-def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, flat, monkeypatch):
+def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     # block_k 32: one MXFP4 group / two NVFP4 groups per K step; H = 160 ends on a partial chunk pair
-    if flat:
-        monkeypatch.setattr(_experts_triton, "FLAT_SLOT_FORMATS", ("dense", fmt))
-    E, H, I, T, k = 5, 160, 96, 3, 3
+    E, H, I, T = 7, 160, 96, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
     q13, q2, d13, d2 = _quantized(fmt, w13, w2)
     x = torch.randn(T, H + 3)[:, 3:]                                  # strided, offset rows
     tw, tid = _routes(T, E, k)
-    cfg = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 32), per_pair=True, gemv=gemv)
+    cfg = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 32, slots=slots), per_pair=True, gemv=gemv)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
-    check_close(f"gemv={gemv} flat={flat}", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
+    check_close(f"gemv={gemv} slots={slots}", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
                 TOL[torch.float32])
 
 
@@ -516,6 +524,8 @@ _GPU_4BIT_CONFIGS = {
     "heuristic": None,
     "tensor-core per pair": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64), per_pair=True),
     "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True),
+    "CUDA-core, 4 slots per GEMM2 step": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(4, 512, slots=4),
+                                                       per_pair=True, gemv=True),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 
@@ -794,3 +804,9 @@ def test_gpu_fp8_w8a8(granularity, T, E, H, I, k, act, biases, why):
         out2 = fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group",
                              config=cfg)
         check_close(f"{why} ({granularity}, TMA)", out2, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
+
+
+@pytest.mark.parametrize("slots", [-1, 3, 6])
+def test_gemv_slots_must_be_a_power_of_two(slots):
+    with pytest.raises(ValueError, match="GemmConfig.slots"):
+        GemmConfig(8, 512, slots=slots)

@@ -138,9 +138,10 @@ class WeightOperand:
         return replace(cfg, block_k=block_k)
 
 
-# CUDA-core GEMM2 formats that run a token's slots as one loop over (slot, K chunk): on the H200
-# that took qwen3 bf16 T=1 from 33.5 to 30.3 us, but gpt-oss MXFP4 T=1 from 37.6 to 40.2 us
-# (results/ab_s6_kernels_old_vs_new.json), so 4-bit weights keep the loop per slot.
+# CUDA-core GEMM2 formats that by default (GemmConfig.slots unset) run a token's slots as one loop
+# over (slot, K chunk): on the H200 that took qwen3 bf16 T=1 from 33.5 to 30.3 us, but gpt-oss
+# MXFP4 T=1 from 37.6 to 40.2 us (results/ab_s6_kernels_old_vs_new.json), so 4-bit weights keep
+# the loop per slot unless a tuned config says otherwise.
 FLAT_SLOT_FORMATS = ("dense",)
 
 ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = 0, 1, 2  # kernels/moe_gemm.py row modes
@@ -289,6 +290,12 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
     )
 
 
+def _gemv2_slots(cfg: GemmConfig, weight_format: str, top_k: int) -> int:
+    """GemmConfig.slots as launched: the format's default when unset, at most top_k's power of two."""
+    slots = cfg.slots if cfg.slots is not None else (1 if weight_format in FLAT_SLOT_FORMATS else 0)
+    return min(slots, _triton.next_pow2(top_k))
+
+
 def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
                   pdl: bool = False):
     """``pdl``: launched as the previous grid's (_gemv1's) programmatic dependent."""
@@ -304,7 +311,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
-        FLAT_SLOTS=w.format in FLAT_SLOT_FORMATS, PDL=pdl, launch_pdl=pdl,
+        SLOTS=_gemv2_slots(cfg, w.format, top_k), PDL=pdl, launch_pdl=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -4,8 +4,10 @@
     python -m moekit.tune ... --merge   (into the package's configs/experts_tuned.json)
 
 For each shape and token bucket, every row-block size that suits the bucket is tried; for each,
-GEMM1 and GEMM2 candidates are timed separately (CUDA-graph replay over two layers' weights so
-decode sizes are not served from L2) and the pair with the least total time is kept.
+GEMM1 and GEMM2 candidates are timed separately and the pair with the least total time is kept.
+Up to DECODE_CALLS_MAX tokens a timing is one CUDA graph of DECODE_CALLS calls, each routed to experts
+of its own over the layers' weights, as consecutive decode layers run: the experts one call touches
+fit in L2 (qwen3's eight GEMM2 experts are 25 MB), and a graph that replayed them alone would time L2.
 """
 
 from __future__ import annotations
@@ -52,12 +54,21 @@ def candidates(block_m: int, weight_tiles: int) -> list[GemmConfig]:
     return [GemmConfig(bn, bk, w, s, g) for bn, bk, w, s, g in space if fits(bn, bk, s)]
 
 
-def gemv_candidates() -> list[GemmConfig]:
+def gemv_candidates(which: int = 1, top_k: int = 1) -> list[GemmConfig]:
     """CUDA-core decode kernels (kernels/moe_gemv.py): no shared-memory operands, so only the
-    column tile, the K chunk per step and the warps matter; a chunk (and the next, in flight) of
-    more than 64 elements per thread spills registers."""
+    column tile, the K chunk per step and the warps matter (and for GEMM2 the slots per step); a
+    step's weights (and the next step's, in flight) of more than 64 elements per thread spill
+    registers."""
     space = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))
-    return [GemmConfig(bn, bk, w, 1) for bn, bk, w in space if bn * bk <= 64 * 32 * w]
+    base = [GemmConfig(bn, bk, w, 1) for bn, bk, w in space if bn * bk <= 64 * 32 * w]
+    if which == 1:
+        return base
+    out = [replace(c, slots=0) for c in base] + [replace(c, slots=1) for c in base]
+    for slots in (2, 4, 8):  # several experts per step: narrow column tiles, or the step spills
+        if slots <= _triton.next_pow2(top_k):
+            out += [replace(c, slots=slots) for c in base
+                    if c.block_n <= 8 and slots * c.block_n * c.block_k <= 64 * 32 * c.num_warps]
+    return out
 
 
 TMA_TUNE_MIN_BLOCK_M = 64  # tensor-core bound row blocks also try TMA weight boxes ...
@@ -65,14 +76,19 @@ TMA_TUNE_TOP = 3  # ... on their fastest few configs
 MAX_SPILL_BYTES = 16  # as tests/sm90_compile.py: past this, a config is kept only if no spill is inside a loop
 
 
-def _time(fn, reps: int = 10) -> float:
+def _time(fns, reps: int = 10) -> float:
+    """Microseconds per call of a CUDA graph of ``fns``."""
     from .bench.timing import graph_time_us
 
-    return graph_time_us([fn], replays=reps, warmup=2)
+    return graph_time_us(fns, replays=reps, warmup=2)
+
+
+DECODE_CALLS = 8  # calls per timed graph up to DECODE_CALLS_MAX tokens (as bench.experts.make_cases)
+DECODE_CALLS_MAX = 64
 
 
 class _Problem:
-    """Inputs of one (shape, T) case, aligned once per row block."""
+    """Inputs of one (shape, T) case: one route set per call of a timed graph, aligned once per row block."""
 
     def __init__(self, spec, num_tokens, weights, dtype=torch.bfloat16):
         H = spec.hidden_size
@@ -82,8 +98,8 @@ class _Problem:
         self.act_quant = "fp8_group" if self.fp8 else None
         # W8A8: the GEMMs read E4M3 codes with their 1x128 group scales
         self.x, self.xs = ext.fp8_groups(self.x_in) if self.fp8 else (self.x_in, None)
-        tw, self.ids = routes(spec, num_tokens)
-        self.tw = tw.reshape(-1).contiguous()
+        calls = DECODE_CALLS if num_tokens <= DECODE_CALLS_MAX else 1
+        self.routes = [routes(spec, num_tokens) for _ in range(calls)]  # (topk weights [T, k], ids [T, k])
 
     def best(self, block_m: int, which: int, per_pair: bool = False, gemv: bool = False) -> tuple[GemmConfig, float]:
         """Fastest candidate for GEMM ``which`` (1 or 2) with this row block (or the per-pair mode,
@@ -91,13 +107,15 @@ class _Problem:
         spec, T = self.spec, self.T
         num_pairs = T * spec.top_k
         if per_pair:
-            blocks, block_m = num_pairs, ext.PER_PAIR_BLOCK_M
-            rows, mode = (self.ids, self.ids, self.ids), ext.ROWS_PER_PAIR
+            blocks, block_m, mode = num_pairs, ext.PER_PAIR_BLOCK_M, ext.ROWS_PER_PAIR
+            rows = [(ids, ids, ids) for _, ids in self.routes]
             y = torch.empty(T, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
         else:
-            _, sorted_pairs, block_expert = ext.align(self.ids, None, spec.num_experts, block_m)
-            blocks = block_expert.shape[0]
-            rows, mode = (block_expert, sorted_pairs, block_expert), ext.ROWS_ALIGNED
+            mode, rows = ext.ROWS_ALIGNED, []
+            for _, ids in self.routes:
+                _, sorted_pairs, block_expert = ext.align(ids, None, spec.num_experts, block_m)
+                rows.append((block_expert, sorted_pairs, block_expert))
+            blocks = rows[0][0].shape[0]  # the bound for T pairs: the same for every route set
             y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
         h, hs = ext._activation_buffers(blocks * (1 if per_pair else block_m), spec.intermediate_size,
                                         self.x_in.dtype, self.x.device, self.fp8)
@@ -108,39 +126,42 @@ class _Problem:
             h.normal_()
         results = []
         operands = [(ext.WeightOperand.of(w13), ext.WeightOperand.of(w2)) for w13, w2 in self.weights]
-        space = gemv_candidates() if gemv else candidates(block_m, 2 if which == 1 else 1)
+        space = gemv_candidates(which, spec.top_k) if gemv else candidates(block_m, 2 if which == 1 else 1)
         # FP8 fixes BLOCK_K (and GEMM1's BLOCK_N) at 128: time each effective config once
         space = list(dict.fromkeys(operands[0][which - 1].config(c, tiles=2 if which == 1 else 1) for c in space))
 
-        def call(w13, w2, cfg):  # returns the launched kernel (its register and spill counts)
+        def call(i, cfg):  # call i of the graph; returns the launched kernel (its register and spill counts)
+            w13, w2 = operands[i % len(operands)]
+            r = i % len(self.routes)
+            tw, ids = self.routes[r]
+            flat_ids, flat_tw = ids.reshape(-1), tw.reshape(-1)
             if gemv and which == 1:
-                return ext._gemv1(self.x, w13, None, h, self.ids.reshape(-1), None, spec.num_experts,
+                return ext._gemv1(self.x, w13, None, h, flat_ids, None, spec.num_experts,
                                   self.spec.activation, spec.top_k, cfg)
             elif gemv:
-                return ext._gemv2_tokens(h, w2, None, self.tw, self.ids.reshape(-1), None, spec.num_experts,
+                return ext._gemv2_tokens(h, w2, None, flat_tw, flat_ids, None, spec.num_experts,
                                          y, spec.top_k, cfg)
             elif which == 1:
-                return ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows, self.spec.activation,
+                return ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows[r], self.spec.activation,
                                   blocks, cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts,
                                   self.xs, hs)
             elif per_pair:
-                return ext._gemm2_tokens(h, w2, None, self.tw, self.ids, None, spec.num_experts, y, spec.top_k,
+                return ext._gemm2_tokens(h, w2, None, flat_tw, ids, None, spec.num_experts, y, spec.top_k,
                                          cfg, hs)
             else:
-                return ext._gemm2(h, w2, None, self.tw, y, (0, y.stride(0)), rows, blocks, cfg, block_m,
+                return ext._gemm2(h, w2, None, flat_tw, y, (0, y.stride(0)), rows[r], blocks, cfg, block_m,
                                   mode, num_pairs, 0, hs)
 
         def measure(cfg):
             try:
-                kernel = call(*operands[0], cfg)  # compiled here, before any graph capture
+                kernel = call(0, cfg)  # compiled here, before any graph capture
                 spills = getattr(kernel, "n_spills", 0) or 0  # ptxas's count, filled in by the launch
                 in_loops = _sass.spills_in_loops(kernel) if spills > MAX_SPILL_BYTES else 0
                 if in_loops is None or in_loops > 0:  # unknown counts as inside
                     where = f", {in_loops} LDL/STL in loops" if in_loops else ""
                     print(f"    skip {cfg}: spills {spills} bytes{where}")
                     return
-                fns = [lambda w=w: call(*w, cfg) for w in operands]
-                results.append((sum(_time(f) for f in fns) / len(fns), cfg))
+                results.append((_time([lambda i=i: call(i, cfg) for i in range(self.calls)]), cfg))
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                 print(f"    skip {cfg}: {type(exc).__name__}")
                 torch.cuda.synchronize()
@@ -154,16 +175,21 @@ class _Problem:
         us, cfg = min(results, key=lambda r: r[0])
         return cfg, us
 
+    @property
+    def calls(self) -> int:
+        return max(len(self.routes), len(self.weights))
+
     def whole_call_us(self, config: ExpertsConfig) -> float:
         """A complete fused_experts call (alignment and combine included) with ``config``."""
         from .experts import fused_experts
 
-        ids = self.ids
-        tw = self.tw.view(ids.shape)
-        fns = [lambda w=w: fused_experts(self.x_in, w[0], w[1], tw, ids, activation=self.spec.activation, config=config,
-                                         act_quant=self.act_quant)
-               for w in self.weights]
-        return sum(_time(f) for f in fns) / len(fns)
+        def call(i):
+            w13, w2 = self.weights[i % len(self.weights)]
+            tw, ids = self.routes[i % len(self.routes)]
+            return fused_experts(self.x_in, w13, w2, tw, ids, activation=self.spec.activation, config=config,
+                                 act_quant=self.act_quant)
+
+        return _time([lambda i=i: call(i) for i in range(self.calls)])
 
 
 def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: str = "dense") -> list[tuple]:

@@ -45,14 +45,27 @@ def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FO
 @triton.jit
 def _load_x(x_row, k0, K, stride_xk, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """One activation chunk (zeros unless ``ok``), read contiguously: dense [BLOCK_K]; 4-bit
-    [groups, words, 4, 2]: element 8w + j at [.., w, j, 0] and 8w + j + 4 at [.., w, j, 1] (the
-    two halves of a word)."""
+    [groups, words, 2, 2, 2]: element 8w + 4h + 2a + b at [.., w, a, b, h] (h: the half of the word)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     xv = tl.load(x_row + offs_k * stride_xk, mask=(offs_k < K) & ok, other=0.0)
     if FORMAT != DENSE:
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         # converted before the rearrangement: once per element, not once per thread that uses it
-        xv = tl.permute(tl.reshape(xv.to(tl.float32), [BLOCK_K // GROUP, GROUP // 8, 2, 4]), (0, 1, 3, 2))
+        xv = tl.permute(tl.reshape(xv.to(tl.float32), [BLOCK_K // GROUP, GROUP // 8, 2, 2, 2]), (0, 1, 3, 4, 2))
+    return xv
+
+
+@triton.jit
+def _load_slots_x(x_rows, k0, K, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_load_x for several rows [SLOTS] (pointers; contiguous rows): [SLOTS, ...] with each row laid
+    out as _load_x lays out one."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    xv = tl.load(x_rows[:, None] + offs_k[None, :], mask=ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    if FORMAT != DENSE:
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+        SLOTS: tl.constexpr = x_rows.shape[0]
+        xv = tl.reshape(xv.to(tl.float32), [SLOTS, BLOCK_K // GROUP, GROUP // 8, 2, 2, 2])
+        xv = tl.permute(xv, (0, 1, 2, 4, 5, 3))
     return xv
 
 
@@ -75,38 +88,38 @@ def _halves(mag, sign, HALVES_ASM: tl.constexpr):
 @triton.jit
 def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     """Products of a loaded chunk with its activations: [BLOCK_N, BLOCK_K] for dense weights,
-    [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit.
+    [BLOCK_N, groups] (summed and scaled per scale group) for 4-bit; with a leading slot axis on
+    weights, scales and activations alike, [SLOTS, BLOCK_N, ..].
 
     A word's nibbles j and j + 4 sit at bit 4j of its two 16-bit halves: the word shifted by 9 - 4j
     and by 12 - 4j holds both codes' magnitude and sign bits where an fp16 wants them (see _halves),
     two codes per 32-bit op; the scales carry the 2^14. Each word's eight products are one FFMA
     chain, and the activations are converted to fp32 once, before their rearrangement."""
     if FORMAT == DENSE:
-        part = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        part = w.to(tl.float32) * tl.expand_dims(xv.to(tl.float32), -2)
     else:
-        # x [groups, words, 4 (j), 2 (half)] -> eight [groups, words] slices, element 8w + j + 4 * half
-        G: tl.constexpr = xv.shape[0]
-        W: tl.constexpr = xv.shape[1]
+        # x [.., groups, words, 2 (a), 2 (b), 2 (half)] -> eight [.., groups, words] slices, element
+        # 8w + j + 4 * half with j = 2a + b; a leading slot axis (GEMM2's slot tiles) rides along.
         x_lo, x_hi = tl.split(xv.to(tl.float32))
-        even, odd = tl.split(tl.reshape(x_lo, [G, W, 2, 2]))  # j = 2 * j1 + j0: j0 = 0 -> j 0, 2
+        even, odd = tl.split(x_lo)  # b = 0 -> j 0, 2; b = 1 -> j 1, 3
         x0l, x2l = tl.split(even)
         x1l, x3l = tl.split(odd)
-        even, odd = tl.split(tl.reshape(x_hi, [G, W, 2, 2]))
+        even, odd = tl.split(x_hi)
         x0h, x2h = tl.split(even)
         x1h, x3h = tl.split(odd)
         # nibble j's magnitude bits to 9..11 (w shifted by 9 - 4j), its sign to 15 (by 12 - 4j), in both halves
         lo, hi = _halves(w << 9, w << 12, HALVES_ASM)
-        acc = lo * x0l[None, :, :]
-        acc = hi * x0h[None, :, :] + acc
+        acc = lo * tl.expand_dims(x0l, -3)
+        acc = hi * tl.expand_dims(x0h, -3) + acc
         lo, hi = _halves(w << 5, w << 8, HALVES_ASM)
-        acc = lo * x1l[None, :, :] + acc
-        acc = hi * x1h[None, :, :] + acc
+        acc = lo * tl.expand_dims(x1l, -3) + acc
+        acc = hi * tl.expand_dims(x1h, -3) + acc
         lo, hi = _halves(w << 1, w << 4, HALVES_ASM)
-        acc = lo * x2l[None, :, :] + acc
-        acc = hi * x2h[None, :, :] + acc
+        acc = lo * tl.expand_dims(x2l, -3) + acc
+        acc = hi * tl.expand_dims(x2h, -3) + acc
         lo, hi = _halves(w >> 3, w, HALVES_ASM)
-        acc = lo * x3l[None, :, :] + acc
-        acc = hi * x3h[None, :, :] + acc
+        acc = lo * tl.expand_dims(x3l, -3) + acc
+        acc = hi * tl.expand_dims(x3h, -3) + acc
         codes = s.to(tl.int32)
         if FORMAT == MXFP4:
             # 2^(s - 127) * 2^14 = 2^(s - 113): exact in fp32 for every code; 0 is 2^-127 (-> 2^-113), 255 NaN.
@@ -114,7 +127,7 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
                              tl.where(codes == 0, 2.0 ** -113, ((codes + 14) << 23).to(tl.float32, bitcast=True)))
         else:
             scale = _e4m3_values(codes) * FP16_E2M1_UNIT
-        part = tl.sum(acc, axis=2) * scale
+        part = tl.sum(acc, axis=-1) * scale
     return part
 
 
@@ -177,60 +190,95 @@ def gemv1_act_kernel(
 
 
 @triton.jit
-def _slot_weights(it, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
-                  w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
-                  weights_ptr, K, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Step ``it`` of a token's GEMM2 (slot it // steps_per_slot, its K chunk it % steps_per_slot):
-    (weights, scales, the slot's factor: router weight / NVFP4 global scale, the pair's h row, the
-    chunk's start, whether it is live). Nothing here reads GEMM1's output. Steps past the last and
-    slots of other ranks load nothing and have factor 0."""
-    j = tl.minimum(it // steps_per_slot, top_k - 1)  # the prefetch past the last step stays on this token
-    pair = t * top_k + j
-    e, w_e, s_e, h_row = _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, stride_we,
-                                        s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
-    ok = (it < steps) & (e >= 0)  # rows of other ranks' pairs were never written by GEMM1
-    k0 = (it % steps_per_slot) * BLOCK_K
-    w, s = _load_chunk(w_e, s_e, rows, n_ok & ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
-    factor = tl.load(weights_ptr + pair)
-    if FORMAT == NVFP4:
-        factor = factor / tl.load(gs_ptr + tl.maximum(e, 0))
-    return w, s, tl.where(ok, factor, 0.0), h_row, k0, ok
+def _load_slots_chunk(w_ptr, s_ptr, w_rows, s_rows, ok, k0, K, stride_wk, FORMAT: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """_load_chunk for [SLOTS, BLOCK_N] rows of several experts, given by the element offsets of
+    their weight rows and scale rows: the same per-row layout behind a slot axis."""
+    if FORMAT == DENSE:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + w_rows[:, :, None] + offs_k[None, None, :] * stride_wk,
+                    mask=ok[:, :, None] & (offs_k < K)[None, None, :], other=0.0)
+        s = ok
+    else:
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        WORDS: tl.constexpr = GROUP // 8
+        g = k0 // GROUP + tl.arange(0, GROUPS)
+        g_ok = g < K // GROUP
+        kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+        # expert and row strides are whole groups (WeightOperand.gemv_args): one vector load per group
+        off = tl.multiple_of(w_rows[:, :, None, None], [1, 1, 1, WORDS]) + kw[None, None, :, :]
+        w = tl.load(w_ptr + off, mask=ok[:, :, None, None] & g_ok[None, None, :, None], other=0)
+        s = tl.load(s_ptr + s_rows[:, :, None] + g[None, None, :], mask=ok[:, :, None] & g_ok[None, None, :],
+                    other=0)
+    return w, s
 
 
 @triton.jit
-def _flat_slots(t, top_k, offs_n, n_ok, rows, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk, s_ptr,
+def _slots_step(it, t, top_k, steps_per_group, steps, offs_n, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
+                w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
+                weights_ptr, K, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                SLOTS: tl.constexpr):
+    """Step ``it`` of a token's GEMM2: slots [g * SLOTS, (g + 1) * SLOTS) with g = it // steps_per_group,
+    their K chunk it % steps_per_group. Returns (weights, scales, each slot's factor: router weight /
+    NVFP4 global scale, the slots' h rows, the chunk's start, which slots are live). Nothing here
+    reads GEMM1's output. Steps past the last, slots past top_k and slots of other ranks load
+    nothing and have factor 0."""
+    g = tl.minimum(it // steps_per_group, tl.cdiv(top_k, SLOTS) - 1)  # the prefetch past the end stays on this token
+    j = g * SLOTS + tl.arange(0, SLOTS)
+    j_ok = j < top_k
+    pair = t * top_k + tl.minimum(j, top_k - 1)
+    e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+    ok = j_ok & (e >= 0) & (it < steps)  # rows of other ranks' pairs were never written by GEMM1
+    e = tl.maximum(e, 0).to(tl.int64)
+    rows = offs_n.to(tl.int64)
+    k0 = (it % steps_per_group) * BLOCK_K
+    w, s = _load_slots_chunk(w_ptr, s_ptr, e[:, None] * stride_we + rows[None, :] * stride_wn,
+                             e[:, None] * stride_se + rows[None, :] * stride_sn, ok[:, None] & n_ok[None, :], k0, K,
+                             stride_wk, FORMAT, BLOCK_K)
+    factor = tl.load(weights_ptr + pair)
+    if FORMAT == NVFP4:
+        factor = factor / tl.load(gs_ptr + e)
+    return w, s, tl.where(ok, factor, 0.0), h_ptr + pair.to(tl.int64) * stride_hm, k0, ok
+
+
+@triton.jit
+def _flat_slots(t, top_k, offs_n, n_ok, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk, s_ptr,
                 stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr, expert_map_ptr,
                 num_global, num_local, K, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
-                BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, HALVES_ASM: tl.constexpr, PDL: tl.constexpr):
-    """A token's weighted sum over its slots [BLOCK_N] as one loop over (slot, K chunk). PDL: the
-    first step's weights load before the wait for GEMM1's grid."""
+                BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, HALVES_ASM: tl.constexpr, PDL: tl.constexpr,
+                SLOTS: tl.constexpr):
+    """A token's weighted sum over its slots [BLOCK_N] as one loop over (group of SLOTS slots, K
+    chunk). PDL: the first step's weights load before the wait for GEMM1's grid."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    # One loop over (slot, K chunk), the next step's loads issued before this step's math: the
-    # stream of weight loads does not drain at each slot's end (at T = 1 a program runs all k slots).
-    # Each slot's factor scales its activations (dense) or group sums (4-bit), so one accumulator
-    # serves every slot.
-    steps_per_slot = tl.cdiv(K, BLOCK_K)
-    steps = top_k * steps_per_slot
-    acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-    w, s, factor, h_row, k0, ok = _slot_weights(0, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr,
-                                                expert_map_ptr, num_global, num_local, w_ptr, stride_we, stride_wn,
-                                                stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
-                                                weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
+    # The next step's loads are issued before this step's math, so the stream of weight loads does
+    # not drain at each slot's end (at T = 1 a program runs all k slots); SLOTS experts per step
+    # put SLOTS times the bytes in flight, where few programs per SM (small N) leave HBM idle.
+    # Each slot's factor scales its activations (dense) or group sums (4-bit).
+    steps_per_group = tl.cdiv(K, BLOCK_K)
+    steps = tl.cdiv(top_k, SLOTS) * steps_per_group
+    acc = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
+    w, s, factor, h_rows, k0, ok = _slots_step(0, t, top_k, steps_per_group, steps, offs_n, n_ok, ids_ptr,
+                                               expert_map_ptr, num_global, num_local, w_ptr, stride_we, stride_wn,
+                                               stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
+                                               weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K, SLOTS)
     if PDL:
         gdc_wait()
-    hv = _load_x(h_row, k0, K, 1, ok, FORMAT, BLOCK_K)
-    for it in range(0, steps):  # slots in order: the same bits on every run
-        w_next, s_next, factor_next, h_row, k0, ok = _slot_weights(
-            it + 1, t, top_k, steps_per_slot, steps, rows, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
+    hv = _load_slots_x(h_rows, k0, K, ok, FORMAT, BLOCK_K)
+    for it in range(0, steps):  # the same order on every run: the same bits
+        w_next, s_next, factor_next, h_rows, k0, ok = _slots_step(
+            it + 1, t, top_k, steps_per_group, steps, offs_n, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
             w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
-            weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K)
-        hv_next = _load_x(h_row, k0, K, 1, ok, FORMAT, BLOCK_K)
+            weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K, SLOTS)
+        hv_next = _load_slots_x(h_rows, k0, K, ok, FORMAT, BLOCK_K)
         if FORMAT == DENSE:  # the factor on the BLOCK_K activations, not on BLOCK_N x BLOCK_K products
-            acc += _chunk_sums(w, s, hv.to(tl.float32) * factor, FORMAT, HALVES_ASM)
+            acc += _chunk_sums(w, s, hv.to(tl.float32) * factor[:, None], FORMAT, HALVES_ASM)
         else:  # 4-bit sums come per scale group: fewer of them than activations
-            acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM) * factor
+            acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM) * factor[:, None, None]
         w, s, hv, factor = w_next, s_next, hv_next, factor_next
-    total = tl.sum(acc, axis=1)
+    # the slots are summed once, after the loop: a sum per step over the slot axis crosses warps
+    # (Triton spreads it over them) and went through shared memory on sm_90
+    total = tl.sum(tl.sum(acc, axis=2), axis=0)
     if HAS_BIAS:
         for j in range(0, top_k):
             pair = t * top_k + j
@@ -252,7 +300,7 @@ def gemv2_tokens_kernel(
     top_k, num_global, num_local, N, K,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
-    FLAT_SLOTS: tl.constexpr = True,  # one loop over (slot, K chunk); else a loop per slot
+    SLOTS: tl.constexpr = 1,  # one loop over (group of SLOTS slots, K chunk); 0: a loop per slot
     PDL: tl.constexpr = False,  # launched as GEMM1's programmatic dependent: wait for its grid before reading h
 ):
     num_n = tl.cdiv(N, BLOCK_N)
@@ -261,11 +309,11 @@ def gemv2_tokens_kernel(
     n_ok = offs_n < N
     rows = offs_n.to(tl.int64)
     ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
-    if FLAT_SLOTS:
-        total = _flat_slots(t, top_k, offs_n, n_ok, rows, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk,
+    if SLOTS > 0:
+        total = _flat_slots(t, top_k, offs_n, n_ok, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk,
                             s_ptr, stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr,
                             expert_map_ptr, num_global, num_local, K, HAS_BIAS, HAS_MAP, FORMAT, BLOCK_K, ACC_K,
-                            HALVES_ASM, PDL)
+                            HALVES_ASM, PDL, SLOTS)
     else:
         if PDL:  # the launch overlaps GEMM1's tail; the slots' first loads wait for it
             gdc_wait()
