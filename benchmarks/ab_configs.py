@@ -7,8 +7,8 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
     python benchmarks/ab_configs.py --preset deepseek-v3 --weights fp8_block --tokens 4096 \\
         --config table 128:128,128,8,3,8:128,128,8,3,8
 
-A config is ``table`` or ``BLOCK_M:gemm1:gemm2`` with each GEMM as
-``block_n,block_k,num_warps,num_stages,group_m``.
+A config is ``table``, ``table+tma`` (the table's config with TMA weight boxes) or
+``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import argparse
 import datetime
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import triton
 
-from moekit import presets
+from moekit import expert_configs, presets
 from moekit.bench.experts import routes
 from moekit.bench.timing import graph_time_us
 from moekit.expert_configs import ExpertsConfig, GemmConfig
@@ -30,9 +31,11 @@ from moekit.experts import fused_experts
 from moekit.tune import random_weights
 
 
-def parse_config(text: str) -> ExpertsConfig | None:
+def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:
     if text == "table":
         return None
+    if text == "table+tma":  # the table's config with TMA weight boxes in both GEMMs
+        return replace(table, gemm1=replace(table.gemm1, tma=True), gemm2=replace(table.gemm2, tma=True))
     block_m, g1, g2 = text.split(":")
     gemm = lambda s: GemmConfig(*(int(v) for v in s.split(",")))  # noqa: E731
     return ExpertsConfig(int(block_m), gemm(g1), gemm(g2))
@@ -59,8 +62,12 @@ def main(argv=None) -> None:
                                  backend="triton", config=config)
 
         ref = call(*layers[0], None).float()
+        fmt = args.weights.split("_")[0]
+        table, _ = expert_configs.choose(T, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
+                                         spec.hidden_size, x.device, x.dtype, fmt)
+        print(f"T={T} table: {table}", flush=True)
         for text in ["table"] + [c for c in args.config if c != "table"]:
-            config = parse_config(text)
+            config = parse_config(text, table)
             try:
                 diff = ((call(*layers[0], config).float() - ref).norm() / ref.norm()).item()
                 us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2)  # per call
