@@ -77,7 +77,7 @@ def profile(preset: str, weights: str, num_tokens: int, sweep: bool) -> dict:
           f"floor {row['floor_us']:.1f} us  [{cfg}]", flush=True)
     if sweep:  # each kernel's configs alone: is the table's pair also each kernel's best?
         for which, name, fn in ((1, "gemm1", gemv1), (2, "gemm2", gemv2)):
-            space = gemv_candidates(which, k)
+            space = gemv_candidates(which, k, layers[0][which - 1].format)
             timed = sorted((_graph_us(lambda w, c=c: fn(w, c), layers), str(c)) for c in space)
             row[f"{name}_sweep"] = timed
             print(f"  {name} best alone: " + "; ".join(f"{us:.1f} us {c}" for us, c in timed[:3]), flush=True)

@@ -183,7 +183,8 @@ def expert_variants():
         x, ids = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, spec.top_k, dtype=torch.int32)
         yield f"pdl decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec: fused_experts(
             x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=decode)
-        slots = replace(decode, pdl=False, gemm2=GemmConfig(4, 512, 8, 1, slots=spec.top_k))  # every slot per step
+        slots = replace(decode, pdl=False, gemm2=GemmConfig(4, 512, 8, 1, slots=spec.top_k),  # every slot per step
+                        gemm1=GemmConfig(4, 256, 4, 1, slots=spec.top_k) if mod else decode.gemm1)
         yield f"slots decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=slots: fused_experts(
             x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
 

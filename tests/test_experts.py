@@ -83,8 +83,8 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
     (ExpertsConfig(16, _TILE, GemmConfig(16, 16), per_pair=True), "per-pair decode mode, K in several blocks"),
     (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), per_pair=True, gemv=True),
      "CUDA-core decode kernels, K in several chunks, partial last N tile"),
-    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, slots=2), per_pair=True, gemv=True),
-     "CUDA-core GEMM2 two slots per step: k = 3 leaves the second step's second slot empty"),
+    (ExpertsConfig(16, GemmConfig(16, 32, slots=2), GemmConfig(32, 16, slots=2), per_pair=True, gemv=True),
+     "CUDA-core, two slots per GEMM1 program and GEMM2 step: k = 3 leaves the second group's second slot empty"),
     (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, slots=0), per_pair=True, gemv=True),
      "CUDA-core GEMM2, a loop per slot for dense weights"),
 ])
@@ -166,7 +166,7 @@ def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots):
     emap = torch.full((2 * E,), -1, dtype=torch.int32)
     emap[1::2] = torch.arange(E, dtype=torch.int32)                        # even global ids are remote
     tw = torch.rand(T, k)
-    cfg = ExpertsConfig(16, _TILE, replace(_TILE, slots=slots), per_pair=True, gemv=gemv)
+    cfg = ExpertsConfig(16, replace(_TILE, slots=slots), replace(_TILE, slots=slots), per_pair=True, gemv=gemv)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, w13, w2, tw, gid, w13_bias=b13, w2_bias=b2, expert_map=emap, out=out, backend="triton", config=cfg)
     valid = (gid >= 0) & (gid < 2 * E)
@@ -503,8 +503,8 @@ def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backen
     (False, None, 3),  # tensor-core per-pair kernels
     (True, None, 3),   # CUDA-core GEMM2, the format's default: a loop per slot
     (True, 1, 3),      # one loop over (slot, K chunk)
-    (True, 2, 3),      # two slots per step: the second step's second slot is empty
-    (True, 4, 6),      # four per step, k = 6 not a power of two: the second step's last two are empty
+    (True, 2, 3),      # two slots per GEMM1 program and GEMM2 step: the second group's second slot is empty
+    (True, 4, 6),      # four, k = 6 not a power of two: the second group's last two are empty
 ])
 def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     # block_k 32: one MXFP4 group / two NVFP4 groups per K step; H = 160 ends on a partial chunk pair
@@ -513,7 +513,7 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     q13, q2, d13, d2 = _quantized(fmt, w13, w2)
     x = torch.randn(T, H + 3)[:, 3:]                                  # strided, offset rows
     tw, tid = _routes(T, E, k)
-    cfg = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 32, slots=slots), per_pair=True, gemv=gemv)
+    cfg = ExpertsConfig(16, GemmConfig(16, 32, slots=slots), GemmConfig(32, 32, slots=slots), per_pair=True, gemv=gemv)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
     check_close(f"gemv={gemv} slots={slots}", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
@@ -524,8 +524,8 @@ _GPU_4BIT_CONFIGS = {
     "heuristic": None,
     "tensor-core per pair": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64), per_pair=True),
     "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True),
-    "CUDA-core, 4 slots per GEMM2 step": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(4, 512, slots=4),
-                                                       per_pair=True, gemv=True),
+    "CUDA-core, 4 slots together": ExpertsConfig(16, GemmConfig(4, 256, slots=4), GemmConfig(4, 512, slots=4),
+                                                 per_pair=True, gemv=True),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 

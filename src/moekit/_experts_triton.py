@@ -276,7 +276,9 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
 
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
-    return gemv1_act_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
+    slots = min(cfg.slots or 1, _triton.next_pow2(top_k))
+    programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
+    return gemv1_act_kernel[(programs,)](
         x, x.stride(0), x.stride(1),
         *w.gemv_args(),
         *_bias_args(b13, x),
@@ -285,7 +287,7 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
-        HALVES_ASM=not _triton.interpreting(), PDL=pdl,
+        HALVES_ASM=not _triton.interpreting(), PDL=pdl, SLOTS=slots,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -34,9 +34,10 @@ class GemmConfig:
     """Weight tiles by Hopper TMA copies (dense and FP8 weights in the aligned and batched modes,
     where the stack allows it; elsewhere the per-thread copies run)."""
     slots: int | None = None
-    """GEMM2 on the CUDA cores (ExpertsConfig.gemv): a token's slots read per step. 0 runs a loop
-    per slot; n (a power of two) one loop over (group of n slots, K chunk), the n experts' rows
-    loaded together; None is the weight format's default (dense 1, 4-bit 0). Ignored elsewhere."""
+    """On the CUDA cores (ExpertsConfig.gemv), a token's slots (pairs) handled together, a power of
+    two. GEMM1: pairs per program, their experts' rows loaded together and the token's activation
+    chunk shared (None: 1). GEMM2: slots read per step of one loop over (group of slots, K chunk),
+    or 0 for a loop per slot (None: the weight format's default, dense 1, 4-bit 0). Ignored elsewhere."""
 
     def __post_init__(self) -> None:
         if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):

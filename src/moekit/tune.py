@@ -54,20 +54,23 @@ def candidates(block_m: int, weight_tiles: int) -> list[GemmConfig]:
     return [GemmConfig(bn, bk, w, s, g) for bn, bk, w, s, g in space if fits(bn, bk, s)]
 
 
-def gemv_candidates(which: int = 1, top_k: int = 1) -> list[GemmConfig]:
+def gemv_candidates(which: int = 1, top_k: int = 1, weight_format: str = "dense") -> list[GemmConfig]:
     """CUDA-core decode kernels (kernels/moe_gemv.py): no shared-memory operands, so only the
-    column tile, the K chunk per step and the warps matter (and for GEMM2 the slots per step); a
-    step's weights (and the next step's, in flight) of more than 64 elements per thread spill
-    registers."""
+    column tile, the K chunk per step, the warps and the slots handled together matter; a step's
+    weights (and the next step's, in flight) of more than 64 elements per thread spill registers."""
     space = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))
     base = [GemmConfig(bn, bk, w, 1) for bn, bk, w in space if bn * bk <= 64 * 32 * w]
+    several = [s for s in (2, 4, 8) if s <= _triton.next_pow2(top_k)]
     if which == 1:
-        return base
+        if weight_format == "dense":  # two bf16 tiles per slot: several slots spill (offline sm_90 SASS)
+            return base
+        # 4-bit: the pairs of a program share the activation chunk, fp32 in registers
+        return base + [replace(c, slots=s) for s in several for c in base
+                       if c.block_n <= 8 and s * c.block_n * c.block_k <= 32 * 32 * c.num_warps]
     out = [replace(c, slots=0) for c in base] + [replace(c, slots=1) for c in base]
-    for slots in (2, 4, 8):  # several experts per step: narrow column tiles, or the step spills
-        if slots <= _triton.next_pow2(top_k):
-            out += [replace(c, slots=slots) for c in base
-                    if c.block_n <= 8 and slots * c.block_n * c.block_k <= 64 * 32 * c.num_warps]
+    for slots in several:  # several experts per step: narrow column tiles, or the step spills
+        out += [replace(c, slots=slots) for c in base
+                if c.block_n <= 8 and slots * c.block_n * c.block_k <= 64 * 32 * c.num_warps]
     return out
 
 
@@ -126,7 +129,8 @@ class _Problem:
             h.normal_()
         results = []
         operands = [(ext.WeightOperand.of(w13), ext.WeightOperand.of(w2)) for w13, w2 in self.weights]
-        space = gemv_candidates(which, spec.top_k) if gemv else candidates(block_m, 2 if which == 1 else 1)
+        fmt = operands[0][which - 1].format
+        space = gemv_candidates(which, spec.top_k, fmt) if gemv else candidates(block_m, 2 if which == 1 else 1)
         # FP8 fixes BLOCK_K (and GEMM1's BLOCK_N) at 128: time each effective config once
         space = list(dict.fromkeys(operands[0][which - 1].config(c, tiles=2 if which == 1 else 1) for c in space))
 

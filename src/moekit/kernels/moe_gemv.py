@@ -144,49 +144,61 @@ def gemv1_act_kernel(
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
+    SLOTS: tl.constexpr = 1,  # pairs per program: slots [g * SLOTS, (g + 1) * SLOTS) of one token
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
-    pair = tl.program_id(0) // num_n
+    groups = tl.cdiv(top_k, SLOTS)
+    t = tl.program_id(0) // num_n // groups
+    j = (tl.program_id(0) // num_n % groups) * SLOTS + tl.arange(0, SLOTS)
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
+    pair = t * top_k + tl.minimum(j, top_k - 1)
     e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
-    if e >= 0:  # a pair of another rank: its row is never read (GEMM2 skips it too)
+    live = (j < top_k) & (e >= 0)  # pairs of another rank: their rows are never read (GEMM2 skips them too)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        e64 = tl.maximum(e, 0).to(tl.int64)
+        ok = live[:, None] & n_ok[None, :]
         gate_rows = offs_n.to(tl.int64) * gate_step
         up_rows = gate_rows + up_offset
-        w_e = w_ptr + e.to(tl.int64) * stride_we
-        s_e = s_ptr + e.to(tl.int64) * stride_se
-        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+        # weight and scale rows of each (slot, column): element offsets from the stacks' starts
+        wg_rows = e64[:, None] * stride_we + gate_rows[None, :] * stride_wn
+        wu_rows = e64[:, None] * stride_we + up_rows[None, :] * stride_wn
+        sg_rows = e64[:, None] * stride_se + gate_rows[None, :] * stride_sn
+        su_rows = e64[:, None] * stride_se + up_rows[None, :] * stride_sn
+        x_row = x_ptr + t.to(tl.int64) * stride_xm
         ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
-        acc_gate = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-        # The next chunk's loads are issued before this chunk's math: one program keeps two chunks in flight.
-        wg, sg = _load_chunk(w_e, s_e, gate_rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
-        wu, su = _load_chunk(w_e, s_e, up_rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
+        acc_gate = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
+        acc_up = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
+        # The next chunk's loads are issued before this chunk's math: one program keeps two chunks in
+        # flight. The SLOTS experts share the token's activation chunk (loaded and converted once).
+        wg, sg = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
+        wu, su = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
         xv = _load_x(x_row, 0, K, stride_xk, True, FORMAT, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K
-            wg_next, sg_next = _load_chunk(w_e, s_e, gate_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                           BLOCK_K)
-            wu_next, su_next = _load_chunk(w_e, s_e, up_rows, n_ok, k1, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                           BLOCK_K)
+            wg_next, sg_next = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, k1, K, stride_wk, FORMAT,
+                                                 BLOCK_K)
+            wu_next, su_next = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, k1, K, stride_wk, FORMAT,
+                                                 BLOCK_K)
             xv_next = _load_x(x_row, k1, K, stride_xk, True, FORMAT, BLOCK_K)
             acc_gate += _chunk_sums(wg, sg, xv, FORMAT, HALVES_ASM)
             acc_up += _chunk_sums(wu, su, xv, FORMAT, HALVES_ASM)
             wg, sg, wu, su, xv = wg_next, sg_next, wu_next, su_next, xv_next
-        gate = tl.sum(acc_gate, axis=1)
-        up = tl.sum(acc_up, axis=1)
+        gate = tl.sum(acc_gate, axis=2)
+        up = tl.sum(acc_up, axis=2)
         if FORMAT == NVFP4:  # the per-expert global scale divides out once
-            gs = tl.load(gs_ptr + e)
+            gs = tl.load(gs_ptr + e64)[:, None]
             gate = gate / gs
             up = up / gs
         if HAS_BIAS:
-            b_e = bias_ptr + e.to(tl.int64) * stride_be
-            gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
-            up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            b_e = bias_ptr + e64[:, None] * stride_be
+            gate += tl.load(b_e + gate_rows[None, :] * stride_bn, mask=ok, other=0.0).to(tl.float32)
+            up += tl.load(b_e + up_rows[None, :] * stride_bn, mask=ok, other=0.0).to(tl.float32)
         act = _activate(gate, up, ACTIVATION)
-        tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 @triton.jit
