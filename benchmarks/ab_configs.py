@@ -7,7 +7,8 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
     python benchmarks/ab_configs.py --preset deepseek-v3 --weights fp8_block --tokens 4096 \\
         --config table 128:128,128,8,3,8:128,128,8,3,8
 
-A config is ``table``, ``table+tma`` (the table's config with TMA weight boxes) or
+A config is ``table``, ``table+tma`` / ``table+half`` / ``table+tma+half`` (the table's config with
+TMA weight boxes and/or half tail blocks) or
 ``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m``.
 """
 
@@ -34,8 +35,9 @@ from moekit.tune import random_weights
 def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:
     if text == "table":
         return None
-    if text == "table+tma":  # the table's config with TMA weight boxes in both GEMMs
-        return replace(table, gemm1=replace(table.gemm1, tma=True), gemm2=replace(table.gemm2, tma=True))
+    if text.startswith("table+"):  # the table's config with options set in both GEMMs: +tma, +half (half_tails)
+        opts = {{"tma": "tma", "half": "half_tails"}[o]: True for o in text.split("+")[1:]}
+        return replace(table, gemm1=replace(table.gemm1, **opts), gemm2=replace(table.gemm2, **opts))
     block_m, g1, g2 = text.split(":")
     gemm = lambda s: GemmConfig(*(int(v) for v in s.split(",")))  # noqa: E731
     return ExpertsConfig(int(block_m), gemm(g1), gemm(g2))

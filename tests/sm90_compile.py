@@ -197,15 +197,20 @@ def expert_variants():
         ids = torch.zeros(4096, spec.top_k, dtype=torch.int32) % E
         for bm, g1, g2 in ((128, GemmConfig(128, 64, 8, 4, 8, tma=True), GemmConfig(256, 64, 8, 4, 8, tma=True)),
                            (64, GemmConfig(64, 128, 4, 3, 8, tma=True), GemmConfig(128, 128, 4, 3, 8, tma=True))):
-            cfg = ExpertsConfig(bm, g1, g2)
-            yield f"tma {name} BM={bm}", lambda x=x, ids=ids, w13=w13, w2=w2, cfg=cfg, s=spec: fused_experts(
-                x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg)
+            for half in (False, True):  # half: both row counts in one kernel (shared memory of two loops)
+                cfg = ExpertsConfig(bm, replace(g1, half_tails=half), replace(g2, half_tails=half))
+                yield f"tma {name} BM={bm}{' half tails' if half else ''}", \
+                    lambda x=x, ids=ids, w13=w13, w2=w2, cfg=cfg, s=spec: fused_experts(
+                        x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg)
         if spec.activation != "silu_and_mul":
             continue
         q13, q2 = fp8.quantize_blocks(torch.randn(E, 2 * I, H)), fp8.quantize_blocks(torch.randn(E, H, I))
-        cfg = ExpertsConfig(64, GemmConfig(128, 128, 8, 3, 8, tma=True), GemmConfig(128, 128, 4, 4, 8, tma=True))
-        yield f"tma fp8 block {name} BM=64", lambda x=x, ids=ids, q13=q13, q2=q2, cfg=cfg: fused_experts(
-            x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton", config=cfg)
+        for half in (False, True):
+            cfg = ExpertsConfig(64, GemmConfig(128, 128, 8, 3, 8, tma=True, half_tails=half),
+                                GemmConfig(128, 128, 4, 4, 8, tma=True, half_tails=half))
+            yield f"tma fp8 block {name} BM=64{' half tails' if half else ''}", \
+                lambda x=x, ids=ids, q13=q13, q2=q2, cfg=cfg: fused_experts(
+                    x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton", config=cfg)
     spec = presets.get("mixtral-8x7b").scaled()
     w13, w2, _ = weights(spec, torch.float32)
     x = torch.empty(40, spec.hidden_size)

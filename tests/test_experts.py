@@ -810,3 +810,54 @@ def test_gpu_fp8_w8a8(granularity, T, E, H, I, k, act, biases, why):
 def test_gemv_slots_must_be_a_power_of_two(slots):
     with pytest.raises(ValueError, match="GemmConfig.slots"):
         GemmConfig(8, 512, slots=slots)
+
+
+def _counted_routes(counts, k):
+    """Routes with exactly counts[e] pairs on expert e, in random order (an expert may repeat
+    within a token: the kernels and the reference both sum such slots)."""
+    experts = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    tid = experts[torch.randperm(experts.numel())].view(-1, k)
+    return torch.softmax(torch.randn(tid.shape), -1), tid
+
+
+# BLOCK_M = 32: expert 0 (40 pairs) ends on a block of 8 (half path), expert 1 (20) on a block of
+# 20 (full path), expert 2 (16) exactly half a block (half path, every row valid), expert 3 none,
+# expert 4 (17) one row past half (full path).
+_HALF_TAIL_COUNTS = [40, 20, 16, 0, 17]
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+@pytest.mark.parametrize("act", ["silu_and_mul", "swiglu_oai"])
+def test_half_tail_blocks(fmt, act):
+    E, H, I, k = 5, 64, 96, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2) if fmt != "dense" else (w13, w2, w13, w2)
+    tw, tid = _counted_routes(_HALF_TAIL_COUNTS, k)
+    x = torch.randn(tid.shape[0], H)
+    half = GemmConfig(16, 32, half_tails=True)
+    out = _poisoned(x.shape, torch.float32)
+    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out, backend="triton",
+                  config=ExpertsConfig(32, half, half))
+    check_close(f"half tails {fmt} {act}", out,
+                reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2),
+                TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gpu_half_tail_blocks(block_m, tma):
+    # 37 experts' counts spread over every remainder class of the row block (0, below, at and above half)
+    E, H, I, k = 37, 512, 384, 4
+    counts = [(i * 29) % (2 * block_m + 5) for i in range(E)]
+    counts[-1] += -sum(counts) % k  # whole tokens
+    w13, w2, _, _ = _weights(E, H, I, torch.bfloat16, False, "cuda")
+    tw, tid = _counted_routes(counts, k)
+    tw, tid = tw.cuda(), tid.cuda()
+    x = torch.randn(tid.shape[0], H, device="cuda", dtype=torch.bfloat16)
+    g1 = GemmConfig(128, 64, 8, 3, 8, tma=tma, half_tails=True)
+    g2 = GemmConfig(128, 64, 8, 3, 8, tma=tma, half_tails=True)
+    out = _poisoned(x.shape, torch.bfloat16, "cuda")
+    fused_experts(x, w13, w2, tw, tid, out=out, config=ExpertsConfig(block_m, g1, g2))
+    check_close(f"half tails BM={block_m} tma={tma}", out, reference.fused_experts(x, w13, w2, tw, tid),
+                TOL[torch.bfloat16])

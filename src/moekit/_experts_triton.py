@@ -191,6 +191,12 @@ def _weight_descriptor(w: WeightOperand, cfg: GemmConfig, box_rows: int | None =
     return TensorDescriptor(rows, shape=[E * N, K], strides=[d.stride(1), 1], block_shape=box), True
 
 
+def _half_tails(cfg: GemmConfig, mode: int, block_m: int) -> bool:
+    """GemmConfig.half_tails where it applies: aligned rows, half blocks of at least 16 rows (the
+    smallest tensor-core tile)."""
+    return cfg.half_tails and mode == ROWS_ALIGNED and block_m >= 32
+
+
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
@@ -216,7 +222,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
-        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired,
+        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -242,7 +248,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
-        EVEN_K=inter % cfg.block_k == 0, W_TMA=tma,
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, mode, block_m),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -33,6 +33,10 @@ class GemmConfig:
     tma: bool = False
     """Weight tiles by Hopper TMA copies (dense and FP8 weights in the aligned and batched modes,
     where the stack allows it; elsewhere the per-thread copies run)."""
+    half_tails: bool = False
+    """Aligned row blocks (BLOCK_M >= 32) whose second half is padding compute BLOCK_M // 2 rows:
+    each expert's last block is one about half the time at prefill sizes. Both row counts compile
+    into the kernel (twice its code); the block picks at run time."""
     slots: int | None = None
     """On the CUDA cores (ExpertsConfig.gemv), a token's slots (pairs) handled together, a power of
     two. GEMM1: pairs per program, their experts' rows loaded together and the token's activation

@@ -76,6 +76,8 @@ def gemv_candidates(which: int = 1, top_k: int = 1, weight_format: str = "dense"
 
 TMA_TUNE_MIN_BLOCK_M = 64  # tensor-core bound row blocks also try TMA weight boxes ...
 TMA_TUNE_TOP = 3  # ... on their fastest few configs
+HALF_TAILS_TUNE_MIN_BLOCK_M = 64  # row blocks that pad each expert by tens of rows also try half tail blocks ...
+HALF_TAILS_TUNE_TOP = 2  # ... on their fastest configs (TMA ones included)
 MAX_SPILL_BYTES = 16  # as tests/sm90_compile.py: past this, a config is kept only if no spill is inside a loop
 
 
@@ -176,6 +178,9 @@ class _Problem:
         if not (gemv or per_pair) and block_m >= TMA_TUNE_MIN_BLOCK_M and tma_format:
             for _, cfg in sorted(results, key=lambda r: r[0])[:TMA_TUNE_TOP]:  # the best few again, TMA boxes
                 measure(replace(cfg, tma=True))
+        if not (gemv or per_pair) and block_m >= HALF_TAILS_TUNE_MIN_BLOCK_M:
+            for _, cfg in sorted(results, key=lambda r: r[0])[:HALF_TAILS_TUNE_TOP]:  # ... and half tail blocks
+                measure(replace(cfg, half_tails=True))
         us, cfg = min(results, key=lambda r: r[0])
         return cfg, us
 

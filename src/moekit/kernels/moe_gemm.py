@@ -265,14 +265,16 @@ def _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, 
 
 @triton.jit
 def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
-                num_global, num_local, ROWS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, slot of each row in the compact row space, pair id of each row, row valid).
+                num_global, num_local, ROWS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                ROWS_M: tl.constexpr):
+    """(expert, slot of each row in the compact row space, pair id of each row, row valid) for the
+    first ROWS_M rows of row block pid_m (BLOCK_M rows).
 
     ALIGNED: row slot = position in the aligned pair list, pair = sorted pair id.
     BATCHED: row slot = e * M + m, pair = m. PER_PAIR: block = pair (row 0 only; the pointers are
     topk_ids and expert_map). Expert -1 means nothing to do.
     """
-    lanes = tl.arange(0, BLOCK_M)
+    lanes = tl.arange(0, ROWS_M)
     if ROWS == BATCHED:
         blocks_per_expert = tl.cdiv(rows_per_expert, BLOCK_M)
         e = pid_m // blocks_per_expert
@@ -288,6 +290,120 @@ def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, nu
     pos = pid_m * BLOCK_M + lanes
     pair = tl.load(sorted_pairs_ptr + pos)
     return e, pos.to(tl.int64), pair, pair < num_pairs
+
+
+@triton.jit
+def _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """Aligned row block pid_m holds at most BLOCK_M // 2 pairs: its second half is padding (the
+    sentinel num_pairs), since an expert's pairs fill its blocks from the first row."""
+    return tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs
+
+
+@triton.jit
+def _gemm1_rows(
+    ROWS_M: tl.constexpr,  # rows this program computes: BLOCK_M, or the first half of a tail block
+    pid_m, pid_n,
+    x_ptr, stride_xe, stride_xm, stride_xk,  # standard: x [T, H] (stride_xe unused); batched: x [E, M, H]
+    w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
+    w_desc,  # W_TMA: TMA descriptor of w13 as [E*2I, H] rows, box [BLOCK_N, BLOCK_K]
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
+    bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
+    h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
+    xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
+    block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+    num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
+    I, K,
+    gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_BLOCKED: tl.constexpr = False,  # FP8 weights: 128x128 block scales (else one scale per column)
+    HALVES_ASM: tl.constexpr = False,  # 4-bit: inline PTX for the bf16 pair of a byte (not in the interpreter)
+    W_TILE_SCALE: tl.constexpr = False,  # FP8 blocks: each tile's gate rows and up rows in one 128-row block
+    EVEN_K: tl.constexpr = False,  # K % BLOCK_K == 0
+    W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
+    PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
+):
+    """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
+    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
+                                          rows_per_expert, num_global, num_local, ROWS, HAS_MAP, BLOCK_M, ROWS_M)
+    if e >= 0:
+        if ROWS == BATCHED:
+            x_rows = e.to(tl.int64) * stride_xe + pair.to(tl.int64) * stride_xm
+            xs_rows = (e.to(tl.int64) * rows_per_expert + pair) * stride_xs
+        else:
+            x_rows = (pair // top_k).to(tl.int64) * stride_xm
+            xs_rows = (pair // top_k).to(tl.int64) * stride_xs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        gate_rows = offs_n.to(tl.int64) * gate_step
+        up_rows = gate_rows + up_offset
+        gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
+        w_row0 = e * (stride_we // stride_wn)  # W_TMA: the expert's first row in the [E*2I, H] view (experts back to back)
+        desc_gate = (w_row0 + gate_first).to(tl.int32)  # gate_step 1
+        # PAIRED: rows 2n (gate) and 2n + 1 (up) side by side, as the product's adjacent columns
+        pair_rows = (2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)).to(tl.int64)
+        acc_pair = tl.zeros([ROWS_M, 2 * BLOCK_N], dtype=tl.float32)
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulators: the weight is the MMA's A operand
+            acc_gate = tl.zeros([BLOCK_N, ROWS_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, ROWS_M], dtype=tl.float32)
+        else:
+            acc_gate = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
+            a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
+                        other=0.0)
+            if FORMAT == MXFP4 or FORMAT == NVFP4:
+                acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
+                                   DOT_PRECISION, HALVES_ASM, EVEN_K)
+                acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
+                                 DOT_PRECISION, HALVES_ASM, EVEN_K)
+            elif PAIRED:
+                w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
+                                      BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
+                                      desc_row=(w_row0 + 2 * gate_first).to(tl.int32), W_TMA=W_TMA)
+                acc_pair = tl.dot(a, w_pair, acc_pair, input_precision=DOT_PRECISION)
+            else:
+                w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
+                                      a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA)
+                w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
+                                    EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA)
+                if FORMAT >= FP8:
+                    a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
+                    acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
+                                         W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
+                    acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, gate_first + up_offset, n_ok, k0, stride_sn,
+                                       W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
+                else:
+                    acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:
+            acc_gate = tl.trans(acc_gate)
+            acc_up = tl.trans(acc_up)
+        if PAIRED:
+            acc_gate, acc_up = tl.split(tl.reshape(acc_pair, [ROWS_M, BLOCK_N, 2]))
+        if FORMAT == NVFP4:
+            gs = tl.load(gs_ptr + e)
+            acc_gate = acc_gate / gs
+            acc_up = acc_up / gs
+        if FORMAT >= FP8 and not W_BLOCKED:  # one scale per output column (per-channel, or per-tensor with stride 0)
+            acc_gate *= tl.load(s_e + gate_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
+            acc_up *= tl.load(s_e + up_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            b_e = bias_ptr + e.to(tl.int64) * stride_be
+            acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        act = _activate(acc_gate, acc_up, ACTIVATION)
+        if FORMAT >= FP8:
+            _fp8_quantize_store(act, h_ptr, h_rows, stride_hm, offs_n, hs_ptr, stride_hs, pid_n, row_ok, n_ok,
+                                FORMAT == FP8_EMULATED)
+        else:
+            tl.store(h_ptr + h_rows[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -312,88 +428,103 @@ def gemm1_act_kernel(
     EVEN_K: tl.constexpr = False,  # K % BLOCK_K == 0
     W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
+    HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
-    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
-                                          rows_per_expert, num_global, num_local, ROWS, HAS_MAP, BLOCK_M)
-    if e < 0:
-        return
-    if ROWS == BATCHED:
-        x_rows = e.to(tl.int64) * stride_xe + pair.to(tl.int64) * stride_xm
-        xs_rows = (e.to(tl.int64) * rows_per_expert + pair) * stride_xs
-    else:
-        x_rows = (pair // top_k).to(tl.int64) * stride_xm
-        xs_rows = (pair // top_k).to(tl.int64) * stride_xs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    gate_rows = offs_n.to(tl.int64) * gate_step
-    up_rows = gate_rows + up_offset
-    gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
-    w_row0 = e * (stride_we // stride_wn)  # W_TMA: the expert's first row in the [E*2I, H] view (experts back to back)
-    desc_gate = (w_row0 + gate_first).to(tl.int32)  # gate_step 1
-    # PAIRED: rows 2n (gate) and 2n + 1 (up) side by side, as the product's adjacent columns
-    pair_rows = (2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)).to(tl.int64)
-    acc_pair = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-    w_e = w_ptr + e.to(tl.int64) * stride_we
-    s_e = s_ptr + e.to(tl.int64) * stride_se
-    if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulators: the weight is the MMA's A operand
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
-        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
-                    other=0.0)
-        if FORMAT == MXFP4 or FORMAT == NVFP4:
-            acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                               DOT_PRECISION, HALVES_ASM, EVEN_K)
-            acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                             DOT_PRECISION, HALVES_ASM, EVEN_K)
-        elif PAIRED:
-            w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                  BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
-                                  desc_row=(w_row0 + 2 * gate_first).to(tl.int32), W_TMA=W_TMA)
-            acc_pair = tl.dot(a, w_pair, acc_pair, input_precision=DOT_PRECISION)
+    # Each expert's last block of the aligned list is half padding or more about half the time at
+    # prefill sizes (its rows are what is left of the expert's count): the tensor cores then run
+    # half the rows. Both row counts compile into this kernel; the block picks at run time.
+    if HALF_TAILS:
+        if _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M):
+            _gemm1_rows(BLOCK_M // 2, pid_m, pid_n,
+                        x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr,
+                        stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+                        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
+                        up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
+                        BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
         else:
-            w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
-                                  a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA)
-            w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
-                                EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA)
-            if FORMAT >= FP8:
-                a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
-                acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
-                                     W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
-                acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, gate_first + up_offset, n_ok, k0, stride_sn,
-                                   W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
-            else:
-                acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-    if FORMAT == MXFP4 or FORMAT == NVFP4:
-        acc_gate = tl.trans(acc_gate)
-        acc_up = tl.trans(acc_up)
-    if PAIRED:
-        acc_gate, acc_up = tl.split(tl.reshape(acc_pair, [BLOCK_M, BLOCK_N, 2]))
-    if FORMAT == NVFP4:
-        gs = tl.load(gs_ptr + e)
-        acc_gate = acc_gate / gs
-        acc_up = acc_up / gs
-    if FORMAT >= FP8 and not W_BLOCKED:  # one scale per output column (per-channel, or per-tensor with stride 0)
-        acc_gate *= tl.load(s_e + gate_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
-        acc_up *= tl.load(s_e + up_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        b_e = bias_ptr + e.to(tl.int64) * stride_be
-        acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    act = _activate(acc_gate, acc_up, ACTIVATION)
-    if FORMAT >= FP8:
-        _fp8_quantize_store(act, h_ptr, h_rows, stride_hm, offs_n, hs_ptr, stride_hs, pid_n, row_ok, n_ok,
-                            FORMAT == FP8_EMULATED)
+            _gemm1_rows(BLOCK_M, pid_m, pid_n,
+                        x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr,
+                        stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+                        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
+                        up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
+                        BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
     else:
-        tl.store(h_ptr + h_rows[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+        _gemm1_rows(BLOCK_M, pid_m, pid_n,
+                    x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr, stride_xs,
+                    hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, top_k,
+                    rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step, up_offset, HAS_BIAS, ROWS,
+                    HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED,
+                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
+
+
+@triton.jit
+def _gemm2_rows(
+    ROWS_M: tl.constexpr,  # rows this program computes: BLOCK_M, or the first half of a tail block
+    pid_m, pid_n,
+    h_ptr, stride_hm,  # activations [rows, I] from gemm1_act_kernel
+    hs_ptr, stride_hs,  # FP8: their group scales [rows, I/128]
+    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
+    w_desc,  # W_TMA: TMA descriptor of w2 as [E*H, I] rows, box [BLOCK_N, BLOCK_K]
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
+    bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
+    weights_ptr,  # float32 [num_pairs] router weights (standard format)
+    y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
+    block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+    num_pairs, rows_per_expert, num_m_blocks,
+    N, K,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
+):
+    """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
+    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
+                                          rows_per_expert, 0, 0, ROWS, False, BLOCK_M, ROWS_M)
+    if e >= 0:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = offs_n.to(tl.int64)
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulator: the weight is the MMA's A operand
+            acc = tl.zeros([BLOCK_N, ROWS_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
+                        other=0.0)
+            if FORMAT == MXFP4 or FORMAT == NVFP4:
+                acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION,
+                              HALVES_ASM, EVEN_K)
+            else:
+                w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
+                                 EVEN_K=EVEN_K, w_desc=w_desc, desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32),
+                                 W_TMA=W_TMA)
+                if FORMAT >= FP8:
+                    a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
+                    acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
+                                    W_TILE_SCALE, DOT_PRECISION)
+                else:
+                    acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:
+            acc = tl.trans(acc)
+        if FORMAT == NVFP4:
+            acc = acc / tl.load(gs_ptr + e)
+        if FORMAT >= FP8 and not W_BLOCKED:
+            acc *= tl.load(s_e + rows * stride_sn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ROWS == BATCHED:
+            y_rows = e.to(tl.int64) * stride_ye + pair.to(tl.int64) * stride_ym
+        else:
+            acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+            y_rows = pair.to(tl.int64) * stride_ym
+        tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -413,52 +544,31 @@ def gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
+    HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
-                                          rows_per_expert, 0, 0, ROWS, False, BLOCK_M)
-    if e < 0:
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    w_e = w_ptr + e.to(tl.int64) * stride_we
-    s_e = s_ptr + e.to(tl.int64) * stride_se
-    if FORMAT == MXFP4 or FORMAT == NVFP4:  # transposed accumulator: the weight is the MMA's A operand
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
-                    other=0.0)
-        if FORMAT == MXFP4 or FORMAT == NVFP4:
-            acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION,
-                          HALVES_ASM, EVEN_K)
+    if HALF_TAILS:  # as in gemm1_act_kernel
+        if _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M):
+            _gemm2_rows(BLOCK_M // 2, pid_m, pid_n,
+                        h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
+                        stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
+                        num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
         else:
-            w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
-                             EVEN_K=EVEN_K, w_desc=w_desc, desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32),
-                             W_TMA=W_TMA)
-            if FORMAT >= FP8:
-                a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
-                acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
-                                W_TILE_SCALE, DOT_PRECISION)
-            else:
-                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    if FORMAT == MXFP4 or FORMAT == NVFP4:
-        acc = tl.trans(acc)
-    if FORMAT == NVFP4:
-        acc = acc / tl.load(gs_ptr + e)
-    if FORMAT >= FP8 and not W_BLOCKED:
-        acc *= tl.load(s_e + rows * stride_sn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ROWS == BATCHED:
-        y_rows = e.to(tl.int64) * stride_ye + pair.to(tl.int64) * stride_ym
+            _gemm2_rows(BLOCK_M, pid_m, pid_n,
+                        h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
+                        stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
+                        num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
     else:
-        acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-        y_rows = pair.to(tl.int64) * stride_ym
-    tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        _gemm2_rows(BLOCK_M, pid_m, pid_n,
+                    h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
+                    stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
+                    num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
 
 
 @triton.jit

@@ -145,7 +145,6 @@ def gemv1_act_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
     SLOTS: tl.constexpr = 1,  # pairs per program: slots [g * SLOTS, (g + 1) * SLOTS) of one token
-    X_AHEAD: tl.constexpr = True,  # the next activation chunk loads with the next weights (else at use)
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -179,13 +178,11 @@ def gemv1_act_kernel(
         xv = _load_x(x_row, 0, K, stride_xk, True, FORMAT, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K
-            if not X_AHEAD:  # 4-bit holds x as fp32, 8 values per weight word: at use, fewer registers
-                xv = _load_x(x_row, k0, K, stride_xk, True, FORMAT, BLOCK_K)
             wg_next, sg_next = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
             wu_next, su_next = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
-            xv_next = _load_x(x_row, k1, K, stride_xk, X_AHEAD, FORMAT, BLOCK_K)  # nothing loads unless ahead
+            xv_next = _load_x(x_row, k1, K, stride_xk, True, FORMAT, BLOCK_K)
             acc_gate += _chunk_sums(wg, sg, xv, FORMAT, HALVES_ASM)
             acc_up += _chunk_sums(wu, su, xv, FORMAT, HALVES_ASM)
             wg, sg, wu, su, xv = wg_next, sg_next, wu_next, su_next, xv_next
