@@ -339,7 +339,8 @@ def _gemm1_rows(
         gate_rows = offs_n.to(tl.int64) * gate_step
         up_rows = gate_rows + up_offset
         gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
-        w_row0 = e * (stride_we // stride_wn)  # W_TMA: the expert's first row in the [E*2I, H] view (experts back to back)
+        # W_TMA: the expert's first row in the [E*2I, H] view (experts back to back)
+        w_row0 = e * (stride_we // stride_wn)
         desc_gate = (w_row0 + gate_first).to(tl.int32)  # gate_step 1
         # PAIRED: rows 2n (gate) and 2n + 1 (up) side by side, as the product's adjacent columns
         pair_rows = (2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)).to(tl.int64)
@@ -355,29 +356,29 @@ def _gemm1_rows(
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
-            a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk, mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
-                        other=0.0)
+            a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk,
+                        mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
                 acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
                                    DOT_PRECISION, HALVES_ASM, EVEN_K)
                 acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
                                  DOT_PRECISION, HALVES_ASM, EVEN_K)
             elif PAIRED:
-                w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                      BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
+                w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn,
+                                      FORMAT, BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
                                       desc_row=(w_row0 + 2 * gate_first).to(tl.int32), W_TMA=W_TMA)
                 acc_pair = tl.dot(a, w_pair, acc_pair, input_precision=DOT_PRECISION)
             else:
-                w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
-                                      a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA)
-                w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
-                                    EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA)
+                w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
+                                      BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA)
+                w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
+                                    a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA)
                 if FORMAT >= FP8:
                     a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
                                          W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
-                    acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, gate_first + up_offset, n_ok, k0, stride_sn,
-                                       W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
+                    acc_up = _fp8_step(acc_up, a, w_up, a_scale, s_e, up_rows, gate_first + up_offset, n_ok, k0,
+                                       stride_sn, W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
                 else:
                     acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
                     acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
@@ -496,15 +497,15 @@ def _gemm2_rows(
             acc = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :], mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K),
-                        other=0.0)
+            a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :],
+                        mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
                 acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION,
                               HALVES_ASM, EVEN_K)
             else:
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
-                                 EVEN_K=EVEN_K, w_desc=w_desc, desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32),
-                                 W_TMA=W_TMA)
+                                 EVEN_K=EVEN_K, w_desc=w_desc,
+                                 desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32), W_TMA=W_TMA)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
@@ -518,13 +519,15 @@ def _gemm2_rows(
         if FORMAT >= FP8 and not W_BLOCKED:
             acc *= tl.load(s_e + rows * stride_sn, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok,
+                           other=0.0).to(tl.float32)[None, :]
         if ROWS == BATCHED:
             y_rows = e.to(tl.int64) * stride_ye + pair.to(tl.int64) * stride_ym
         else:
             acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
             y_rows = pair.to(tl.int64) * stride_ym
-        tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
