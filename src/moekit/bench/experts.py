@@ -230,7 +230,7 @@ def run_preset(args, spec, rate):
         expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
         bw_floor = (hit * expert_bytes + 2 * T * spec.hidden_size * 2) / COPY_BW * 1e6
         mm_floor = 2 * T * spec.top_k * 3 * spec.hidden_size * spec.intermediate_size / rate * 1e6
-        row = {"preset": name, "T": T, "experts_hit": hit, "floor_us": max(bw_floor, mm_floor),
+        row = {"preset": name, "T": T, "layers": n_layers, "experts_hit": hit, "floor_us": max(bw_floor, mm_floor),
                "floor_kind": "bytes" if bw_floor >= mm_floor else "flops"}
         ref = None
         if T in args.accuracy_tokens:
@@ -279,10 +279,11 @@ def _fmt(v, digits=1):
 
 def markdown(records, env, rate, impl_names):
     cols = ["moekit"] + [p for p in impl_names if any(r.get(p) is not None or f"{p}_note" in r for r in records)]
+    layers = max((r.get("layers", 4) for r in records), default=4)  # records before this field used 4
     lines = [f"# Experts benchmark ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. bf16, uniform random routing.",
              "us per fused_experts call (alignment and combine included). CUDA-graph replay: T <= 64 a graph of 8",
-             "calls over 4 layers' weights (replay / 8), above one call per graph; `(e)` = eager (cannot be",
+             f"calls over {layers} layers' weights (replay / 8), above one call per graph; `(e)` = eager (cannot be",
              "captured). floor = max(bytes of the distinct experts hit + x + out at 4.2 TB/s, FLOPs at the",
              f"bf16 matmul rate measured in this run: {rate / 1e12:.0f} TFLOP/s). x floor = moekit / floor.", "",
              "| preset | T | " + " | ".join(cols) + " | best peer / moekit | floor us | x floor | moekit TFLOP/s | "
