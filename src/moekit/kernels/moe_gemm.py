@@ -435,23 +435,15 @@ def gemm1_act_kernel(
     # Each expert's last block of the aligned list is half padding or more about half the time at
     # prefill sizes (its rows are what is left of the expert's count): the tensor cores then run
     # half the rows. Both row counts compile into this kernel; the block picks at run time.
-    if HALF_TAILS:
-        if _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M):
-            _gemm1_rows(BLOCK_M // 2, pid_m, pid_n,
-                        x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr,
-                        stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
-                        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
-                        up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                        BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
-        else:
-            _gemm1_rows(BLOCK_M, pid_m, pid_n,
-                        x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr,
-                        stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
-                        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
-                        up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                        BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
+    half = _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M) if HALF_TAILS else False
+    if half:
+        _gemm1_rows(BLOCK_M // 2, pid_m, pid_n,
+                    x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr,
+                    stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+                    num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
+                    up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
+                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
@@ -550,21 +542,15 @@ def gemm2_kernel(
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if HALF_TAILS:  # as in gemm1_act_kernel
-        if _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M):
-            _gemm2_rows(BLOCK_M // 2, pid_m, pid_n,
-                        h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
-                        stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
-                        num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
-        else:
-            _gemm2_rows(BLOCK_M, pid_m, pid_n,
-                        h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
-                        stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
-                        num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
+    # half tail blocks: as in gemm1_act_kernel
+    half = _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M) if HALF_TAILS else False
+    if half:
+        _gemm2_rows(BLOCK_M // 2, pid_m, pid_n,
+                    h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
+                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
+                    stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
+                    num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
     else:
         _gemm2_rows(BLOCK_M, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
