@@ -116,7 +116,7 @@ class WeightOperand:
             words = d.view(torch.int32)
         except RuntimeError:
             words = d.contiguous().view(torch.int32)
-        if words.stride(1) % per_group:  # the kernel assumes rows start on whole scale groups
+        if words.stride(0) % per_group or words.stride(1) % per_group:  # experts and rows start on whole groups
             words = d.contiguous().view(torch.int32)
         s = self.scales
         return (words, words.stride(0), words.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)

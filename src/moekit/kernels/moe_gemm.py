@@ -299,6 +299,8 @@ def _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr):
     return tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs
 
 
+# _gemm1_rows and _gemm2_rows take their kernel's parameters again (Triton's JIT functions take no
+# **kwargs): each kernel runs one of them at BLOCK_M or BLOCK_M // 2 rows.
 @triton.jit
 def _gemm1_rows(
     ROWS_M: tl.constexpr,  # rows this program computes: BLOCK_M, or the first half of a tail block
