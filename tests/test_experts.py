@@ -826,13 +826,19 @@ def _counted_routes(counts, k):
 _HALF_TAIL_COUNTS = [40, 20, 16, 0, 17]
 
 
-@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
-@pytest.mark.parametrize("act", ["silu_and_mul", "swiglu_oai"])
-def test_half_tail_blocks(fmt, act):
+@pytest.mark.parametrize("fmt,act,counts", [
+    ("dense", "silu_and_mul", _HALF_TAIL_COUNTS),
+    ("dense", "swiglu_oai", _HALF_TAIL_COUNTS),
+    ("mxfp4", "silu_and_mul", _HALF_TAIL_COUNTS),
+    ("mxfp4", "swiglu_oai", _HALF_TAIL_COUNTS),
+    ("dense", "silu_and_mul", [0, 0, 0, 0, 0]),  # no tokens: no blocks at all
+    ("dense", "silu_and_mul", [1, 0, 2, 0, 0]),  # one token: every block a tail of one or two rows
+])
+def test_half_tail_blocks(fmt, act, counts):
     E, H, I, k = 5, 64, 96, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
     q13, q2, d13, d2 = _quantized(fmt, w13, w2) if fmt != "dense" else (w13, w2, w13, w2)
-    tw, tid = _counted_routes(_HALF_TAIL_COUNTS, k)
+    tw, tid = _counted_routes(counts, k)
     x = torch.randn(tid.shape[0], H)
     half = GemmConfig(16, 32, half_tails=True)
     out = _poisoned(x.shape, torch.float32)
