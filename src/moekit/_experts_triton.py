@@ -282,7 +282,7 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
 
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
-    slots = min(cfg.slots or 1, _triton.next_pow2(top_k))
+    slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
     return gemv1_act_kernel[(programs,)](
         x, x.stride(0), x.stride(1),
@@ -298,10 +298,9 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
     )
 
 
-def _gemv2_slots(cfg: GemmConfig, weight_format: str, top_k: int) -> int:
-    """GemmConfig.slots as launched: the format's default when unset, at most top_k's power of two."""
-    slots = cfg.slots if cfg.slots is not None else (1 if weight_format in FLAT_SLOT_FORMATS else 0)
-    return min(slots, _triton.next_pow2(top_k))
+def _gemv_slots(cfg: GemmConfig, top_k: int, default: int) -> int:
+    """GemmConfig.slots as launched: ``default`` when unset, at most top_k's power of two."""
+    return min(default if cfg.slots is None else cfg.slots, _triton.next_pow2(top_k))
 
 
 def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
@@ -319,7 +318,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
-        SLOTS=_gemv2_slots(cfg, w.format, top_k), PDL=pdl, launch_pdl=pdl,
+        SLOTS=_gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0), PDL=pdl, launch_pdl=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
