@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import presets, reference
+from moekit import presets, reference, router_tiers
 from moekit.router import GateLinear, RouterLoRA, fused_router, router_gemm
 from moekit.verify.metrics import Tolerance, check_close, routes_agree, separable_tokens
 
@@ -245,6 +245,8 @@ def test_fused_router_gpu(name, why):
     for T in GPU_TOKENS:
         x, w, b, kwargs = _preset_inputs(spec, T, torch.bfloat16, "cuda")
         mask = _check_fused(spec, x, w, b, kwargs, "auto")
+        if T <= router_tiers.FUSED_MAX_TOKENS:  # the one-launch kernel also where auto does not take it
+            _check_fused(spec, x, w, b, kwargs, "fused")
         if T >= 64:
             # The check is not vacuous. Sigmoid compresses score gaps, so under the criterion
             # (gap > 1e-4 max|logit|) only 72-88% of grouped-sigmoid tokens are separable (H200 run).
@@ -266,6 +268,38 @@ def test_fused_router_gpu_is_deterministic_and_graph_capturable():
         x.copy_(torch.randn_like(x))
         graph.replay()
         expect = fused_router(x, w, b, top_k=8, method=spec.routing, **kwargs)
+        assert torch.equal(captured[1], expect[1]) and torch.equal(captured[0], expect[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,why", [
+    (3, "three finishers of one token in a 16-token block"),
+    (16, "a full block: sixteen finishers"),
+    (17, "a second block holding one token: one finisher there"),
+    (128, "eight blocks of sixteen finishers: about one waiting program per SM"),
+])
+def test_fused_router_gpu_shared_finishing(T, why):
+    # The last programs of a token block share its routing: each waits on the arrival counter, and the
+    # counter must be back at zero after every launch, also inside a graph replayed many times.
+    spec = presets.get("qwen3-30b-a3b")
+    x, w, b, kwargs = _preset_inputs(spec, T, torch.bfloat16, "cuda")
+    cfg = router_tiers.kernel_config(T, spec.hidden_size, spec.num_experts, 0, True,
+                                     torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cfg.fin_programs > 1
+    call = lambda: fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, impl="fused", **kwargs)  # noqa: E731
+    first = call()
+    _check_fused(spec, x, w, b, kwargs, "fused")
+    for _ in range(50):
+        again = call()
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        for _ in range(20):
+            graph.replay()
+        expect = call()
         assert torch.equal(captured[1], expect[1]) and torch.equal(captured[0], expect[0])
 
 

@@ -56,3 +56,9 @@ def test_launch_shapes_respect_their_budgets(fuse, rank):
             assert c.fin_t * e_pad <= (2048 if fuse else router_tiers._REGISTER_BUDGET) or c.fin_t == 1
             assert c.s_chunk * c.fin_t * e_pad <= (4096 if fuse else router_tiers._REGISTER_BUDGET) or c.s_chunk == 1
             assert (c.block_t < 16) == (T <= router_tiers.GEMV_MAX_TOKENS)   # GEMV only for 1-2 tokens
+            # Shared finishing: no more finishers than token groups or programs of a block, at most
+            # one waiting program per SM (the default 132), and only for the tensor-core blocks.
+            blocks = -(-T // c.block_t)
+            row_blocks = -(-E // c.block_r) + -(-rank // c.block_r)
+            assert 1 <= c.fin_programs <= min(-(-min(T, c.block_t) // c.fin_t), row_blocks * c.splits)
+            assert c.fin_programs == 1 or (blocks * c.fin_programs <= 132 and c.block_t >= 16)

@@ -210,6 +210,8 @@ def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None
         num_tokens, hidden, num_experts, rank, cfg.k_per_split, num_tokens * total_rows,
         float(lora.scale) if lora is not None else 0.0, routing.scaling,
         BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
+        # The interpreter runs programs one by one: a finisher waiting for a later one would hang.
+        FIN_PROGRAMS=1 if _triton.interpreting() else cfg.fin_programs,
         E_PAD=_triton.next_pow2(num_experts), S_CHUNK=cfg.s_chunk, R_PAD=cfg.r_pad,
         HAS_BIAS=bias is not None, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
         IEEE=x.dtype == torch.float32, FENCE=not _triton.interpreting(),

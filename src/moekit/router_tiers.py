@@ -22,6 +22,12 @@ FUSED_MAX_TOKENS = 128
 
 GEMV_MAX_TOKENS = 2
 """Up to this many tokens the router GEMM runs as a GEMV (fp32 FMAs), above it on tensor cores."""
+
+FINISH_TOKENS = {True: 1, False: 4}
+"""Tokens per finishing program of a tensor-core token block, where several programs share the
+finishing step (key: routing fused or not). The routing of one token is a chain of dependent
+reductions, so one token per program is fastest (H200, results/router_finish_ab_s8.txt: qwen3 T=16
+22.2 -> 7.0 us); summing partial logits alone does best at 4."""
 _REGISTER_BUDGET = 4096  # fp32 elements one program may hold in the finishing step (no routing)
 
 
@@ -44,6 +50,8 @@ class RouterKernelConfig:
     s_chunk: int
     r_pad: int
     num_warps: int = 4
+    fin_programs: int = 1
+    """Programs that share the finishing step of one token block (each takes fin_t tokens at a time)."""
 
 
 @functools.cache
@@ -114,8 +122,10 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     # tests/sm90_compile.py shows spills past these budgets (fp32 elements, 4 warps).
     tile_budget, parts_budget = (2048, 4096) if fuse_topk else (_REGISTER_BUDGET, _REGISTER_BUDGET)
     lora_budget = 2048 if fuse_topk else 4096
+    shared_finish = block_t >= 16  # the GEMV blocks hold one or two tokens: one finisher is enough
     fin_t = _prev_pow2(max(1, min(block_t, _triton.next_pow2(num_tokens), tile_budget // e_pad,
-                                  lora_budget // (r_pad * e_pad))))
+                                  lora_budget // (r_pad * e_pad),
+                                  FINISH_TOKENS[fuse_topk] if shared_finish else block_t)))
     # It also reads every split's partial sums alone, so keep them to ~64 KB per token block.
     max_splits = max(2, 16384 // (min(num_tokens, block_t) * e_pad))
     row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
@@ -124,7 +134,15 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     k_per_split = _triton.cdiv(_triton.cdiv(hidden, splits), block_k) * block_k
     splits = _triton.cdiv(hidden, k_per_split)
     s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
-    return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad)
+    # Finishers wait for their block's last partial sums. A launch has at most one waiting program
+    # per SM, so the programs they wait for always find room to run (an SM holds several).
+    t_blocks = _triton.cdiv(num_tokens, block_t)
+    fin_programs = 1
+    if shared_finish:
+        fin_programs = max(1, min(_triton.cdiv(min(block_t, num_tokens), fin_t), row_blocks * splits,
+                                  num_sms // t_blocks))
+    return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad,
+                              fin_programs=fin_programs)
 
 
 def fused_limit(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:

@@ -4,7 +4,8 @@ Grid: (row blocks of [W; A], K splits, token blocks). Each program reduces one H
 row block into an fp32 partial. With a single K split, no LoRA and no routing, it writes the
 logits directly. Otherwise partials go to a workspace and the LAST program to arrive for a token
 block (an arrival counter) sums them in fixed split order, adds bias and the LoRA term, and
-writes logits or routes them: one launch, deterministic, no atomics on data.
+writes logits or routes them: one launch, deterministic, no atomics on data. With FIN_PROGRAMS > 1
+the last few programs to arrive share that finishing step, each taking its own tokens.
 """
 
 import triton
@@ -61,8 +62,8 @@ def router_kernel(
     tw_ptr, tid_ptr,
     num_tokens, hidden, num_experts, rank, k_per_split, split_stride, lora_scale, scaling,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    FIN_T: tl.constexpr, E_PAD: tl.constexpr, S_CHUNK: tl.constexpr, R_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, FUSE_TOPK: tl.constexpr,
+    FIN_T: tl.constexpr, FIN_PROGRAMS: tl.constexpr, E_PAD: tl.constexpr, S_CHUNK: tl.constexpr,
+    R_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, FUSE_TOPK: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, FENCE: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, METHOD: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_CORR_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
@@ -103,22 +104,42 @@ def router_kernel(
             _gpu_release_fence(tok)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        total = tl.num_programs(0) * tl.num_programs(1)
+        # The last n_fin programs to arrive each finish every n_fin-th group of FIN_T tokens, so
+        # the routing of a 16-token block runs on several SMs at once instead of one after another.
+        n_fin = 1
+        if FIN_PROGRAMS > 1:
+            n_fin = tl.minimum(tl.cdiv(tl.minimum(BLOCK_T, num_tokens - pid_t * BLOCK_T), FIN_T), FIN_PROGRAMS)
+        fin = arrived - (total - n_fin)
+        if fin >= 0:
+            if FIN_PROGRAMS > 1:
+                # Wait for the at most n_fin - 1 programs still storing partials. They hold or get a
+                # place on an SM: the host allows at most one waiting program per SM per launch.
+                seen = arrived + 1
+                while seen < total:
+                    seen = tl.atomic_add(cnt_ptr + pid_t, 0, sem="acquire", scope="gpu")
             _finish(ws_ptr, split_stride, total_rows, tl.num_programs(1),
                     b_ptr, stride_be, stride_br, bias_ptr, corr_bias_ptr,
                     out_ptr, stride_ot, stride_oe, tw_ptr, tid_ptr,
-                    pid_t * BLOCK_T, num_tokens, num_experts, rank, lora_scale, scaling,
+                    pid_t * BLOCK_T, fin * FIN_T, n_fin * FIN_T, num_tokens, num_experts, rank,
+                    lora_scale, scaling,
                     BLOCK_T, FIN_T, E_PAD, S_CHUNK, R_PAD, HAS_BIAS, HAS_LORA, FUSE_TOPK,
                     TOP_K, K_PAD, METHOD, RENORMALIZE, HAS_CORR_BIAS,
                     NUM_GROUPS, TOPK_GROUPS, GROUP_SIZE, G_PAD, GROUPS_RESHAPE)
-            tl.atomic_xchg(cnt_ptr + pid_t, 0)  # ready for the next launch on this stream
+            if FIN_PROGRAMS > 1:
+                # The counter resets once every finisher is past its wait.
+                done = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+                if done == total + n_fin - 1:
+                    tl.atomic_xchg(cnt_ptr + pid_t, 0)
+            else:
+                tl.atomic_xchg(cnt_ptr + pid_t, 0)  # ready for the next launch on this stream
 
 
 @triton.jit
 def _finish(ws_ptr, split_stride, total_rows, num_splits,
             b_ptr, stride_be, stride_br, bias_ptr, corr_bias_ptr,
             out_ptr, stride_ot, stride_oe, tw_ptr, tid_ptr,
-            t_start, num_tokens, num_experts, rank, lora_scale, scaling,
+            t_start, t_first, t_step, num_tokens, num_experts, rank, lora_scale, scaling,
             BLOCK_T: tl.constexpr, FIN_T: tl.constexpr, E_PAD: tl.constexpr,
             S_CHUNK: tl.constexpr, R_PAD: tl.constexpr,
             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, FUSE_TOPK: tl.constexpr,
@@ -139,8 +160,9 @@ def _finish(ws_ptr, split_stride, total_rows, num_splits,
     if HAS_LORA:
         b_t = tl.load(b_ptr + rr[:, None] * stride_br + cols.to(tl.int64)[None, :] * stride_be,
                       mask=(rr < rank)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    # A loop, not unrolled (the routing code is large), over this block's real tokens only.
-    for t0 in range(0, tl.minimum(BLOCK_T, num_tokens - t_start), FIN_T):
+    # A loop, not unrolled (the routing code is large), over this finisher's share of the block's
+    # real tokens: groups of FIN_T from t_first, t_step apart.
+    for t0 in range(t_first, tl.minimum(BLOCK_T, num_tokens - t_start), t_step):
         tok = t_start + t0 + tl.arange(0, FIN_T)
         tmask = (tok < num_tokens)[None, :, None]
         base = ws_ptr + tok.to(tl.int64)[None, :, None] * total_rows
