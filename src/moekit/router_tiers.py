@@ -107,16 +107,24 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
 def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
                   num_sms: int = 132) -> RouterKernelConfig:
     """Heuristic launch shape: about two programs per SM, bounded registers and partial sums."""
-    e_pad = _triton.next_pow2(num_experts)
-    r_pad = _triton.next_pow2(rank) if rank else 1
-    small = num_tokens <= 16
     if num_tokens <= GEMV_MAX_TOKENS:
         block_t, block_r = _triton.next_pow2(num_tokens), 16
         block_k = 8192 // (block_t * block_r)  # the GEMV path's fp32 product tile: 8192 elements
     else:
+        small = num_tokens <= 16
         block_t = 16 if small or fuse_topk else min(64, _triton.next_pow2(num_tokens))
         block_r = 16 if small else 32
         block_k = 256 if small else 128
+    return launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r, block_k)
+
+
+def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool, num_sms: int,
+                  block_t: int, block_r: int, block_k: int, num_warps: int = 4,
+                  programs_per_sm: int = 2) -> RouterKernelConfig:
+    """The launch shape for one GEMM tile: K splits for about ``programs_per_sm`` programs per SM,
+    the finishing step's token groups and finishers within their register budgets."""
+    e_pad = _triton.next_pow2(num_experts)
+    r_pad = _triton.next_pow2(rank) if rank else 1
     # The finishing program holds a [fin_t, E_PAD] logits tile (routing: several siblings of it),
     # the LoRA product [fin_t, R_PAD, E_PAD] and one [s_chunk, fin_t, E_PAD] load of partial sums;
     # tests/sm90_compile.py shows spills past these budgets (fp32 elements, 4 warps).
@@ -129,20 +137,20 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     # It also reads every split's partial sums alone, so keep them to ~64 KB per token block.
     max_splits = max(2, 16384 // (min(num_tokens, block_t) * e_pad))
     row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
-    base = row_blocks * _triton.cdiv(num_tokens, block_t)
-    splits = max(1, min(_triton.cdiv(2 * num_sms, base), _triton.cdiv(hidden, block_k), max_splits))
+    t_blocks = _triton.cdiv(num_tokens, block_t)
+    base = row_blocks * t_blocks
+    splits = max(1, min(_triton.cdiv(programs_per_sm * num_sms, base), _triton.cdiv(hidden, block_k), max_splits))
     k_per_split = _triton.cdiv(_triton.cdiv(hidden, splits), block_k) * block_k
     splits = _triton.cdiv(hidden, k_per_split)
     s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
     # Finishers wait for their block's last partial sums. A launch has at most one waiting program
     # per SM, so the programs they wait for always find room to run (an SM holds several).
-    t_blocks = _triton.cdiv(num_tokens, block_t)
     fin_programs = 1
     if shared_finish:
         fin_programs = max(1, min(_triton.cdiv(min(block_t, num_tokens), fin_t), row_blocks * splits,
                                   num_sms // t_blocks))
     return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad,
-                              fin_programs=fin_programs)
+                              num_warps=num_warps, fin_programs=fin_programs)
 
 
 def fused_limit(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
