@@ -111,8 +111,10 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
         block_t, block_r = _triton.next_pow2(num_tokens), 16
         block_k = 8192 // (block_t * block_r)  # the GEMV path's fp32 product tile: 8192 elements
     else:
+        # Taller token blocks only past T=128: below it the finishing step is shared anyway and more
+        # row blocks keep the SMs busy (H200 tile sweep, results/router_tiles_s8.txt).
         small = num_tokens <= 16
-        block_t = 16 if small or fuse_topk else min(64, _triton.next_pow2(num_tokens))
+        block_t = 16 if small or fuse_topk or num_tokens <= 128 else (32 if num_tokens <= 256 else 64)
         block_r = 16 if small else 32
         block_k = 256 if small else 128
     return launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r, block_k)
