@@ -7,9 +7,10 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
     python benchmarks/ab_configs.py --preset deepseek-v3 --weights fp8_block --tokens 4096 \\
         --config table 128:128,128,8,3,8:128,128,8,3,8
 
-A config is ``table``, ``table+tma`` / ``table+half`` / ``table+tma+half`` (the table's config with
-TMA weight boxes and/or half tail blocks) or
-``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m``.
+A config is ``table``, ``table+OPT+OPT...`` (the table's config with options in both GEMMs) or
+``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m[,OPT...]``.
+OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``persistN`` (persistent, N programs per
+SM, half tails off), ``stagesN`` (pipeline stages), e.g. ``table+persist1+stages2``.
 """
 
 from __future__ import annotations
@@ -32,14 +33,35 @@ from moekit.experts import fused_experts
 from moekit.tune import random_weights
 
 
+def _option(word: str) -> dict:
+    """One GemmConfig option: tma, half (half_tails), persistN (N programs per SM, half tails off),
+    stagesN (num_stages)."""
+    if word in ("tma", "half"):
+        return {{"tma": "tma", "half": "half_tails"}[word]: True}
+    if word.startswith("persist"):
+        return {"persistent": int(word.removeprefix("persist")), "half_tails": False}
+    if word.startswith("stages"):
+        return {"num_stages": int(word.removeprefix("stages"))}
+    raise ValueError(f"unknown config option {word!r} (tma, half, persistN, stagesN)")
+
+
 def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:
     if text == "table":
         return None
-    if text.startswith("table+"):  # the table's config with options set in both GEMMs: +tma, +half (half_tails)
-        opts = {{"tma": "tma", "half": "half_tails"}[o]: True for o in text.split("+")[1:]}
+    if text.startswith("table+"):  # the table's config with options set in both GEMMs
+        opts = {}
+        for word in text.split("+")[1:]:
+            opts |= _option(word)
         return replace(table, gemm1=replace(table.gemm1, **opts), gemm2=replace(table.gemm2, **opts))
     block_m, g1, g2 = text.split(":")
-    gemm = lambda s: GemmConfig(*(int(v) for v in s.split(",")))  # noqa: E731
+
+    def gemm(spec: str) -> GemmConfig:
+        words = spec.split(",")
+        numbers = [int(w) for w in words if w.isdigit()]
+        opts = {}
+        for word in (w for w in words if not w.isdigit()):
+            opts |= _option(word)
+        return GemmConfig(*numbers, **opts)
     return ExpertsConfig(int(block_m), gemm(g1), gemm(g2))
 
 

@@ -195,7 +195,7 @@ def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why):
     tid = torch.randint(0, E, (T, k), dtype=torch.int32)
     tid[0, 0], tid[1, 1] = -1, 99                    # invalid ids are left out
     emap = torch.tensor([0, 1, 2, -1, 3, 4, 5], dtype=torch.int32)   # global 3 remote; local 6 unused
-    pair_expert, sorted_pairs, block_expert = _experts_triton.align(tid, emap, 6, block_m, split=split)
+    pair_expert, sorted_pairs, block_expert, used = _experts_triton.align(tid, emap, 6, block_m, split=split)
     ids = tid.reshape(-1).long()
     valid = (ids >= 0) & (ids < E)
     local = torch.where(valid, emap.long()[ids.clamp(0, E - 1)], -1)
@@ -210,6 +210,7 @@ def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why):
         assert (block_expert[pos // block_m:(pos + run) // block_m] == e).all()
         pos += run
     assert (block_expert[pos // block_m:] == -1).all()
+    assert used.tolist() == [pos // block_m]                     # the persistent GEMMs walk these blocks
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -847,6 +848,54 @@ def test_half_tail_blocks(fmt, act, counts):
     check_close(f"half tails {fmt} {act}", out,
                 reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2),
                 TOL[torch.float32])
+
+
+@pytest.mark.parametrize("programs_per_sm,act,counts,why", [
+    (1, "silu_and_mul", [0, 5, 16, 17, 40], "an empty expert, partial and whole blocks; 4 programs walk 7 blocks"),
+    (2, "swiglu_oai", [33, 0, 0, 1, 2], "empty experts in the middle: the blocks in use come first"),
+    (8, "silu_and_mul", [3, 0, 0, 0, 0], "more programs than tiles"),
+])
+def test_persistent_gemms(programs_per_sm, act, counts, why):
+    E, H, I, k = 5, 64, 96, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    tw, tid = _counted_routes(counts, k)
+    x = torch.randn(tid.shape[0], H)
+    walk = GemmConfig(16, 32, persistent=programs_per_sm)
+    out = _poisoned(x.shape, torch.float32)
+    fused_experts(x, w13, w2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out, backend="triton",
+                  config=ExpertsConfig(16, walk, walk))
+    check_close(f"persistent {programs_per_sm}/SM {act}", out,
+                reference.fused_experts(x, w13, w2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2),
+                TOL[torch.float32])
+
+
+def test_persistent_and_half_tails_are_exclusive():
+    with pytest.raises(ValueError, match="persistent and half_tails"):
+        GemmConfig(64, 64, persistent=1, half_tails=True)
+    with pytest.raises(ValueError, match="programs per SM"):
+        GemmConfig(64, 64, persistent=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gpu_persistent_gemms(block_m, tma):
+    # 37 experts with counts over every remainder of the row block, some empty: the walk covers
+    # exactly the blocks in use, across programs that each take several tiles
+    E, H, I, k = 37, 512, 384, 4
+    counts = [(i * 29) % (2 * block_m + 5) for i in range(E)]
+    counts[3] = counts[20] = 0
+    counts[-1] += -sum(counts) % k
+    w13, w2, _, _ = _weights(E, H, I, torch.bfloat16, False, "cuda")
+    tw, tid = _counted_routes(counts, k)
+    tw, tid = tw.cuda(), tid.cuda()
+    x = torch.randn(tid.shape[0], H, device="cuda", dtype=torch.bfloat16)
+    g1 = GemmConfig(128, 64, 8, 3, 8, tma=tma, persistent=1)
+    g2 = GemmConfig(128, 64, 8, 3, 8, tma=tma, persistent=2)
+    out = _poisoned(x.shape, torch.bfloat16, "cuda")
+    fused_experts(x, w13, w2, tw, tid, out=out, config=ExpertsConfig(block_m, g1, g2))
+    check_close(f"persistent BM={block_m} tma={tma}", out, reference.fused_experts(x, w13, w2, tw, tid),
+                TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

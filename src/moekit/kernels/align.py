@@ -56,10 +56,11 @@ def _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_
 
 
 @triton.jit
-def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
+def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks,
                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
     """From the per-expert totals: fill each run's padding with the sentinel num_pairs, write the
-    expert of every block (-1 past the last run), and return each run's start."""
+    expert of every block (-1 past the last run) and the number of blocks in use, and return each
+    run's start."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
@@ -73,6 +74,7 @@ def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_bloc
                  tl.full([E_PAD, PAD_CHUNK], 0, tl.int32) + num_pairs, mask=is_pad)
     # Block b belongs to the expert whose padded run covers position b * BLOCK_M.
     total = tl.sum(padded, axis=0)
+    tl.store(used_blocks_ptr, total // BLOCK_M)
     block_lanes = tl.arange(0, OWNER_CHUNK)
     for start in range(0, num_blocks, OWNER_CHUNK):
         blocks = start + block_lanes
@@ -89,14 +91,15 @@ def align_kernel(
     pair_expert_ptr,  # out int32 [num_pairs]: local expert of each pair, -1 = contributes nothing
     sorted_pairs_ptr,  # out int32 [num_blocks * BLOCK_M]: pair ids by expert; padding = num_pairs
     block_expert_ptr,  # out int32 [num_blocks]: expert of each block, -1 past the last used block
+    used_blocks_ptr,  # out int32 [1]: blocks in use (they come first)
     num_pairs, num_global, num_local, num_blocks,
     HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
     PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr,
 ):
     """The whole alignment in one program (decode sizes)."""
     counts = _count(ids_ptr, expert_map_ptr, pair_expert_ptr, 0, num_pairs, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
-    start = _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks, BLOCK_M, E_PAD,
-                         PAD_CHUNK, OWNER_CHUNK)
+    start = _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks, BLOCK_M,
+                         E_PAD, PAD_CHUNK, OWNER_CHUNK)
     _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, start, 0, num_pairs, num_global, num_local, HAS_MAP,
              E_PAD, CHUNK)
 
@@ -120,7 +123,8 @@ def align_count_kernel(ids_ptr, expert_map_ptr, pair_expert_ptr, chunk_counts_pt
 
 
 @triton.jit
-def align_offsets_kernel(chunk_counts_ptr, sorted_pairs_ptr, block_expert_ptr, num_chunks, num_pairs, num_blocks,
+def align_offsets_kernel(chunk_counts_ptr, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_chunks, num_pairs,
+                         num_blocks,
                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                          PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
     """Step 2 of 3 (one program): chunk_counts becomes each chunk's first slot per expert."""
@@ -133,8 +137,8 @@ def align_offsets_kernel(chunk_counts_ptr, sorted_pairs_ptr, block_expert_ptr, n
         tile = tl.load(ptrs, mask=ok, other=0)
         tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=ok)
         running += tl.sum(tile, axis=0)
-    start = _layout_runs(running, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks, BLOCK_M, E_PAD,
-                         PAD_CHUNK, OWNER_CHUNK)
+    start = _layout_runs(running, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks,
+                         BLOCK_M, E_PAD, PAD_CHUNK, OWNER_CHUNK)
     for c0 in range(0, num_chunks, CHUNK_ROWS):
         ok = (c0 + rows < num_chunks)[:, None]
         ptrs = chunk_counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
