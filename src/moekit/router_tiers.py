@@ -149,8 +149,16 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     # per SM, so the programs they wait for always find room to run (an SM holds several).
     fin_programs = 1
     if shared_finish:
-        fin_programs = max(1, min(_triton.cdiv(min(block_t, num_tokens), fin_t), row_blocks * splits,
-                                  num_sms // t_blocks))
+        block_tokens = min(block_t, num_tokens)
+        cap = max(1, min(row_blocks * splits, num_sms // t_blocks))
+        if _triton.cdiv(block_tokens, fin_t) > cap:
+            # Fewer finishers than token groups: take larger groups (within the register budgets)
+            # rather than loop, since each group's step waits on L2 (H200 tile sweep: T=4096 with
+            # 64-token blocks had 2 finishers looping 8 times; results/router_tiles_s8.txt).
+            fin_t = _prev_pow2(max(fin_t, min(_triton.next_pow2(_triton.cdiv(block_tokens, cap)),
+                                              tile_budget // e_pad, lora_budget // (r_pad * e_pad))))
+            s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
+        fin_programs = max(1, min(_triton.cdiv(block_tokens, fin_t), cap))
     return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad,
                               num_warps=num_warps, fin_programs=fin_programs)
 
