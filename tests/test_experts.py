@@ -189,6 +189,7 @@ def test_triton_results_are_bit_identical_run_to_run():
     (32, 30, False, "one program, larger blocks"),
     (16, 30, True, "three launches, one chunk"),
     (32, 200, True, "three launches, 3 chunks, the last partial"),
+    (16, 1000, True, "12 chunks for 6 experts: chunks without runs to pad, owners shared 12 ways"),
 ])
 def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why):
     E, k = 7, 3

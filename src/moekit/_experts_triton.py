@@ -360,15 +360,15 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
         )
         return pair_expert, sorted_pairs, block_expert, used_blocks
     chunks = _triton.cdiv(num_pairs, ALIGN_PAIRS_PER_PROGRAM)
-    chunk_counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
+    # one row per chunk, then each expert's count and padded run end
+    chunk_counts = torch.empty(chunks + 2, e_pad, dtype=torch.int32, device=dev)
     per_chunk = dict(PAIRS_PER_PROGRAM=ALIGN_PAIRS_PER_PROGRAM, HAS_MAP=expert_map is not None, E_PAD=e_pad,
                      CHUNK=ALIGN_CHUNK, num_warps=ALIGN_WARPS)
     k.align_count_kernel[(chunks,)](ids, emap, pair_expert, chunk_counts, num_pairs, num_global, num_local, **per_chunk)
-    k.align_offsets_kernel[(1,)](chunk_counts, sorted_pairs, block_expert, used_blocks, chunks, num_pairs, blocks,
-                                 BLOCK_M=block_m, E_PAD=e_pad, CHUNK_ROWS=max(1, min(64, ALIGN_TILE // e_pad)),
-                                 **layout, num_warps=ALIGN_WARPS)
-    k.align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, chunk_counts, num_pairs, num_global, num_local,
-                                      **per_chunk)
+    k.align_offsets_kernel[(1,)](chunk_counts, used_blocks, chunks, BLOCK_M=block_m, E_PAD=e_pad,
+                                 CHUNK_ROWS=max(1, min(64, ALIGN_TILE // e_pad)), num_warps=ALIGN_WARPS)
+    k.align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, block_expert, chunk_counts, num_pairs, num_global,
+                                      num_local, blocks, BLOCK_M=block_m, **layout, **per_chunk)
     return pair_expert, sorted_pairs, block_expert, used_blocks
 
 

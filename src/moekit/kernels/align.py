@@ -3,7 +3,8 @@ expert's run padded to a multiple of BLOCK_M, and the expert of every BLOCK_M bl
 
 Decode sizes use one program for the whole job (one launch). Above a few hundred pairs one
 program is latency-bound (a serial chain of chunk steps), so three launches split it: per-chunk
-counts, one program for the prefix sums, per-chunk scatter. Both orders are a stable sort
+counts, one program for the prefix sums, per-chunk scatter (which also pads the runs and writes
+the blocks' experts, shared among the chunks). Both orders are a stable sort
 (pairs keep their order within an expert), deterministic and free of atomics.
 """
 
@@ -56,31 +57,51 @@ def _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_
 
 
 @triton.jit
-def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks,
-                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
-    """From the per-expert totals: fill each run's padding with the sentinel num_pairs, write the
-    expert of every block (-1 past the last run) and the number of blocks in use, and return each
-    run's start."""
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
-    # Padding slots (at most BLOCK_M - 1 per expert) are disjoint from the pairs' slots.
+def _fill_padding(counts, padded_start, padded, fill, sorted_pairs_ptr, num_pairs,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr):
+    """The padding slots of the runs of experts where ``fill`` [E_PAD] holds get the sentinel
+    num_pairs. They (at most BLOCK_M - 1 per expert) are disjoint from the pairs' slots."""
     pad_lane = tl.arange(0, PAD_CHUNK)
     first_pad = padded_start + counts
-    num_pad = padded - counts
+    num_pad = tl.where(fill, padded - counts, 0)
     for j in range(0, BLOCK_M, PAD_CHUNK):
         is_pad = (j + pad_lane)[None, :] < num_pad[:, None]
         tl.store(sorted_pairs_ptr + first_pad[:, None] + (j + pad_lane)[None, :],
                  tl.full([E_PAD, PAD_CHUNK], 0, tl.int32) + num_pairs, mask=is_pad)
-    # Block b belongs to the expert whose padded run covers position b * BLOCK_M.
-    total = tl.sum(padded, axis=0)
-    tl.store(used_blocks_ptr, total // BLOCK_M)
+
+
+@triton.jit
+def _write_owners(padded_end, total, block_expert_ptr, first_block, end_block,
+                  BLOCK_M: tl.constexpr, OWNER_CHUNK: tl.constexpr):
+    """Blocks [first_block, end_block): block b belongs to the expert whose padded run covers
+    position b * BLOCK_M (-1 past the last run)."""
     block_lanes = tl.arange(0, OWNER_CHUNK)
-    for start in range(0, num_blocks, OWNER_CHUNK):
+    for start in range(first_block, end_block, OWNER_CHUNK):
         blocks = start + block_lanes
         pos = blocks * BLOCK_M
         owner = tl.sum((pos[:, None] >= padded_end[None, :]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(pos < total, owner, -1), mask=blocks < num_blocks)
+        tl.store(block_expert_ptr + blocks, tl.where(pos < total, owner, -1), mask=blocks < end_block)
+
+
+@triton.jit
+def _padded_runs(counts, BLOCK_M: tl.constexpr):
+    """(padded length, start, end) of each expert's run of slots."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    return padded, padded_end - padded, padded_end
+
+
+@triton.jit
+def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks,
+                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
+    """From the per-expert totals, in this one program: fill each run's padding with the sentinel
+    num_pairs, write the expert of every block and the number of blocks in use, and return each
+    run's start."""
+    padded, padded_start, padded_end = _padded_runs(counts, BLOCK_M)
+    _fill_padding(counts, padded_start, padded, counts >= 0, sorted_pairs_ptr, num_pairs, BLOCK_M, E_PAD, PAD_CHUNK)
+    total = tl.sum(padded, axis=0)
+    tl.store(used_blocks_ptr, total // BLOCK_M)
+    _write_owners(padded_end, total, block_expert_ptr, 0, num_blocks, BLOCK_M, OWNER_CHUNK)
     return padded_start
 
 
@@ -123,11 +144,10 @@ def align_count_kernel(ids_ptr, expert_map_ptr, pair_expert_ptr, chunk_counts_pt
 
 
 @triton.jit
-def align_offsets_kernel(chunk_counts_ptr, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_chunks, num_pairs,
-                         num_blocks,
-                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                         PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
-    """Step 2 of 3 (one program): chunk_counts becomes each chunk's first slot per expert."""
+def align_offsets_kernel(chunk_counts_ptr, used_blocks_ptr, num_chunks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                         CHUNK_ROWS: tl.constexpr):
+    """Step 2 of 3 (one program): chunk_counts becomes each chunk's first slot per expert; its two
+    rows past the chunks receive each expert's count and padded run end (step 3 lays out the runs)."""
     experts = tl.arange(0, E_PAD)
     rows = tl.arange(0, CHUNK_ROWS)
     running = tl.zeros([E_PAD], dtype=tl.int32)
@@ -137,8 +157,11 @@ def align_offsets_kernel(chunk_counts_ptr, sorted_pairs_ptr, block_expert_ptr, u
         tile = tl.load(ptrs, mask=ok, other=0)
         tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=ok)
         running += tl.sum(tile, axis=0)
-    start = _layout_runs(running, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks,
-                         BLOCK_M, E_PAD, PAD_CHUNK, OWNER_CHUNK)
+    padded, start, padded_end = _padded_runs(running, BLOCK_M)
+    runs = chunk_counts_ptr + num_chunks * E_PAD
+    tl.store(runs + experts, running)
+    tl.store(runs + E_PAD + experts, padded_end)
+    tl.store(used_blocks_ptr, tl.sum(padded, axis=0) // BLOCK_M)
     for c0 in range(0, num_chunks, CHUNK_ROWS):
         ok = (c0 + rows < num_chunks)[:, None]
         ptrs = chunk_counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
@@ -146,10 +169,25 @@ def align_offsets_kernel(chunk_counts_ptr, sorted_pairs_ptr, block_expert_ptr, u
 
 
 @triton.jit
-def align_scatter_kernel(ids_ptr, expert_map_ptr, sorted_pairs_ptr, chunk_counts_ptr, num_pairs, num_global, num_local,
-                         PAIRS_PER_PROGRAM: tl.constexpr, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr,
-                         CHUNK: tl.constexpr):
-    """Step 3 of 3: each chunk scatters its pairs from its first slots."""
+def align_scatter_kernel(ids_ptr, expert_map_ptr, sorted_pairs_ptr, block_expert_ptr, chunk_counts_ptr, num_pairs,
+                         num_global, num_local, num_blocks,
+                         PAIRS_PER_PROGRAM: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         E_PAD: tl.constexpr, CHUNK: tl.constexpr, PAD_CHUNK: tl.constexpr,
+                         OWNER_CHUNK: tl.constexpr):
+    """Step 3 of 3: each chunk scatters its pairs from its first slots, and the chunks share the runs'
+    layout: chunk c pads the runs of experts c, c + chunks, ... and writes the owners of its share of
+    the blocks (one program did all of it, a serial chain that grew with T)."""
     c, start, end = _my_chunk(num_pairs, PAIRS_PER_PROGRAM)
-    cursor = tl.load(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD))
+    experts = tl.arange(0, E_PAD)
+    cursor = tl.load(chunk_counts_ptr + c * E_PAD + experts)
     _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
+    num_chunks = tl.num_programs(0)
+    runs = chunk_counts_ptr + num_chunks * E_PAD
+    counts = tl.load(runs + experts)
+    padded_end = tl.load(runs + E_PAD + experts)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    _fill_padding(counts, padded_end - padded, padded, experts % num_chunks == c, sorted_pairs_ptr, num_pairs,
+                  BLOCK_M, E_PAD, PAD_CHUNK)
+    share = tl.cdiv(num_blocks, num_chunks)
+    _write_owners(padded_end, tl.sum(padded, axis=0), block_expert_ptr, c * share,
+                  tl.minimum((c + 1) * share, num_blocks), BLOCK_M, OWNER_CHUNK)
