@@ -828,6 +828,22 @@ def _counted_routes(counts, k):
 _HALF_TAIL_COUNTS = [40, 20, 16, 0, 17]
 
 
+def _check_counted_routes(counts, act, config: ExpertsConfig, fmt="dense", why=""):
+    """fused_experts with ``config`` on routes with exactly counts[e] pairs on expert e (k = 3, fp32,
+    both biases), against the float64 reference on the dequantized weights."""
+    E, H, I, k = len(counts), 64, 96, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2) if fmt != "dense" else (w13, w2, w13, w2)
+    tw, tid = _counted_routes(counts, k)
+    x = torch.randn(tid.shape[0], H)
+    out = _poisoned(x.shape, torch.float32)
+    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out, backend="triton",
+                  config=config)
+    check_close(f"{why} {fmt} {act}", out,
+                reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2),
+                TOL[torch.float32])
+
+
 @pytest.mark.parametrize("fmt,act,counts", [
     ("dense", "silu_and_mul", _HALF_TAIL_COUNTS),
     ("dense", "swiglu_oai", _HALF_TAIL_COUNTS),
@@ -837,18 +853,8 @@ _HALF_TAIL_COUNTS = [40, 20, 16, 0, 17]
     ("dense", "silu_and_mul", [1, 0, 2, 0, 0]),  # one token: every block a tail of one or two rows
 ])
 def test_half_tail_blocks(fmt, act, counts):
-    E, H, I, k = 5, 64, 96, 3
-    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
-    q13, q2, d13, d2 = _quantized(fmt, w13, w2) if fmt != "dense" else (w13, w2, w13, w2)
-    tw, tid = _counted_routes(counts, k)
-    x = torch.randn(tid.shape[0], H)
     half = GemmConfig(16, 32, half_tails=True)
-    out = _poisoned(x.shape, torch.float32)
-    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out, backend="triton",
-                  config=ExpertsConfig(32, half, half))
-    check_close(f"half tails {fmt} {act}", out,
-                reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2),
-                TOL[torch.float32])
+    _check_counted_routes(counts, act, ExpertsConfig(32, half, half), fmt, "half tails")
 
 
 @pytest.mark.parametrize("programs_per_sm,act,counts,why", [
@@ -857,17 +863,8 @@ def test_half_tail_blocks(fmt, act, counts):
     (8, "silu_and_mul", [3, 0, 0, 0, 0], "more programs than tiles"),
 ])
 def test_persistent_gemms(programs_per_sm, act, counts, why):
-    E, H, I, k = 5, 64, 96, 3
-    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
-    tw, tid = _counted_routes(counts, k)
-    x = torch.randn(tid.shape[0], H)
     walk = GemmConfig(16, 32, persistent=programs_per_sm)
-    out = _poisoned(x.shape, torch.float32)
-    fused_experts(x, w13, w2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out, backend="triton",
-                  config=ExpertsConfig(16, walk, walk))
-    check_close(f"persistent {programs_per_sm}/SM {act}", out,
-                reference.fused_experts(x, w13, w2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2),
-                TOL[torch.float32])
+    _check_counted_routes(counts, act, ExpertsConfig(16, walk, walk), why=f"persistent {programs_per_sm}/SM")
 
 
 def test_persistent_and_half_tails_are_exclusive():
@@ -877,43 +874,33 @@ def test_persistent_and_half_tails_are_exclusive():
         GemmConfig(64, 64, persistent=-1)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_gpu_persistent_gemms(block_m, tma):
-    # 37 experts with counts over every remainder of the row block, some empty: the walk covers
-    # exactly the blocks in use, across programs that each take several tiles
+def _check_gpu_row_blocks(block_m, g1: GemmConfig, g2: GemmConfig, why: str, empty=()):
+    """bf16 on the GPU, 37 experts whose counts cover every remainder class of the row block (0,
+    below, at and above half), the experts in ``empty`` without pairs."""
     E, H, I, k = 37, 512, 384, 4
-    counts = [(i * 29) % (2 * block_m + 5) for i in range(E)]
-    counts[3] = counts[20] = 0
-    counts[-1] += -sum(counts) % k
+    counts = [0 if i in empty else (i * 29) % (2 * block_m + 5) for i in range(E)]
+    counts[-1] += -sum(counts) % k  # whole tokens
     w13, w2, _, _ = _weights(E, H, I, torch.bfloat16, False, "cuda")
     tw, tid = _counted_routes(counts, k)
     tw, tid = tw.cuda(), tid.cuda()
     x = torch.randn(tid.shape[0], H, device="cuda", dtype=torch.bfloat16)
-    g1 = GemmConfig(128, 64, 8, 3, 8, tma=tma, persistent=1)
-    g2 = GemmConfig(128, 64, 8, 3, 8, tma=tma, persistent=2)
     out = _poisoned(x.shape, torch.bfloat16, "cuda")
     fused_experts(x, w13, w2, tw, tid, out=out, config=ExpertsConfig(block_m, g1, g2))
-    check_close(f"persistent BM={block_m} tma={tma}", out, reference.fused_experts(x, w13, w2, tw, tid),
-                TOL[torch.bfloat16])
+    check_close(f"{why} BM={block_m}", out, reference.fused_experts(x, w13, w2, tw, tid), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gpu_persistent_gemms(block_m, tma):
+    # programs walking several tiles each over exactly the blocks in use, two experts without pairs
+    _check_gpu_row_blocks(block_m, GemmConfig(128, 64, 8, 2, 8, tma=tma, persistent=1),
+                          GemmConfig(128, 64, 8, 2, 8, tma=tma, persistent=2), f"persistent tma={tma}", empty=(3, 20))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_gpu_half_tail_blocks(block_m, tma):
-    # 37 experts' counts spread over every remainder class of the row block (0, below, at and above half)
-    E, H, I, k = 37, 512, 384, 4
-    counts = [(i * 29) % (2 * block_m + 5) for i in range(E)]
-    counts[-1] += -sum(counts) % k  # whole tokens
-    w13, w2, _, _ = _weights(E, H, I, torch.bfloat16, False, "cuda")
-    tw, tid = _counted_routes(counts, k)
-    tw, tid = tw.cuda(), tid.cuda()
-    x = torch.randn(tid.shape[0], H, device="cuda", dtype=torch.bfloat16)
-    g1 = GemmConfig(128, 64, 8, 3, 8, tma=tma, half_tails=True)
-    g2 = GemmConfig(128, 64, 8, 3, 8, tma=tma, half_tails=True)
-    out = _poisoned(x.shape, torch.bfloat16, "cuda")
-    fused_experts(x, w13, w2, tw, tid, out=out, config=ExpertsConfig(block_m, g1, g2))
-    check_close(f"half tails BM={block_m} tma={tma}", out, reference.fused_experts(x, w13, w2, tw, tid),
-                TOL[torch.bfloat16])
+    _check_gpu_row_blocks(block_m, GemmConfig(128, 64, 8, 3, 8, tma=tma, half_tails=True),
+                          GemmConfig(128, 64, 8, 3, 8, tma=tma, half_tails=True), f"half tails tma={tma}")
