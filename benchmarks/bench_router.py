@@ -208,7 +208,25 @@ def markdown(records, env, cross):
         what = CROSSOVERS[table]
         lines += ["", f"Crossover '{table}' (largest T where {what[0]} is no slower than {what[1]} at every T up to it): " +
                   ", ".join(f"{k}: {v}" for k, v in per_preset.items())]
+    lines += ["", *WHY]
     return "\n".join(lines) + "\n"
+
+
+WHY = [  # what sets the crossovers (benchmarks/NOTES.md has the measurements behind each line)
+    "Why the tiers take over where they do:",
+    "- Router GEMM: up to a few tokens moekit's kernel is a GEMV on the CUDA cores (fp32 FMAs, one launch, "
+    "bias in its epilogue); above, 16-token tensor-core blocks split over K, whose partial sums the block's "
+    "last programs finish. Each call is launch- and latency-bound (the bytes take 0.05-1.4 us), so it wins "
+    "while its split-K steps cost less than cuBLAS's launch; past that cuBLAS's tuned tiles win, by more "
+    "for E >= 256 (deepseek-v3, kimi-k2: crossover 0-1) and least for E = 32 (gpt-oss-20b, up to T=1024).",
+    "- Router bias: cuBLAS with fp32 output does not fuse it (addmm = mm + a bias kernel, +1.3-3 us), which is "
+    "why the Triton tier reaches furthest on the gpt-oss presets and why GateLinear sits at 1.2-1.3x a bf16 "
+    "F.linear there at T >= 512 (gpt-oss-120b) and T = 4096 (gpt-oss-20b).",
+    "- fused_router: the one-launch kernel (GEMM + bias + top-k) is faster than router_gemm + the routing "
+    "kernel wherever it serves (T <= 128), since one launch replaces two and the routing of each token "
+    "runs in its own finishing program; kimi-k2's crossover stops at T=1 on a 0.2 us loss at T=2, below the "
+    "run-to-run spread, while the fused kernel wins by 3.5 us at T = 4 and 8.",
+]
 
 
 def main():
