@@ -122,9 +122,10 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
 
 def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool, num_sms: int,
                   block_t: int, block_r: int, block_k: int, num_warps: int = 4,
-                  programs_per_sm: int = 2) -> RouterKernelConfig:
-    """The launch shape for one GEMM tile: K splits for about ``programs_per_sm`` programs per SM,
-    the finishing step's token groups and finishers within their register budgets."""
+                  programs_per_sm: int = 2, splits: int | None = None) -> RouterKernelConfig:
+    """The launch shape for one GEMM tile: K splits for about ``programs_per_sm`` programs per SM
+    (or ``splits``, for measuring), the finishing step's token groups and finishers within their
+    register budgets."""
     e_pad = _triton.next_pow2(num_experts)
     r_pad = _triton.next_pow2(rank) if rank else 1
     # The finishing program holds a [fin_t, E_PAD] logits tile (routing: several siblings of it),
@@ -141,7 +142,9 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
     t_blocks = _triton.cdiv(num_tokens, block_t)
     base = row_blocks * t_blocks
-    splits = max(1, min(_triton.cdiv(programs_per_sm * num_sms, base), _triton.cdiv(hidden, block_k), max_splits))
+    if splits is None:
+        splits = min(_triton.cdiv(programs_per_sm * num_sms, base), max_splits)
+    splits = max(1, min(splits, _triton.cdiv(hidden, block_k)))
     k_per_split = _triton.cdiv(_triton.cdiv(hidden, splits), block_k) * block_k
     splits = _triton.cdiv(hidden, k_per_split)
     s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
