@@ -155,9 +155,7 @@ def test_invalid_ids_contribute_zero(backend):
     check_close("bad ids", fused_experts(x, w13, w2, tw, tid, backend=backend), expect, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("gemv,slots", [(False, None), (True, None), (True, 4)])  # 4: every slot in one step
-@pytest.mark.parametrize("T", [1, 2, 5])
-def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots):
+def _check_expert_map_and_invalid_ids(T, cfg: ExpertsConfig, why: str):
     E, H, I, k = 6, 32, 24, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
     x = torch.randn(T, H)
@@ -166,14 +164,29 @@ def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots):
     emap = torch.full((2 * E,), -1, dtype=torch.int32)
     emap[1::2] = torch.arange(E, dtype=torch.int32)                        # even global ids are remote
     tw = torch.rand(T, k)
-    cfg = ExpertsConfig(16, replace(_TILE, slots=slots), replace(_TILE, slots=slots), per_pair=True, gemv=gemv)
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, w13, w2, tw, gid, w13_bias=b13, w2_bias=b2, expert_map=emap, out=out, backend="triton", config=cfg)
     valid = (gid >= 0) & (gid < 2 * E)
     clean_id = torch.where(valid, gid, 1)
     clean_w = torch.where(valid, tw, 0.0)
     ref = reference.fused_experts(x, w13, w2, clean_w, clean_id, w13_bias=b13, w2_bias=b2, expert_map=emap)
-    check_close("per pair", out, ref, TOL[torch.float32])
+    check_close(why, out, ref, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("gemv,slots", [(False, None), (True, None), (True, 4)])  # 4: every slot in one step
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots):
+    cfg = ExpertsConfig(16, replace(_TILE, slots=slots), replace(_TILE, slots=slots), per_pair=True, gemv=gemv)
+    _check_expert_map_and_invalid_ids(T, cfg, "per pair")
+
+
+@pytest.mark.parametrize("T,why", [
+    (5, "one-program alignment, most blocks hold one or two pairs"),
+    (100, "three-launch alignment (300 pairs): the scatter programs lay out the runs"),
+])
+def test_persistent_gemms_with_expert_map_and_invalid_ids(T, why):
+    walk = replace(_TILE, persistent=1)
+    _check_expert_map_and_invalid_ids(T, ExpertsConfig(16, walk, walk), f"persistent, {why}")
 
 
 def test_triton_results_are_bit_identical_run_to_run():
