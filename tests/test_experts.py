@@ -874,6 +874,7 @@ def test_half_tail_blocks(fmt, act, counts):
     (1, "silu_and_mul", [0, 5, 16, 17, 40], "an empty expert, partial and whole blocks; 4 programs walk 7 blocks"),
     (2, "swiglu_oai", [33, 0, 0, 1, 2], "empty experts in the middle: the blocks in use come first"),
     (8, "silu_and_mul", [3, 0, 0, 0, 0], "more programs than tiles"),
+    (1, "silu_and_mul", [0, 0, 0, 0, 0], "no tokens: no blocks in use"),
 ])
 def test_persistent_gemms(programs_per_sm, act, counts, why):
     walk = GemmConfig(16, 32, persistent=programs_per_sm)
