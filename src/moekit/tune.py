@@ -79,7 +79,7 @@ TMA_TUNE_TOP = 3  # ... on their fastest few configs
 HALF_TAILS_TUNE_MIN_BLOCK_M = 64  # row blocks that pad each expert by tens of rows also try half tail blocks ...
 HALF_TAILS_TUNE_TOP = 2  # ... on their fastest configs (TMA ones included)
 PERSISTENT_TUNE_MIN_BLOCK_M = 64  # dense tensor-core row blocks also try persistent programs ...
-PERSISTENT_TUNE_TOP = 2  # ... on their fastest configs, at 2 and at most 3 pipeline stages (registers)
+PERSISTENT_TUNE_TOP = 2  # ... on their fastest configs: at 2 and at most 3 stages, and at half BLOCK_N
 MAX_SPILL_BYTES = 16  # as tests/sm90_compile.py: past this, a config is kept only if no spill is inside a loop
 
 
@@ -184,6 +184,8 @@ class _Problem:
             for _, cfg in sorted(results, key=lambda r: r[0])[:PERSISTENT_TUNE_TOP]:  # ... persistent programs
                 for stages in sorted({2, min(cfg.num_stages, 3)}):
                     measure(replace(cfg, persistent=1, num_stages=stages))
+                if cfg.block_n >= 128:  # half the columns: registers for the full pipeline (sm_90 compiles)
+                    measure(replace(cfg, persistent=1, block_n=cfg.block_n // 2))
         if not (gemv or per_pair) and block_m >= HALF_TAILS_TUNE_MIN_BLOCK_M:
             best = sorted((r for r in results if not r[1].persistent), key=lambda r: r[0])
             for _, cfg in best[:HALF_TAILS_TUNE_TOP]:  # ... and half tail blocks (not with persistent programs)
