@@ -202,8 +202,7 @@ def _persistent_grid(cfg: GemmConfig, mode, w: WeightOperand, tiles: int, device
     programs per SM, never more than the tiles of the row-block bound."""
     if not (cfg.persistent and mode == ROWS_ALIGNED and w.format == "dense"):
         return False, (tiles,)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return True, (max(1, min(tiles, cfg.persistent * sms)),)
+    return True, (max(1, min(tiles, cfg.persistent * _triton.num_sms(device))),)
 
 
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,

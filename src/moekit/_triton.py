@@ -51,6 +51,13 @@ def dependent_launches(device: torch.device) -> bool:
     return not interpreting() and _hopper_or_later(device)
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 NUM_COUNTERS = 4096
 

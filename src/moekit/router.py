@@ -181,7 +181,7 @@ def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None
     num_experts = weight.shape[0]
     rank = lora.a.shape[0] if lora is not None else 0
     fuse = routing is not None
-    cfg = router_tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, _num_sms(x.device))
+    cfg = router_tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, _triton.num_sms(x.device))
     t_blocks = _triton.cdiv(num_tokens, cfg.block_t)
     direct = cfg.splits == 1 and rank == 0 and not fuse
     if not direct and t_blocks > _triton.NUM_COUNTERS:
@@ -225,12 +225,6 @@ def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
 
 
 _RUNNERS = {"torch": _run_torch, "cublas": _run_cublas, "triton": _run_triton}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fused_router(

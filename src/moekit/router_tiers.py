@@ -133,9 +133,9 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     # tests/sm90_compile.py shows spills past these budgets (fp32 elements, 4 warps).
     tile_budget, parts_budget = (2048, 4096) if fuse_topk else (_REGISTER_BUDGET, _REGISTER_BUDGET)
     lora_budget = 2048 if fuse_topk else 4096
+    fin_t_max = min(tile_budget // e_pad, lora_budget // (r_pad * e_pad))
     shared_finish = block_t >= 16  # the GEMV blocks hold one or two tokens: one finisher is enough
-    fin_t = _prev_pow2(max(1, min(block_t, _triton.next_pow2(num_tokens), tile_budget // e_pad,
-                                  lora_budget // (r_pad * e_pad),
+    fin_t = _prev_pow2(max(1, min(block_t, _triton.next_pow2(num_tokens), fin_t_max,
                                   FINISH_TOKENS[fuse_topk] if shared_finish else block_t)))
     # It also reads every split's partial sums alone, so keep them to ~64 KB per token block.
     max_splits = max(2, 16384 // (min(num_tokens, block_t) * e_pad))
@@ -147,7 +147,6 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     splits = max(1, min(splits, _triton.cdiv(hidden, block_k)))
     k_per_split = _triton.cdiv(_triton.cdiv(hidden, splits), block_k) * block_k
     splits = _triton.cdiv(hidden, k_per_split)
-    s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
     # Finishers wait for their block's last partial sums. A launch has at most one waiting program
     # per SM, so the programs they wait for always find room to run (an SM holds several).
     fin_programs = 1
@@ -158,10 +157,9 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
             # Fewer finishers than token groups: take larger groups (within the register budgets)
             # rather than loop, since each group's step waits on L2 (H200 tile sweep: T=4096 with
             # 64-token blocks had 2 finishers looping 8 times; results/router_tiles_s8.txt).
-            fin_t = _prev_pow2(max(fin_t, min(_triton.next_pow2(_triton.cdiv(block_tokens, cap)),
-                                              tile_budget // e_pad, lora_budget // (r_pad * e_pad))))
-            s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
+            fin_t = _prev_pow2(max(fin_t, min(_triton.next_pow2(_triton.cdiv(block_tokens, cap)), fin_t_max)))
         fin_programs = max(1, min(_triton.cdiv(block_tokens, fin_t), cap))
+    s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
     return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad,
                               num_warps=num_warps, fin_programs=fin_programs)
 

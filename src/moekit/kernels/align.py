@@ -84,9 +84,15 @@ def _write_owners(padded_end, total, block_expert_ptr, first_block, end_block,
 
 
 @triton.jit
+def _padded(counts, BLOCK_M: tl.constexpr):
+    """Each expert's run of slots: its pairs, padded to whole row blocks."""
+    return (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+
+
+@triton.jit
 def _padded_runs(counts, BLOCK_M: tl.constexpr):
     """(padded length, start, end) of each expert's run of slots."""
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = _padded(counts, BLOCK_M)
     padded_end = tl.cumsum(padded, axis=0)
     return padded, padded_end - padded, padded_end
 
@@ -185,7 +191,7 @@ def align_scatter_kernel(ids_ptr, expert_map_ptr, sorted_pairs_ptr, block_expert
     runs = chunk_counts_ptr + num_chunks * E_PAD
     counts = tl.load(runs + experts)
     padded_end = tl.load(runs + E_PAD + experts)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = _padded(counts, BLOCK_M)
     _fill_padding(counts, padded_end - padded, padded, experts % num_chunks == c, sorted_pairs_ptr, num_pairs,
                   BLOCK_M, E_PAD, PAD_CHUNK)
     share = tl.cdiv(num_blocks, num_chunks)
