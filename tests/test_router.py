@@ -289,6 +289,9 @@ def test_fused_router_gpu_shared_finishing(T, why):
     call = lambda: fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, impl="fused", **kwargs)  # noqa: E731
     first = call()
     _check_fused(spec, x, w, b, kwargs, "fused")
+    wide = torch.zeros(T, spec.hidden_size + 40, dtype=x.dtype, device="cuda")  # offset view, row stride > H
+    wide[:, 24:24 + spec.hidden_size] = x
+    _check_fused(spec, wide[:, 24:24 + spec.hidden_size], w, b, kwargs, "fused")
     for _ in range(50):
         again = call()
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
