@@ -277,6 +277,33 @@ def _fmt(v, digits=1):
     return "-" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
 
 
+def _rate_words(rate) -> str:
+    """The header's words for one run's rate, or a merged file's rate per run."""
+    if isinstance(rate, (int, float)):
+        return f"this run: {rate / 1e12:.0f} TFLOP/s"
+    return "each run (in order): " + " / ".join(f"{r / 1e12:.0f}" for r in rate) + " TFLOP/s"
+
+
+def merge(paths, args):
+    """One table from several runs' JSON files (a full sweep split over time-limited device calls):
+    records in the order given, a later file's (preset, T) replacing an earlier one's."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    by_case = {}
+    for run_ in runs:
+        for r in run_["records"]:
+            by_case[(r["preset"], r["T"])] = r
+    order = {name: i for i, name in enumerate(PRESETS)}
+    records = sorted(by_case.values(), key=lambda r: (order.get(r["preset"], len(order)), r["T"]))
+    env = dict(runs[-1]["env"], date=" and ".join(sorted({r["env"]["date"] for r in runs})))
+    rates = [r["matmul_rate"] for r in runs]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(
+        {"env": env, "matmul_rate": rates, "merged_from": [Path(p).name for p in paths], "records": records}, indent=1))
+    md = markdown(records, env, rates, args.peers)
+    (args.out / f"{args.name}.md").write_text(md)
+    return md
+
+
 def markdown(records, env, rate, impl_names):
     cols = ["moekit"] + [p for p in impl_names if any(r.get(p) is not None or f"{p}_note" in r for r in records)]
     layers = max((r.get("layers", 4) for r in records), default=4)  # records before this field used 4
@@ -285,7 +312,7 @@ def markdown(records, env, rate, impl_names):
              "us per fused_experts call (alignment and combine included). CUDA-graph replay: T <= 64 a graph of 8",
              f"calls over {layers} layers' weights (replay / 8), above one call per graph; `(e)` = eager (cannot be",
              "captured). floor = max(bytes of the distinct experts hit + x + out at 4.2 TB/s, FLOPs at the",
-             f"bf16 matmul rate measured in this run: {rate / 1e12:.0f} TFLOP/s). x floor = moekit / floor.", "",
+             f"bf16 matmul rate measured in {_rate_words(rate)}). x floor = moekit / floor.", "",
              "| preset | T | " + " | ".join(cols) + " | best peer / moekit | floor us | x floor | moekit TFLOP/s | "
              "moekit GB/s | rel err moekit |",
              "|---|---|" + "---|" * (len(cols) + 6)]
@@ -324,4 +351,13 @@ def script_main(doc: str, add_args, run_fn, render=None, argv=None) -> None:
 
 
 def main(argv=None) -> None:
-    script_main(__doc__, add_arguments, run, argv=argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                   help="no run: write {name}.json/.md merged from these runs' results (no GPU needed)")
+    args = p.parse_args(argv)
+    if args.merge:
+        print(merge(args.merge, args))
+        return
+    records, rate = run(args)
+    print(save(args, records, rate))
