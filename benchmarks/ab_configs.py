@@ -9,8 +9,8 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
 
 A config is ``table``, ``table+OPT+OPT...`` (the table's config with options in both GEMMs) or
 ``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m[,OPT...]``.
-OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``persistN`` (persistent, N programs per
-SM, half tails off), ``stagesN`` (pipeline stages), e.g. ``table+persist1+stages2``.
+OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``stagesN`` (pipeline stages), e.g.
+``table+half+stages3``.
 """
 
 from __future__ import annotations
@@ -34,15 +34,12 @@ from moekit.tune import random_weights
 
 
 def _option(word: str) -> dict:
-    """One GemmConfig option: tma, half (half_tails), persistN (N programs per SM, half tails off),
-    stagesN (num_stages)."""
+    """One GemmConfig option: tma, half (half_tails), stagesN (num_stages)."""
     if word in ("tma", "half"):
         return {{"tma": "tma", "half": "half_tails"}[word]: True}
-    if word.startswith("persist"):
-        return {"persistent": int(word.removeprefix("persist")), "half_tails": False}
     if word.startswith("stages"):
         return {"num_stages": int(word.removeprefix("stages"))}
-    raise ValueError(f"unknown config option {word!r} (tma, half, persistN, stagesN)")
+    raise ValueError(f"unknown config option {word!r} (tma, half, stagesN)")
 
 
 def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:

@@ -202,13 +202,6 @@ def expert_variants():
                 yield f"tma {name} BM={bm}{' half tails' if half else ''}", \
                     lambda x=x, ids=ids, w13=w13, w2=w2, cfg=cfg, s=spec: fused_experts(
                         x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg)
-            # persistent: tile and K loops flattened (the next tile's loads overlap this tile's epilogue);
-            # at BLOCK_M=128 the flattened loop holds more live values: two stages, no spills
-            stages = 2 if bm == 128 else g1.num_stages
-            cfg = ExpertsConfig(bm, replace(g1, persistent=1, num_stages=stages),
-                                replace(g2, persistent=1, num_stages=stages))
-            yield f"tma {name} BM={bm} persistent", lambda x=x, ids=ids, w13=w13, w2=w2, cfg=cfg, s=spec: fused_experts(
-                x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg)
         if spec.activation != "silu_and_mul":
             continue
         q13, q2 = fp8.quantize_blocks(torch.randn(E, 2 * I, H)), fp8.quantize_blocks(torch.randn(E, H, I))

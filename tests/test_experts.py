@@ -184,9 +184,8 @@ def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots):
     (5, "one-program alignment, most blocks hold one or two pairs"),
     (100, "three-launch alignment (300 pairs): the scatter programs lay out the runs"),
 ])
-def test_persistent_gemms_with_expert_map_and_invalid_ids(T, why):
-    walk = replace(_TILE, persistent=1)
-    _check_expert_map_and_invalid_ids(T, ExpertsConfig(16, walk, walk), f"persistent, {why}")
+def test_aligned_rows_with_expert_map_and_invalid_ids(T, why):
+    _check_expert_map_and_invalid_ids(T, ExpertsConfig(16, _TILE, _TILE), f"aligned, {why}")
 
 
 def test_triton_results_are_bit_identical_run_to_run():
@@ -209,7 +208,7 @@ def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why):
     tid = torch.randint(0, E, (T, k), dtype=torch.int32)
     tid[0, 0], tid[1, 1] = -1, 99                    # invalid ids are left out
     emap = torch.tensor([0, 1, 2, -1, 3, 4, 5], dtype=torch.int32)   # global 3 remote; local 6 unused
-    pair_expert, sorted_pairs, block_expert, used = _experts_triton.align(tid, emap, 6, block_m, split=split)
+    pair_expert, sorted_pairs, block_expert = _experts_triton.align(tid, emap, 6, block_m, split=split)
     ids = tid.reshape(-1).long()
     valid = (ids >= 0) & (ids < E)
     local = torch.where(valid, emap.long()[ids.clamp(0, E - 1)], -1)
@@ -224,7 +223,6 @@ def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why):
         assert (block_expert[pos // block_m:(pos + run) // block_m] == e).all()
         pos += run
     assert (block_expert[pos // block_m:] == -1).all()
-    assert used.tolist() == [pos // block_m]                     # the persistent GEMMs walk these blocks
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -870,24 +868,6 @@ def test_half_tail_blocks(fmt, act, counts):
     _check_counted_routes(counts, act, ExpertsConfig(32, half, half), fmt, "half tails")
 
 
-@pytest.mark.parametrize("programs_per_sm,act,counts,why", [
-    (1, "silu_and_mul", [0, 5, 16, 17, 40], "an empty expert, partial and whole blocks; 4 programs walk 7 blocks"),
-    (2, "swiglu_oai", [33, 0, 0, 1, 2], "empty experts in the middle: the blocks in use come first"),
-    (8, "silu_and_mul", [3, 0, 0, 0, 0], "more programs than tiles"),
-    (1, "silu_and_mul", [0, 0, 0, 0, 0], "no tokens: no blocks in use"),
-])
-def test_persistent_gemms(programs_per_sm, act, counts, why):
-    walk = GemmConfig(16, 32, persistent=programs_per_sm)
-    _check_counted_routes(counts, act, ExpertsConfig(16, walk, walk), why=f"persistent {programs_per_sm}/SM")
-
-
-def test_persistent_and_half_tails_are_exclusive():
-    with pytest.raises(ValueError, match="persistent and half_tails"):
-        GemmConfig(64, 64, persistent=1, half_tails=True)
-    with pytest.raises(ValueError, match="programs per SM"):
-        GemmConfig(64, 64, persistent=-1)
-
-
 def _check_gpu_row_blocks(block_m, g1: GemmConfig, g2: GemmConfig, why: str, empty=()):
     """bf16 on the GPU, 37 experts whose counts cover every remainder class of the row block (0,
     below, at and above half), the experts in ``empty`` without pairs."""
@@ -901,15 +881,6 @@ def _check_gpu_row_blocks(block_m, g1: GemmConfig, g2: GemmConfig, why: str, emp
     out = _poisoned(x.shape, torch.bfloat16, "cuda")
     fused_experts(x, w13, w2, tw, tid, out=out, config=ExpertsConfig(block_m, g1, g2))
     check_close(f"{why} BM={block_m}", out, reference.fused_experts(x, w13, w2, tw, tid), TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_gpu_persistent_gemms(block_m, tma):
-    # programs walking several tiles each over exactly the blocks in use, two experts without pairs
-    _check_gpu_row_blocks(block_m, GemmConfig(128, 64, 8, 2, 8, tma=tma, persistent=1),
-                          GemmConfig(128, 64, 8, 2, 8, tma=tma, persistent=2), f"persistent tma={tma}", empty=(3, 20))
 
 
 @pytest.mark.gpu

@@ -197,14 +197,6 @@ def _half_tails(cfg: GemmConfig, mode: int, block_m: int) -> bool:
     return cfg.half_tails and mode == ROWS_ALIGNED and block_m >= 32
 
 
-def _persistent_grid(cfg: GemmConfig, mode, w: WeightOperand, tiles: int, device) -> tuple[bool, tuple[int]]:
-    """(GemmConfig.persistent applies, grid): aligned rows and dense weights only; cfg.persistent
-    programs per SM, never more than the tiles of the row-block bound."""
-    if not (cfg.persistent and mode == ROWS_ALIGNED and w.format == "dense"):
-        return False, (tiles,)
-    return True, (max(1, min(tiles, cfg.persistent * _triton.num_sms(device))),)
-
-
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
@@ -214,7 +206,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
     cfg = w.config(cfg, tiles=2)  # gate and up
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
-    persistent, grid = _persistent_grid(cfg, mode, w, num_m_blocks * _triton.cdiv(inter, cfg.block_n), x3.device)
+    grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
     w_desc, tma, paired = _gemm1_weights(w, cfg, step)
     d, sd0, sd1, sd2, *scales = w.args()
     return gemm1_act_kernel[grid](
@@ -231,7 +223,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
-        PERSISTENT=persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -241,7 +233,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
 
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
-    persistent, grid = _persistent_grid(cfg, mode, w, num_m_blocks * _triton.cdiv(hidden, cfg.block_n), h.device)
+    grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
     w_desc, tma = _weight_descriptor(w, cfg)
     d, sd0, sd1, sd2, *scales = w.args()
     return gemm2_kernel[grid](
@@ -257,7 +249,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
         EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, mode, block_m),
-        PERSISTENT=persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -333,8 +325,8 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
 
 def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int,
           split: bool | None = None):
-    """(pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks], used_blocks [1]) for
-    the GEMMs; the blocks in use come first.
+    """(pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks]) for the GEMMs; the
+    blocks in use come first.
 
     ``split``: the three-launch version (default: above ALIGN_ONE_PROGRAM_MAX pairs)."""
     from .kernels import align as k
@@ -346,29 +338,28 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     pair_expert = torch.empty(num_pairs, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
-    used_blocks = torch.empty(1, dtype=torch.int32, device=dev)
     num_global = expert_map.shape[0] if expert_map is not None else num_local
     e_pad = _triton.next_pow2(max(num_local, 2))
     emap = expert_map if expert_map is not None else ids
     layout = dict(PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad))
     if not (num_pairs > ALIGN_ONE_PROGRAM_MAX if split is None else split):
         k.align_kernel[(1,)](
-            ids, emap, pair_expert, sorted_pairs, block_expert, used_blocks, num_pairs, num_global, num_local, blocks,
+            ids, emap, pair_expert, sorted_pairs, block_expert, num_pairs, num_global, num_local, blocks,
             HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, **layout,
             num_warps=ALIGN_WARPS,
         )
-        return pair_expert, sorted_pairs, block_expert, used_blocks
+        return pair_expert, sorted_pairs, block_expert
     chunks = _triton.cdiv(num_pairs, ALIGN_PAIRS_PER_PROGRAM)
     # one row per chunk, then each expert's count and padded run end
     chunk_counts = torch.empty(chunks + 2, e_pad, dtype=torch.int32, device=dev)
     per_chunk = dict(PAIRS_PER_PROGRAM=ALIGN_PAIRS_PER_PROGRAM, HAS_MAP=expert_map is not None, E_PAD=e_pad,
                      CHUNK=ALIGN_CHUNK, num_warps=ALIGN_WARPS)
     k.align_count_kernel[(chunks,)](ids, emap, pair_expert, chunk_counts, num_pairs, num_global, num_local, **per_chunk)
-    k.align_offsets_kernel[(1,)](chunk_counts, used_blocks, chunks, BLOCK_M=block_m, E_PAD=e_pad,
+    k.align_offsets_kernel[(1,)](chunk_counts, chunks, BLOCK_M=block_m, E_PAD=e_pad,
                                  CHUNK_ROWS=max(1, min(64, ALIGN_TILE // e_pad)), num_warps=ALIGN_WARPS)
     k.align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, block_expert, chunk_counts, num_pairs, num_global,
                                       num_local, blocks, BLOCK_M=block_m, **layout, **per_chunk)
-    return pair_expert, sorted_pairs, block_expert, used_blocks
+    return pair_expert, sorted_pairs, block_expert
 
 
 def _fp8_codes_dtype(device: torch.device) -> torch.dtype:
@@ -433,11 +424,11 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         _gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
         return
     bm = config.block_m
-    pair_expert, sorted_pairs, block_expert, used_blocks = align(topk_ids, expert_map, num_experts, bm)
+    pair_expert, sorted_pairs, block_expert = align(topk_ids, expert_map, num_experts, bm)
     blocks = block_expert.shape[0]
     h, hs = _activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
     y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
-    rows = (block_expert, sorted_pairs, used_blocks)
+    rows = (block_expert, sorted_pairs, block_expert)
     _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm,
            ROWS_ALIGNED, num_pairs, top_k, 0, x_scales=xs, h_scales=hs)
     _gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,

@@ -43,19 +43,9 @@ class GemmConfig:
     chunk shared (None: 1). GEMM2: slots read per step of one loop over (group of slots, K chunk),
     or 0 for a loop per slot (None: the weight format's default, dense 1, 4-bit 0). Ignored elsewhere."""
 
-    persistent: int = 0
-    """Aligned rows, dense weights: this many programs per SM, each walking tiles of the row blocks
-    in use with its tile and K loops flattened into one, so a tile's epilogue overlaps the next
-    tile's first loads (0: a program per tile). Not with half_tails (one row count per loop)."""
-
     def __post_init__(self) -> None:
         if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):
             raise ValueError(f"GemmConfig.slots: expected None, 0 or a power of two, got {self.slots}")
-        if self.persistent < 0:
-            raise ValueError(f"GemmConfig.persistent: expected programs per SM >= 0, got {self.persistent}")
-        if self.persistent and self.half_tails:
-            raise ValueError("GemmConfig: persistent and half_tails cannot both be set (the flattened loop runs "
-                             "one row count)")
 
 
 @dataclass(frozen=True)

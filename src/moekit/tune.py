@@ -78,8 +78,6 @@ TMA_TUNE_MIN_BLOCK_M = 64  # tensor-core bound row blocks also try TMA weight bo
 TMA_TUNE_TOP = 3  # ... on their fastest few configs
 HALF_TAILS_TUNE_MIN_BLOCK_M = 64  # row blocks that pad each expert by tens of rows also try half tail blocks ...
 HALF_TAILS_TUNE_TOP = 2  # ... on their fastest configs (TMA ones included)
-PERSISTENT_TUNE_MIN_BLOCK_M = 64  # dense tensor-core row blocks also try persistent programs ...
-PERSISTENT_TUNE_TOP = 2  # ... on their fastest configs: at 2 and at most 3 stages, and at half BLOCK_N
 MAX_SPILL_BYTES = 16  # as tests/sm90_compile.py: past this, a config is kept only if no spill is inside a loop
 
 
@@ -120,8 +118,8 @@ class _Problem:
         else:
             mode, rows = ext.ROWS_ALIGNED, []
             for _, ids in self.routes:
-                _, sorted_pairs, block_expert, used_blocks = ext.align(ids, None, spec.num_experts, block_m)
-                rows.append((block_expert, sorted_pairs, used_blocks))
+                _, sorted_pairs, block_expert = ext.align(ids, None, spec.num_experts, block_m)
+                rows.append((block_expert, sorted_pairs, block_expert))
             blocks = rows[0][0].shape[0]  # the bound for T pairs: the same for every route set
             y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
         h, hs = ext._activation_buffers(blocks * (1 if per_pair else block_m), spec.intermediate_size,
@@ -180,15 +178,8 @@ class _Problem:
         if not (gemv or per_pair) and block_m >= TMA_TUNE_MIN_BLOCK_M and tma_format:
             for _, cfg in sorted(results, key=lambda r: r[0])[:TMA_TUNE_TOP]:  # the best few again, TMA boxes
                 measure(replace(cfg, tma=True))
-        if not (gemv or per_pair) and block_m >= PERSISTENT_TUNE_MIN_BLOCK_M and fmt == "dense":
-            for _, cfg in sorted(results, key=lambda r: r[0])[:PERSISTENT_TUNE_TOP]:  # ... persistent programs
-                for stages in sorted({2, min(cfg.num_stages, 3)}):
-                    measure(replace(cfg, persistent=1, num_stages=stages))
-                if cfg.block_n >= 128:  # half the columns: registers for the full pipeline (sm_90 compiles)
-                    measure(replace(cfg, persistent=1, block_n=cfg.block_n // 2))
         if not (gemv or per_pair) and block_m >= HALF_TAILS_TUNE_MIN_BLOCK_M:
-            best = sorted((r for r in results if not r[1].persistent), key=lambda r: r[0])
-            for _, cfg in best[:HALF_TAILS_TUNE_TOP]:  # ... and half tail blocks (not with persistent programs)
+            for _, cfg in sorted(results, key=lambda r: r[0])[:HALF_TAILS_TUNE_TOP]:  # ... and half tail blocks
                 measure(replace(cfg, half_tails=True))
         us, cfg = min(results, key=lambda r: r[0])
         return cfg, us

@@ -98,15 +98,13 @@ def _padded_runs(counts, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks,
+def _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr):
     """From the per-expert totals, in this one program: fill each run's padding with the sentinel
-    num_pairs, write the expert of every block and the number of blocks in use, and return each
-    run's start."""
+    num_pairs, write the expert of every block, and return each run's start."""
     padded, padded_start, padded_end = _padded_runs(counts, BLOCK_M)
     _fill_padding(counts, padded_start, padded, counts >= 0, sorted_pairs_ptr, num_pairs, BLOCK_M, E_PAD, PAD_CHUNK)
     total = tl.sum(padded, axis=0)
-    tl.store(used_blocks_ptr, total // BLOCK_M)
     _write_owners(padded_end, total, block_expert_ptr, 0, num_blocks, BLOCK_M, OWNER_CHUNK)
     return padded_start
 
@@ -118,14 +116,13 @@ def align_kernel(
     pair_expert_ptr,  # out int32 [num_pairs]: local expert of each pair, -1 = contributes nothing
     sorted_pairs_ptr,  # out int32 [num_blocks * BLOCK_M]: pair ids by expert; padding = num_pairs
     block_expert_ptr,  # out int32 [num_blocks]: expert of each block, -1 past the last used block
-    used_blocks_ptr,  # out int32 [1]: blocks in use (they come first)
     num_pairs, num_global, num_local, num_blocks,
     HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
     PAD_CHUNK: tl.constexpr, OWNER_CHUNK: tl.constexpr,
 ):
     """The whole alignment in one program (decode sizes)."""
     counts = _count(ids_ptr, expert_map_ptr, pair_expert_ptr, 0, num_pairs, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
-    start = _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, used_blocks_ptr, num_pairs, num_blocks, BLOCK_M,
+    start = _layout_runs(counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks, BLOCK_M,
                          E_PAD, PAD_CHUNK, OWNER_CHUNK)
     _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, start, 0, num_pairs, num_global, num_local, HAS_MAP,
              E_PAD, CHUNK)
@@ -150,7 +147,7 @@ def align_count_kernel(ids_ptr, expert_map_ptr, pair_expert_ptr, chunk_counts_pt
 
 
 @triton.jit
-def align_offsets_kernel(chunk_counts_ptr, used_blocks_ptr, num_chunks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+def align_offsets_kernel(chunk_counts_ptr, num_chunks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                          CHUNK_ROWS: tl.constexpr):
     """Step 2 of 3 (one program): chunk_counts becomes each chunk's first slot per expert; its two
     rows past the chunks receive each expert's count and padded run end (step 3 lays out the runs)."""
@@ -163,11 +160,10 @@ def align_offsets_kernel(chunk_counts_ptr, used_blocks_ptr, num_chunks, BLOCK_M:
         tile = tl.load(ptrs, mask=ok, other=0)
         tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=ok)
         running += tl.sum(tile, axis=0)
-    padded, start, padded_end = _padded_runs(running, BLOCK_M)
+    _, start, padded_end = _padded_runs(running, BLOCK_M)
     runs = chunk_counts_ptr + num_chunks * E_PAD
     tl.store(runs + experts, running)
     tl.store(runs + E_PAD + experts, padded_end)
-    tl.store(used_blocks_ptr, tl.sum(padded, axis=0) // BLOCK_M)
     for c0 in range(0, num_chunks, CHUNK_ROWS):
         ok = (c0 + rows < num_chunks)[:, None]
         ptrs = chunk_counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]

@@ -324,14 +324,11 @@ def _gemm1_rows(
     EVEN_K: tl.constexpr = False,  # K % BLOCK_K == 0
     W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
-    USED_BLOCKS_ONLY: tl.constexpr = False,  # the caller walks only blocks with an expert (persistent)
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
                                           rows_per_expert, num_global, num_local, ROWS, HAS_MAP, BLOCK_M, ROWS_M)
-    # With USED_BLOCKS_ONLY the test folds to a constant: no branch around the K loop, so the
-    # persistent kernel's tile and K loops can be flattened into one.
-    if (e >= 0) | USED_BLOCKS_ONLY:
+    if e >= 0:
         if ROWS == BATCHED:
             x_rows = e.to(tl.int64) * stride_xe + pair.to(tl.int64) * stride_xm
             xs_rows = (e.to(tl.int64) * rows_per_expert + pair) * stride_xs
@@ -421,7 +418,7 @@ def gemm1_act_kernel(
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
     block_expert_ptr, sorted_pairs_ptr,
-    expert_tokens_ptr,  # batched: tokens per expert [E]; aligned: [0] = row blocks in use (PERSISTENT reads it)
+    expert_tokens_ptr,  # batched: tokens per expert [E]
     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
     I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
@@ -435,23 +432,7 @@ def gemm1_act_kernel(
     W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
-    PERSISTENT: tl.constexpr = False,  # aligned rows: each program walks tiles (expert_tokens_ptr[0] = blocks in use)
 ):
-    if PERSISTENT:
-        # One K loop over all of a program's tiles (flattened), so the next tile's first loads are in
-        # flight while this tile's epilogue runs; only the row blocks in use are walked.
-        num_n = tl.cdiv(I, BLOCK_N)
-        used = tl.load(expert_tokens_ptr)
-        for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_ids(tile, used, num_n, GROUP_M)
-            _gemm1_rows(BLOCK_M, pid_m, pid_n,
-                        x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr,
-                        stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
-                        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
-                        up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                        BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, True)
-        return
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
     # prefill sizes (its rows are what is left of the expert's count): the tensor cores then run
@@ -494,12 +475,11 @@ def _gemm2_rows(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
-    USED_BLOCKS_ONLY: tl.constexpr = False,  # as in _gemm1_rows
 ):
     """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
                                           rows_per_expert, 0, 0, ROWS, False, BLOCK_M, ROWS_M)
-    if (e >= 0) | USED_BLOCKS_ONLY:
+    if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         rows = offs_n.to(tl.int64)
@@ -562,20 +542,7 @@ def gemm2_kernel(
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
-    PERSISTENT: tl.constexpr = False,  # as in gemm1_act_kernel
 ):
-    if PERSISTENT:
-        num_n = tl.cdiv(N, BLOCK_N)
-        used = tl.load(expert_tokens_ptr)
-        for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_ids(tile, used, num_n, GROUP_M)
-            _gemm2_rows(BLOCK_M, pid_m, pid_n,
-                        h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                        stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
-                        stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
-                        num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, True)
-        return
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     # half tail blocks: as in gemm1_act_kernel
     half = _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M) if HALF_TAILS else False
