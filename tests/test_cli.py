@@ -133,3 +133,26 @@ def test_verify_a_raising_check_fails_its_case_and_the_group_goes_on(monkeypatch
                             {"route": ["torch"]}, on_gpu=False)
     assert calls == [7, 9]
     assert len(rows) == 1 and not rows[0].ok and "RuntimeError: boom" in rows[0].detail and rows[0].tokens == 7
+
+
+def test_bench_experts_merge_joins_runs_without_a_gpu(tmp_path):
+    # A sweep split over time-limited device calls becomes one table: presets in the bench's order, T
+    # ascending, a later run's (preset, T) replacing an earlier one's, each run's matmul rate named.
+    from moekit.bench import experts
+
+    env = {"gpu": "H200", "date": "d1", "torch": "t", "triton": "3.6.0", "cuda": "13.0"}
+    row = lambda p, T, us: {"preset": p, "T": T, "experts_hit": 8, "floor_us": 10.0, "floor_kind": "bytes",  # noqa: E731
+                            "moekit": us, "torch_grouped_mm": 2 * us}
+    runs = [{"env": env, "matmul_rate": 7.5e14, "records": [row("qwen3-30b-a3b", 16, 30.0), row("gpt-oss-120b", 4, 9.0)]},
+            {"env": dict(env, date="d2"), "matmul_rate": 7.8e14, "records": [row("qwen3-30b-a3b", 16, 20.0),
+                                                                             row("gpt-oss-120b", 1, 5.0)]}]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    experts.main(["--merge", *map(str, paths), "--out", str(tmp_path), "--name", "merged"])
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [(r["preset"], r["T"], r["moekit"]) for r in merged["records"]] == [
+        ("gpt-oss-120b", 1, 5.0), ("gpt-oss-120b", 4, 9.0), ("qwen3-30b-a3b", 16, 20.0)]
+    md = (tmp_path / "merged.md").read_text()
+    assert "each run (in order): 750 / 780 TFLOP/s" in md and "d1 and d2" in md

@@ -12,6 +12,7 @@ experts hit at the copy rate, and 2*T*k*3*H*I FLOPs at the bf16 matmul rate meas
 
   moekit bench --preset qwen3-30b-a3b --tokens 1 16 256 --plot experts.png
   python benchmarks/bench_experts.py --out benchmarks/results
+  python benchmarks/bench_experts.py --merge run_a.json run_b.json --name experts   (one table, no GPU)
 """
 
 from __future__ import annotations
