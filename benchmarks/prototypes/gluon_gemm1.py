@@ -14,7 +14,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 X_WARPS = 4  # warps of the partition that gathers x rows
@@ -67,6 +68,8 @@ def _role(w_desc, x_ptr, stride_x, x_bufs, g_bufs, u_bufs, empty, ready, block_e
                 for k in range(0, K, BK):
                     s = it % S
                     mbarrier.wait(ready.index(s), (it // S) & 1)
+                    # x arrived by cp.async, a generic-proxy write; the wgmma reads through the async proxy
+                    fence_async_shared()
                     acc_g = warpgroup_mma(x_bufs.index(s), g_bufs.index(s).permute((1, 0)), acc_g, use_acc=k > 0,
                                           is_async=True)
                     acc_u = warpgroup_mma(x_bufs.index(s), u_bufs.index(s).permute((1, 0)), acc_u, use_acc=k > 0,
