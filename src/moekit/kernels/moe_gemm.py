@@ -29,9 +29,10 @@ SWIGLU_LIMIT = tl.constexpr(7.0)
 
 
 @triton.jit
-def _tile_ids(pid, num_m_blocks, num_n, GROUP_M: tl.constexpr):
-    """Tile -> (row block, column tile), GROUP_M row blocks side by side so that a weight tile
+def _tile_ids(num_m_blocks, num_n, GROUP_M: tl.constexpr):
+    """Program -> (row block, column tile), GROUP_M row blocks side by side so that a weight tile
     read from memory serves them from L2."""
+    pid = tl.program_id(0)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
@@ -433,7 +434,7 @@ def gemm1_act_kernel(
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
 ):
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
     # prefill sizes (its rows are what is left of the expert's count): the tensor cores then run
     # half the rows. Both row counts compile into this kernel; the block picks at run time.
@@ -543,7 +544,7 @@ def gemm2_kernel(
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
 ):
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     # half tail blocks: as in gemm1_act_kernel
     half = _tail_block(pid_m, sorted_pairs_ptr, num_pairs, BLOCK_M) if HALF_TAILS else False
     if half:
