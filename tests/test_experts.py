@@ -202,20 +202,26 @@ def test_triton_results_are_bit_identical_run_to_run():
     (16, 30, True, "three launches, one chunk"),
     (32, 200, True, "three launches, 3 chunks, the last partial"),
     (16, 1000, True, "12 chunks for 6 experts: chunks without runs to pad, owners shared 12 ways"),
+    (16, 1000, "small tiles", "41 local experts: 4 prefix programs, each looping over the 12 chunks 4 at a time"),
 ])
-def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why):
-    E, k = 7, 3
+def test_alignment_is_a_stable_sort_padded_per_expert(block_m, T, split, why, monkeypatch):
+    E, k, num_local = 7, 3, 6
+    emap = torch.tensor([0, 1, 2, -1, 3, 4, 5], dtype=torch.int32)   # global 3 remote; local 6 unused
+    if split == "small tiles":
+        monkeypatch.setattr(_experts_triton, "ALIGN_TILE", 64)
+        E, num_local, split = 45, 41, True
+        emap = torch.cat([torch.arange(20), torch.tensor([-1, -1, -1]), torch.arange(20, 42)]).int()
+        emap[emap == 41] = -1                                        # local 41 unused, 40 experts in use
     tid = torch.randint(0, E, (T, k), dtype=torch.int32)
     tid[0, 0], tid[1, 1] = -1, 99                    # invalid ids are left out
-    emap = torch.tensor([0, 1, 2, -1, 3, 4, 5], dtype=torch.int32)   # global 3 remote; local 6 unused
-    pair_expert, sorted_pairs, block_expert = _experts_triton.align(tid, emap, 6, block_m, split=split)
+    pair_expert, sorted_pairs, block_expert = _experts_triton.align(tid, emap, num_local, block_m, split=split)
     ids = tid.reshape(-1).long()
     valid = (ids >= 0) & (ids < E)
     local = torch.where(valid, emap.long()[ids.clamp(0, E - 1)], -1)
     assert torch.equal(pair_expert.long(), local)
-    assert sorted_pairs.numel() == _experts_triton.num_row_blocks(T * k, 6, block_m) * block_m
+    assert sorted_pairs.numel() == _experts_triton.num_row_blocks(T * k, num_local, block_m) * block_m
     pos = 0
-    for e in range(6):
+    for e in range(num_local):
         mine = torch.nonzero(local == e).flatten()              # increasing pair order = stable
         run = -(-mine.numel() // block_m) * block_m
         assert torch.equal(sorted_pairs[pos:pos + mine.numel()].long(), mine)

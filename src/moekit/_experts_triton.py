@@ -20,6 +20,7 @@ ALIGN_TILE = 8192  # elements of the alignment's [blocks x experts] owner tile
 ALIGN_WARPS = 8
 ALIGN_ONE_PROGRAM_MAX = 256  # pairs: above, one program's serial chunk steps cost more than 2 extra launches
 ALIGN_PAIRS_PER_PROGRAM = 256
+ALIGN_PREFIX_EXPERTS = 16  # experts per program of the alignment's prefix step (its tile: chunks x these)
 COMBINE_BLOCK_H = 1024
 
 
@@ -350,13 +351,14 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
         )
         return pair_expert, sorted_pairs, block_expert
     chunks = _triton.cdiv(num_pairs, ALIGN_PAIRS_PER_PROGRAM)
-    # one row per chunk, then each expert's count and padded run end
-    chunk_counts = torch.empty(chunks + 2, e_pad, dtype=torch.int32, device=dev)
+    chunk_counts = torch.empty(chunks + 1, e_pad, dtype=torch.int32, device=dev)  # a row per chunk, then the counts
     per_chunk = dict(PAIRS_PER_PROGRAM=ALIGN_PAIRS_PER_PROGRAM, HAS_MAP=expert_map is not None, E_PAD=e_pad,
                      CHUNK=ALIGN_CHUNK, num_warps=ALIGN_WARPS)
     k.align_count_kernel[(chunks,)](ids, emap, pair_expert, chunk_counts, num_pairs, num_global, num_local, **per_chunk)
-    k.align_offsets_kernel[(1,)](chunk_counts, chunks, BLOCK_M=block_m, E_PAD=e_pad,
-                                 CHUNK_ROWS=max(1, min(64, ALIGN_TILE // e_pad)), num_warps=ALIGN_WARPS)
+    prefix_experts = min(e_pad, ALIGN_PREFIX_EXPERTS)
+    k.align_offsets_kernel[(e_pad // prefix_experts,)](
+        chunk_counts, chunks, E_PAD=e_pad, EXPERTS=prefix_experts,
+        CHUNK_ROWS=min(_triton.next_pow2(chunks), ALIGN_TILE // prefix_experts), num_warps=ALIGN_WARPS)
     k.align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, block_expert, chunk_counts, num_pairs, num_global,
                                       num_local, blocks, BLOCK_M=block_m, **layout, **per_chunk)
     return pair_expert, sorted_pairs, block_expert

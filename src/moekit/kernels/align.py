@@ -3,8 +3,8 @@ expert's run padded to a multiple of BLOCK_M, and the expert of every BLOCK_M bl
 
 Decode sizes use one program for the whole job (one launch). Above a few hundred pairs one
 program is latency-bound (a serial chain of chunk steps), so three launches split it: per-chunk
-counts, one program for the prefix sums, per-chunk scatter (which also pads the runs and writes
-the blocks' experts, shared among the chunks). Both orders are a stable sort
+counts, prefix sums over the chunks (programs split the experts), per-chunk scatter (which also
+places the runs, pads them and writes the blocks' experts, shared among the chunks). Both orders are a stable sort
 (pairs keep their order within an expert), deterministic and free of atomics.
 """
 
@@ -84,15 +84,9 @@ def _write_owners(padded_end, total, block_expert_ptr, first_block, end_block,
 
 
 @triton.jit
-def _padded(counts, BLOCK_M: tl.constexpr):
-    """Each expert's run of slots: its pairs, padded to whole row blocks."""
-    return (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-
-
-@triton.jit
 def _padded_runs(counts, BLOCK_M: tl.constexpr):
-    """(padded length, start, end) of each expert's run of slots."""
-    padded = _padded(counts, BLOCK_M)
+    """(padded length, start, end) of each expert's run of slots: its pairs, padded to whole row blocks."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     return padded, padded_end - padded, padded_end
 
@@ -147,27 +141,22 @@ def align_count_kernel(ids_ptr, expert_map_ptr, pair_expert_ptr, chunk_counts_pt
 
 
 @triton.jit
-def align_offsets_kernel(chunk_counts_ptr, num_chunks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+def align_offsets_kernel(chunk_counts_ptr, num_chunks, E_PAD: tl.constexpr, EXPERTS: tl.constexpr,
                          CHUNK_ROWS: tl.constexpr):
-    """Step 2 of 3 (one program): chunk_counts becomes each chunk's first slot per expert; its two
-    rows past the chunks receive each expert's count and padded run end (step 3 lays out the runs)."""
-    experts = tl.arange(0, E_PAD)
+    """Step 2 of 3, a program per EXPERTS experts: chunk_counts[c, e] becomes the pairs of expert e in
+    chunks before c, and the row past the chunks each expert's count. A prefix per expert is
+    independent of the others, so the programs split the experts (one program for all of them was a
+    serial chain of chunks x experts / tile steps)."""
+    experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     rows = tl.arange(0, CHUNK_ROWS)
-    running = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_chunks, CHUNK_ROWS):  # exclusive prefix over chunks, per expert
+    running = tl.zeros([EXPERTS], dtype=tl.int32)
+    for c0 in range(0, num_chunks, CHUNK_ROWS):
         ok = (c0 + rows < num_chunks)[:, None]
         ptrs = chunk_counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
         tile = tl.load(ptrs, mask=ok, other=0)
         tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=ok)
         running += tl.sum(tile, axis=0)
-    _, start, padded_end = _padded_runs(running, BLOCK_M)
-    runs = chunk_counts_ptr + num_chunks * E_PAD
-    tl.store(runs + experts, running)
-    tl.store(runs + E_PAD + experts, padded_end)
-    for c0 in range(0, num_chunks, CHUNK_ROWS):
-        ok = (c0 + rows < num_chunks)[:, None]
-        ptrs = chunk_counts_ptr + (c0 + rows)[:, None] * E_PAD + experts[None, :]
-        tl.store(ptrs, tl.load(ptrs, mask=ok, other=0) + start[None, :], mask=ok)
+    tl.store(chunk_counts_ptr + num_chunks * E_PAD + experts, running)
 
 
 @triton.jit
@@ -181,14 +170,12 @@ def align_scatter_kernel(ids_ptr, expert_map_ptr, sorted_pairs_ptr, block_expert
     the blocks (one program did all of it, a serial chain that grew with T)."""
     c, start, end = _my_chunk(num_pairs, PAIRS_PER_PROGRAM)
     experts = tl.arange(0, E_PAD)
-    cursor = tl.load(chunk_counts_ptr + c * E_PAD + experts)
-    _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
     num_chunks = tl.num_programs(0)
-    runs = chunk_counts_ptr + num_chunks * E_PAD
-    counts = tl.load(runs + experts)
-    padded_end = tl.load(runs + E_PAD + experts)
-    padded = _padded(counts, BLOCK_M)
-    _fill_padding(counts, padded_end - padded, padded, experts % num_chunks == c, sorted_pairs_ptr, num_pairs,
+    counts = tl.load(chunk_counts_ptr + num_chunks * E_PAD + experts)
+    padded, padded_start, padded_end = _padded_runs(counts, BLOCK_M)  # every program: E_PAD values
+    cursor = tl.load(chunk_counts_ptr + c * E_PAD + experts) + padded_start
+    _scatter(ids_ptr, expert_map_ptr, sorted_pairs_ptr, cursor, start, end, num_global, num_local, HAS_MAP, E_PAD, CHUNK)
+    _fill_padding(counts, padded_start, padded, experts % num_chunks == c, sorted_pairs_ptr, num_pairs,
                   BLOCK_M, E_PAD, PAD_CHUNK)
     share = tl.cdiv(num_blocks, num_chunks)
     _write_owners(padded_end, tl.sum(padded, axis=0), block_expert_ptr, c * share,
