@@ -216,7 +216,7 @@ def _launch(args: _GemmArgs, *, out2=None, routing: RoutingOptions | None = None
         HAS_BIAS=bias is not None, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
         IEEE=x.dtype == torch.float32, FENCE=not _triton.interpreting(),
         **routing.kernel_constants(num_experts, corr_bias is not None),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

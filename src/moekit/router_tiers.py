@@ -52,6 +52,8 @@ class RouterKernelConfig:
     num_warps: int = 4
     fin_programs: int = 1
     """Programs that share the finishing step of one token block (each takes fin_t tokens at a time)."""
+    num_stages: int = 3
+    """Software-pipeline depth of the K loop (Triton's default 3)."""
 
 
 @functools.cache
@@ -122,7 +124,7 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
 
 def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool, num_sms: int,
                   block_t: int, block_r: int, block_k: int, num_warps: int = 4,
-                  programs_per_sm: int = 2, splits: int | None = None) -> RouterKernelConfig:
+                  programs_per_sm: int = 2, splits: int | None = None, num_stages: int = 3) -> RouterKernelConfig:
     """The launch shape for one GEMM tile: K splits for about ``programs_per_sm`` programs per SM
     (or ``splits``, for measuring), the finishing step's token groups and finishers within their
     register budgets."""
@@ -161,7 +163,7 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
         fin_programs = max(1, min(_triton.cdiv(block_tokens, fin_t), cap))
     s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
     return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad,
-                              num_warps=num_warps, fin_programs=fin_programs)
+                              num_warps=num_warps, fin_programs=fin_programs, num_stages=num_stages)
 
 
 def fused_limit(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
