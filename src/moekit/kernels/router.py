@@ -78,21 +78,18 @@ def router_kernel(
     w_blocks = tl.cdiv(num_experts, BLOCK_R)
     total_rows = num_experts + rank
 
-    # Without LoRA only the weight rows' loop is compiled: each loop holds its own pipeline buffers
-    # in shared memory (sm_90: 144 KB for both at 64x128x64, 3 stages), which caps programs per SM.
+    # Program pid_r works on weight rows, or past them on LoRA A rows. Without LoRA only the weight
+    # rows' loop is compiled: each loop holds its own pipeline buffers in shared memory (sm_90: 144 KB
+    # for both at 64x128x64, 3 stages), which caps programs per SM.
+    lora_rows = False
     if HAS_LORA:
-        if pid_r < w_blocks:
-            row = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-            acc = _partial_dot(x_ptr, stride_xt, stride_xh, w_ptr, stride_we, stride_wh, num_experts,
-                               tok, row, k_lo, k_hi, num_tokens, BLOCK_T, BLOCK_R, BLOCK_K, IEEE)
-            ws_col = row
-            col_ok = row < num_experts
-        else:
-            row = (pid_r - w_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-            acc = _partial_dot(x_ptr, stride_xt, stride_xh, a_ptr, stride_ar, stride_ah, rank,
-                               tok, row, k_lo, k_hi, num_tokens, BLOCK_T, BLOCK_R, BLOCK_K, IEEE)
-            ws_col = num_experts + row
-            col_ok = row < rank
+        lora_rows = pid_r >= w_blocks
+    if lora_rows:
+        row = (pid_r - w_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        acc = _partial_dot(x_ptr, stride_xt, stride_xh, a_ptr, stride_ar, stride_ah, rank,
+                           tok, row, k_lo, k_hi, num_tokens, BLOCK_T, BLOCK_R, BLOCK_K, IEEE)
+        ws_col = num_experts + row
+        col_ok = row < rank
     else:
         row = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         acc = _partial_dot(x_ptr, stride_xt, stride_xh, w_ptr, stride_we, stride_wh, num_experts,
