@@ -202,9 +202,9 @@ def run(args):
     print(f"bf16 matmul rate here: {rate / 1e12:.0f} TFLOP/s", flush=True)
     records = []
     for name in args.presets:
-        records += run_preset(args, presets.get(name), rate)
+        # saved after every row: a call cut by a time limit keeps what it measured
+        run_preset(args, presets.get(name), rate, lambda row: (records.append(row), save(args, records, rate)))
         torch.cuda.empty_cache()
-        save(args, records, rate)  # partial results survive a time limit
     return records, rate
 
 
@@ -218,9 +218,8 @@ def save(args, records, rate, render=None):
     return md
 
 
-def run_preset(args, spec, rate):
-    """Every T of one preset; its weights are freed on return."""
-    records = []
+def run_preset(args, spec, rate, on_row):
+    """Every T of one preset, each row handed to ``on_row`` as it is measured; the weights are freed on return."""
     name = spec.name
     n_layers = min(args.layers, 4)
     layers = [Layer(spec, args.peers) for _ in range(n_layers)]
@@ -257,11 +256,10 @@ def run_preset(args, spec, rate):
             row["best_peer_us"] = min(peers)
             row["speedup_vs_best_peer"] = min(peers) / row["moekit"]
             row["floor_ratio"] = row["moekit"] / row["floor_us"]
-        records.append(row)
+        on_row(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         del cases, ref
         torch.cuda.empty_cache()
-    return records
 
 
 def _rates(r) -> tuple[float | None, float | None]:
