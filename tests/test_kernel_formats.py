@@ -8,7 +8,7 @@ import triton.language as tl
 
 from moekit import _triton
 from moekit.formats import fp4
-from moekit.kernels import moe_gemm
+from moekit.kernels import moe_gemm, moe_gemv
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -111,3 +111,51 @@ def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dty
     _w4_tile_all[(1,)](packed.to(device), scales.to(device), out, FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype,
                        HALVES_ASM=device == "cuda")
     assert torch.equal(out.cpu().double(), expect.to(dtype).double()), why
+
+
+@triton.jit
+def _gemv_group_sums(w_ptr, s_ptr, x_ptr, out_ptr, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
+    # 32 rows x one 256-wide K chunk: the CUDA-core decode kernels' per-group sums, before their K loop adds them
+    rows = tl.arange(0, 32)
+    GROUPS: tl.constexpr = 256 // (32 if FORMAT == 1 else 16)
+    w, s = moe_gemv._load_chunk(w_ptr, s_ptr, rows, rows < 32, 0, 256, 32, 1, GROUPS, FORMAT, 256)
+    xv = moe_gemv._load_x(x_ptr, 0, 256, 1, True, FORMAT, 256)
+    part = moe_gemv._chunk_sums(w, s, xv, FORMAT, HALVES_ASM)
+    tl.store(out_ptr + rows[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :], part)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,why", [
+    ("mxfp4", "every E8M0 scale 0..255 once: 2^-127 (subnormal), 2^114..2^127 (whose product with the fp16 "
+              "codes' 2^14 leaves fp32), NaN"),
+    ("nvfp4", "every E4M3 scale byte twice, NaN codes included"),
+])
+def test_gemv_group_sums_for_every_scale(device, fmt, why):
+    from moekit.formats import mxfp4, nvfp4
+
+    if not _triton.can_launch(torch.device(device)):
+        pytest.skip("no Triton launch here")
+    g = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (32, 128), generator=g, dtype=torch.int32).to(torch.uint8)
+    # activations small enough that a group sum times 2^127 stays inside fp32
+    x = (torch.rand(256, generator=g) * 2 - 1) * 2.0 ** -8
+    if fmt == "mxfp4":
+        scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(32, 8)
+        w = mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (32, 256)), torch.float64)
+        group = 32
+    else:
+        scales = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(32, 16)
+        t = nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.ones(()), (32, 256))
+        w = nvfp4.dequantize(t, torch.float64)
+        group = 16
+    expect = (w * x.double()).reshape(32, 256 // group, group).sum(-1)
+    out = torch.full((32, 256 // group), float("nan"), device=device)
+    _gemv_group_sums[(1,)](packed.view(torch.int32).to(device), scales.to(device), x.to(device), out,
+                           FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda")
+    got = out.cpu().double()
+    nan = torch.isnan(expect)
+    assert torch.equal(torch.isnan(got), nan), why
+    # fp32 products and sums of 16 or 32 terms: within a few ulps of the group's largest term, or of
+    # fp32's subnormal spacing (2^-149) under the smallest scales
+    bound = (w.abs() * x.double().abs()).reshape(32, 256 // group, group).amax(-1) * 2.0 ** -20 + 2.0 ** -144
+    assert torch.all((got - expect).abs()[~nan] <= bound[~nan]), why

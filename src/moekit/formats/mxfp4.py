@@ -53,10 +53,13 @@ def quantize(x: torch.Tensor, *, check_finite: bool = True) -> MXFP4Tensor:
 
 
 def dequantize(t: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """e2m1(q) * 2^(s - 127); a scale byte of 255 gives NaN for its block."""
+    """e2m1(q) * 2^(s - 127); a scale byte of 255 gives NaN for its block. Exact in fp32 up to its
+    range (codes of 4 and 6 under the two largest scales leave it: inf) and exact in float64."""
     values = blocks(fp4.decode(fp4.unpack(t.data)), BLOCK)
+    if dtype == torch.float64:
+        values = values.double()
     s = t.scales.to(torch.int32).unsqueeze(-1)
-    out = torch.ldexp(values, (s - BIAS).float())
+    out = torch.ldexp(values, (s - BIAS).to(values.dtype))
     out = torch.where(s == NAN_SCALE, float("nan"), out)
     return out.reshape(t.shape).to(dtype)
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _pair_expert, _slot_operands
+from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert, _slot_operands
 
 FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14 of their value
 
@@ -120,14 +120,12 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
         lo, hi = _halves(w >> 3, w, HALVES_ASM)
         acc = lo * tl.expand_dims(x3l, -3) + acc
         acc = hi * tl.expand_dims(x3h, -3) + acc
-        codes = s.to(tl.int32)
         if FORMAT == MXFP4:
-            # 2^(s - 127) * 2^14 = 2^(s - 113): exact in fp32 for every code; 0 is 2^-127 (-> 2^-113), 255 NaN.
-            scale = tl.where(codes == 255, float("nan"),
-                             tl.where(codes == 0, 2.0 ** -113, ((codes + 14) << 23).to(tl.float32, bitcast=True)))
+            # The 2^14 first, then 2^(s - 127): one factor 2^(s - 113) would overflow fp32 for s > 240
+            # (codes up to 254 are valid scales); one more multiply per group of 32 codes.
+            part = (tl.sum(acc, axis=-1) * FP16_E2M1_UNIT) * _e8m0_values(s)
         else:
-            scale = _e4m3_values(codes) * FP16_E2M1_UNIT
-        part = tl.sum(acc, axis=-1) * scale
+            part = tl.sum(acc, axis=-1) * (_e4m3_values(s.to(tl.int32)) * FP16_E2M1_UNIT)
     return part
 
 
