@@ -1,0 +1,263 @@
+"""Prototype (session 10, not in the package): a 4-bit weight GEMV for a few tokens whose products run on
+the tensor cores (mma m16n8k16, fp16 operands, fp32 accumulators) while the CUDA cores only build the
+weights' fp16 pairs -- the decode design NOTES (session 10) names as the way to the bytes floor.
+
+The weights are the A operand (16 rows of N per warp, swap A/B), the tokens the B operand (8 columns).
+A thread of a quad (lane c) holds word c (8 codes) of each of its two rows (g, g + 8) per 32-wide scale
+group; the word's nibbles j and j + 4 become one fp16 pair (code * 2^-14, exact) with the shifts the
+CUDA-core kernels use. Those pairs ARE the thread's A-fragment registers when the MMA's K order is
+permuted: logical k = 16 (j // 2) + 8 (j % 2) + 2 c + h stands for physical K 8 c + j + 4 h of the group
+(h: the half of the pair), and x comes permuted the same way. A group's two MMAs give its partial sums,
+which its E8M0 scale adds into the fp32 accumulator; the codes' 2^14 multiplies once at the end.
+
+Layouts prepared on the host (a weight loader would do it once): ``prepack`` pads K to whole 128-wide
+chunks and puts each lane's four words of a chunk next to each other (one 16-byte load per row and
+chunk); ``permute_x`` orders each 8-element block of x as [0, 4, 1, 5, 2, 6, 3, 7] in fp16, so a lane's
+B fragment of a group is one 16-byte load too.
+
+    python benchmarks/prototypes/gluon_w4_mma.py compile   # offline: sm_90 compile, shared memory, SASS loop
+    python benchmarks/prototypes/gluon_w4_mma.py           # GPU: check against float64, time vs moekit's gemv
+"""
+import re
+import sys
+from collections import Counter
+
+import _harness as H_  # noqa: F401 - puts src/ and tests/ on the path
+import torch
+import torch.nn.functional as F
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+CHUNK = 128  # K per loop step: 4 scale groups, 16 words per row
+
+
+@gluon.jit
+def _take4(t):
+    """The four slices of ``t`` along its last dimension (size 4), in order."""
+    a, b = gl.split(gl.reshape(t, t.shape[:-1] + [2, 2]))  # last index 2 a + b: split takes b
+    t0, t2 = gl.split(a)
+    t1, t3 = gl.split(b)
+    return t0, t1, t2, t3
+
+
+@gluon.jit
+def _halves(bits):
+    """The two 16-bit halves of int32 ``bits`` as fp16 (register renaming, no instruction)."""
+    return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [bits], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pair(w, j: gl.constexpr):
+    """[.., 2]: fp16 code * 2^-14 of nibbles j and j + 4 of each word (sign to bit 15, magnitude to 9..11)."""
+    if j == 3:
+        bits = ((w >> 3) & 0x0E000E00) | (w & -0x7FFF8000)
+    else:
+        bits = ((w << (9 - 4 * j)) & 0x0E000E00) | ((w << (12 - 4 * j)) & -0x7FFF8000)
+    lo, hi = _halves(bits)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _a_operand(w, BN: gl.constexpr, a_layout: gl.constexpr):
+    """[BN, 32] fp16 A fragment of one group from its words [BN, 4 (c)], K in the permuted order."""
+    a = gl.join(gl.join(_pair(w, 0), _pair(w, 1)), gl.join(_pair(w, 2), _pair(w, 3)))  # [BN, c, h, j % 2, j // 2]
+    a = gl.reshape(gl.permute(a, (0, 4, 3, 1, 2)), [BN, 32])
+    return gl.convert_layout(a, a_layout)  # no instruction: the pairs already sit where the fragment wants them
+
+
+@gluon.jit
+def _b_operand(xw, b_layout: gl.constexpr):
+    """[32, 8] fp16 B fragment of one group from the permuted x words [8 tokens, 4 (c), 4 (j)]."""
+    x = gl.join(*_halves(xw))  # [tok, c, j, h]
+    x = gl.reshape(x, [8, 4, 2, 2, 2])  # [tok, c, j // 2, j % 2, h]
+    x = gl.reshape(gl.permute(x, (2, 3, 1, 4, 0)), [32, 8])
+    return gl.convert_layout(x, b_layout)
+
+
+@gluon.jit
+def _e8m0(s):
+    """2^(s - 127) of the scale bytes (int32 0..255), exactly (0: the subnormal 2^-127; 255: NaN)."""
+    v = (s << 23).to(gl.float32, bitcast=True)
+    return gl.where(s == 255, float("nan"), gl.where(s == 0, 5.877471754111438e-39, v))
+
+
+@gluon.jit
+def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_xt, stride_yt, T,
+                       WARPS: gl.constexpr, words_layout: gl.constexpr, x_layout: gl.constexpr):
+    """y[t, n] = sum_k W[n, k] x[t, k]: W MXFP4 prepacked (int32 words [N, K/8], E8M0 scales [N, K/32], K a
+    multiple of 128; scales as int32 [N, K/128], four groups each), x permuted fp16 as int32 pairs [8, K/2]
+    (rows >= T zero), y fp32 [T, N]."""
+    BN: gl.constexpr = 16 * WARPS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    n0 = gl.program_id(0) * BN
+    # words [BN, 4 (c), 4 (group q)]: a lane's four words of a row are one 16-byte load
+    r3 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
+    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
+    q3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+    w_ptrs = (w_ptr + gl.minimum(r3, N - 1).to(gl.int64)[:, None, None] * stride_wn + c3[None, :, None] * 4
+              + q3[None, None, :])
+    # scales: the chunk's four bytes of a row as one int32, shared by the quad
+    r2 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    s_ptrs = s_ptr + gl.minimum(r2, N - 1).to(gl.int64) * stride_sn
+    # x words [8 tokens, 4 (q), 4 (c), 4 (j)]: per group a lane's B fragment is one 16-byte load
+    t4 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    q4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, x_layout))))
+    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, x_layout))))
+    x_ptrs = (x_ptr + t4[:, None, None, None] * stride_xt + q4[None, :, None, None] * 16
+              + c4[None, None, :, None] * 4 + j4[None, None, None, :])
+    acc = gl.zeros([BN, 8], gl.float32, mma)
+    zero = gl.zeros([BN, 8], gl.float32, mma)
+    for k0 in range(0, K, 128):
+        w = gl.load(w_ptrs + k0 // 8)
+        s = gl.load(s_ptrs + k0 // 128)
+        xw = gl.permute(gl.load(x_ptrs + k0 // 2), (0, 2, 3, 1))  # [tok, c, j, q]
+        w0, w1, w2, w3 = _take4(w)
+        x0, x1, x2, x3 = _take4(xw)
+        acc += mma_v2(_a_operand(w0, BN, a_layout), _b_operand(x0, b_layout), zero) * _e8m0((s >> 0) & 255)[:, None]
+        acc += mma_v2(_a_operand(w1, BN, a_layout), _b_operand(x1, b_layout), zero) * _e8m0((s >> 8) & 255)[:, None]
+        acc += mma_v2(_a_operand(w2, BN, a_layout), _b_operand(x2, b_layout), zero) * _e8m0((s >> 16) & 255)[:, None]
+        acc += mma_v2(_a_operand(w3, BN, a_layout), _b_operand(x3, b_layout), zero) * _e8m0((s >> 24) & 255)[:, None]
+    out_rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    out_tok = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    gl.store(y_ptr + out_tok[None, :] * stride_yt + out_rows[:, None], acc * 16384.0,
+             mask=(out_rows < N)[:, None] & (out_tok < T)[None, :])
+
+
+def _linear(reg, lane, warp, shape):
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=shape)
+
+
+def layouts(warps):
+    """(words [BN, 4 c, 4 q], x words [8, 4 q, 4 c, 4 j]) layouts: lanes 0-1 are c (the
+    quad), lanes 2-4 the fragment row g (or token), the register bit of the rows the row g + 8, the warps
+    16-row slabs -- the mma fragment's own placement."""
+    slabs = [16 << i for i in range(warps.bit_length() - 1)]
+    words = _linear([[0, 0, 1], [0, 0, 2], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                    [[s, 0, 0] for s in slabs], [16 * warps, 4, 4])
+    x = _linear([[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0]],
+                [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+                [[0, 0, 0, 0] for _ in slabs], [8, 4, 4, 4])
+    return words, x
+
+
+def prepack(data: torch.Tensor, scales: torch.Tensor):
+    """MXFP4 bytes [N, K/2] and scale bytes [N, K/32] -> (int32 words [N, Kp/8], int32 scale words
+    [N, Kp/128]) with K padded to a multiple of 128 (zero codes, scale 1) and each chunk's words ordered lane
+    by lane (4c + q <- 4q + c)."""
+    N, half_k = data.shape
+    pad = -half_k % (CHUNK // 2)
+    words = F.pad(data, (0, pad)).view(torch.int32).reshape(N, -1, 4, 4).transpose(-1, -2).reshape(N, -1)
+    return words.contiguous(), F.pad(scales, (0, pad // 16), value=127).contiguous().view(torch.int32)
+
+
+def permute_x(x: torch.Tensor, k_padded: int) -> torch.Tensor:
+    """x [T, K] (T <= 8) -> fp16 [8, Kp] as int32 pairs [8, Kp/2], each 8-block ordered [0, 4, 1, 5, 2, 6, 3, 7]."""
+    T, K = x.shape
+    xp = torch.zeros(8, k_padded, dtype=torch.float16, device=x.device)
+    xp[:T, :K] = x.to(torch.float16)
+    return xp.reshape(8, -1, 2, 4).transpose(-1, -2).reshape(8, -1).contiguous().view(torch.int32)
+
+
+def w4_gemv_mma(words, scales, xw, y, T, warps=4):
+    N, K = words.shape[0], words.shape[1] * 8
+    grid = (-(-N // (16 * warps)),)
+    return w4_gemv_mma_kernel[grid](words, scales, xw, y, N, K, words.stride(0), scales.stride(0), xw.stride(0),
+                                    y.stride(0), T, warps, *layouts(warps), num_warps=warps)
+
+
+def _loop_ops(listing: str) -> list[Counter]:
+    label, branch = re.compile(r"^\s*(\.L_x_\d+):"), re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
+    instruction = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*)")
+    starts, body, loops = {}, [], []
+    for line in listing.splitlines():
+        if m := label.match(line):
+            starts[m.group(1)] = len(body)
+        elif m := instruction.match(line):
+            body.append(m.group(1))
+            if (b := branch.search(m.group(1))) and b.group(1) in starts:
+                loops.append(Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0]
+                                     for i in body[starts[b.group(1)]:]))
+    return loops
+
+
+def _compile_offline():
+    import sm90_compile as S
+    from moekit import _sass
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+    driver.set_active(S._Sm90Driver())
+    JITFunction.run = S._compile_only
+    N, K = 5760, 2944
+    words, scales = torch.zeros(N, K // 8, dtype=torch.int32), torch.zeros(N, K // 128, dtype=torch.int32)
+    xw, y = torch.zeros(8, K // 2, dtype=torch.int32), torch.zeros(1, N)
+    for warps in (4, 8):
+        S.BUILT.clear()
+        try:
+            w4_gemv_mma(words, scales, xw, y, 1, warps)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            while exc.__cause__ is not None:
+                exc = exc.__cause__
+            print(f"warps={warps}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            continue
+        for name, k in S.BUILT:
+            ttgir, listing = k.asm.get("ttgir", ""), _sass.sass(k.asm["cubin"]) or ""
+            for ops in _loop_ops(listing):
+                if sum(ops.values()) > 8:
+                    print(f"warps={warps} {name}: {S.resource_usage(k)} smem={k.metadata.shared} "
+                          f"local_alloc={ttgir.count('local_alloc')} loop {sum(ops.values())} instructions per 128 K "
+                          f"(x 2 rows per thread = 64 codes): {ops.most_common(16)}")
+            open(f"/tmp/w4_mma_{warps}.sass", "w").write(listing)
+            open(f"/tmp/w4_mma_{warps}.ttgir", "w").write(ttgir)
+
+
+def _gpu_check_and_time():
+    """gpt-oss-120b MXFP4 at T=1: the four experts' w13 rows (GEMM1's bytes) through the prototype vs moekit's
+    CUDA-core GEMM1 on the same routes, graphs of 8 calls over 4 layers' weights; accuracy vs float64."""
+    from moekit import _experts_triton as X, presets
+    from moekit.bench.experts import routes
+    from moekit.bench.timing import graph_time_us
+    from moekit.expert_configs import choose
+    from moekit.formats import mxfp4
+    from moekit.tune import random_weights
+    spec = presets.get("gpt-oss-120b")
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    stacks = random_weights(spec, 4, weight_format="mxfp4")
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    tw, ids = routes(spec, 1)
+    flat = ids.reshape(-1)
+    hit = flat.long()
+    packed = []
+    for w13, _ in stacks:
+        data = w13.data[hit].reshape(k * 2 * I, H // 2)
+        sc = w13.scales[hit].reshape(k * 2 * I, H // 32)
+        packed.append((*prepack(data, sc), mxfp4.MXFP4Tensor(data, sc, (k * 2 * I, H))))
+    kp = packed[0][0].shape[1] * 8
+    for T in (1, 3, 8):
+        xt = torch.randn(T, H, device="cuda") * 2
+        ref = xt.half().double() @ mxfp4.dequantize(packed[0][2], torch.float64).T
+        y = torch.full((T, k * 2 * I), float("nan"), device="cuda")
+        w4_gemv_mma(packed[0][0], packed[0][1], permute_x(xt, kp), y, T)
+        torch.cuda.synchronize()
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        print(f"T={T}: max |y - ref| / max |ref| = {err:.2e}  nan={torch.isnan(y).any().item()}", flush=True)
+    xw = permute_x(x, kp)
+    y = torch.empty(1, k * 2 * I, device="cuda")
+    nbytes = packed[0][0].numel() * 4 + packed[0][1].numel() * 4
+    for warps in (4, 8):
+        us = graph_time_us([lambda p=packed[i % 4]: w4_gemv_mma(p[0], p[1], xw, y, 1, warps) for i in range(8)])
+        print(f"prototype warps={warps}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+    layers = [(X.WeightOperand.of(a), X.WeightOperand.of(b)) for a, b in stacks]
+    cfg, _ = choose(1, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
+    h = torch.empty(k, I, device="cuda", dtype=torch.bfloat16)
+    us = graph_time_us([lambda w=layers[i % 4]: X._gemv1(x, w[0], None, h, flat, None, E, spec.activation, k,
+                                                          cfg.gemm1) for i in range(8)])
+    print(f"moekit GEMM1 (CUDA cores, {cfg.gemm1}): {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s (same bytes)", flush=True)
+
+
+if __name__ == "__main__":
+    _compile_offline() if sys.argv[1:] == ["compile"] else _gpu_check_and_time()
