@@ -16,6 +16,7 @@ chunk); ``permute_x`` orders each 8-element block of x as [0, 4, 1, 5, 2, 6, 3, 
 B fragment of a group is one 16-byte load too.
 
     python benchmarks/prototypes/gluon_w4_mma.py compile   # offline: sm_90 compile, shared memory, SASS loop
+    python benchmarks/prototypes/gluon_w4_mma.py emulate   # CPU: the kernel's index math in torch vs float64
     python benchmarks/prototypes/gluon_w4_mma.py           # GPU: check against float64, time vs moekit's gemv
 """
 import re
@@ -259,5 +260,34 @@ def _gpu_check_and_time():
     print(f"moekit GEMM1 (CUDA cores, {cfg.gemm1}): {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s (same bytes)", flush=True)
 
 
+def _emulate():
+    """CPU: the kernel's index math in torch (prepacked words, permuted x, the fragment's K order, the scale
+    bytes) against float64 -- the layouts only move work between threads, so this is what the GPU computes."""
+    from moekit.formats import fp4, mxfp4
+    torch.manual_seed(0)
+    N, K, T = 16, 2880, 3
+    q = mxfp4.quantize(torch.randn(N, K))
+    words, scale_words = prepack(q.data, q.scales)
+    kp = words.shape[1] * 8
+    x = torch.randn(T, K)
+    xf = permute_x(x, kp).view(torch.float16).double()
+    values = fp4.decode(torch.arange(16, dtype=torch.uint8)).double()
+    y = torch.zeros(8, N, dtype=torch.float64)
+    for ch in range(kp // CHUNK):
+        for grp in range(4):
+            a, b = torch.zeros(N, 32, dtype=torch.float64), torch.zeros(32, 8, dtype=torch.float64)
+            for c in range(4):
+                wd = words[:, ch * 16 + 4 * c + grp].long() & 0xFFFFFFFF
+                for j in range(4):
+                    for h in range(2):
+                        kl = 16 * (j // 2) + 8 * (j % 2) + 2 * c + h
+                        a[:, kl] = values[(wd >> (4 * (j + 4 * h))) & 15]
+                        b[kl] = xf[:, ch * CHUNK + 2 * (grp * 16 + c * 4 + j) + h]
+            s = (scale_words[:, ch].long() & 0xFFFFFFFF) >> (8 * grp) & 255
+            y += (a @ b).T * torch.pow(2.0, (s - 127).double())
+    ref = x.half().double() @ mxfp4.dequantize(q, torch.float64).T
+    print(f"emulated kernel vs float64: max rel err {((y[:T] - ref).abs().max() / ref.abs().max()).item():.1e}")
+
+
 if __name__ == "__main__":
-    _compile_offline() if sys.argv[1:] == ["compile"] else _gpu_check_and_time()
+    {"compile": _compile_offline, "emulate": _emulate}.get(sys.argv[1] if sys.argv[1:] else "", _gpu_check_and_time)()
