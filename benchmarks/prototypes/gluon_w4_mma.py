@@ -23,7 +23,7 @@ import re
 import sys
 from collections import Counter
 
-import _harness as H_  # noqa: F401 - puts src/ and tests/ on the path
+import _harness  # noqa: F401 - puts src/ and tests/ on the path
 import torch
 import torch.nn.functional as F
 from triton.experimental import gluon
@@ -85,6 +85,19 @@ def _e8m0(s):
 
 
 @gluon.jit
+def _chunk(acc, zero, w, s, xw, BN: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr):
+    """acc + one 128-wide K chunk: words [BN, 4 c, 4 q], scale words [BN] (a byte per group q), x words
+    [8, c, j, q]; each group's MMA partial times its scale."""
+    w0, w1, w2, w3 = _take4(w)
+    x0, x1, x2, x3 = _take4(xw)
+    acc += mma_v2(_a_operand(w0, BN, a_layout), _b_operand(x0, b_layout), zero) * _e8m0(s & 255)[:, None]
+    acc += mma_v2(_a_operand(w1, BN, a_layout), _b_operand(x1, b_layout), zero) * _e8m0((s >> 8) & 255)[:, None]
+    acc += mma_v2(_a_operand(w2, BN, a_layout), _b_operand(x2, b_layout), zero) * _e8m0((s >> 16) & 255)[:, None]
+    acc += mma_v2(_a_operand(w3, BN, a_layout), _b_operand(x3, b_layout), zero) * _e8m0((s >> 24) & 255)[:, None]
+    return acc
+
+
+@gluon.jit
 def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_xt, stride_yt, T,
                        WARPS: gl.constexpr, words_layout: gl.constexpr, x_layout: gl.constexpr):
     """y[t, n] = sum_k W[n, k] x[t, k]: W MXFP4 prepacked (int32 words [N, K/8], E8M0 scales [N, K/32], K a
@@ -114,19 +127,69 @@ def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, s
     acc = gl.zeros([BN, 8], gl.float32, mma)
     zero = gl.zeros([BN, 8], gl.float32, mma)
     for k0 in range(0, K, 128):
-        w = gl.load(w_ptrs + k0 // 8)
-        s = gl.load(s_ptrs + k0 // 128)
         xw = gl.permute(gl.load(x_ptrs + k0 // 2), (0, 2, 3, 1))  # [tok, c, j, q]
-        w0, w1, w2, w3 = _take4(w)
-        x0, x1, x2, x3 = _take4(xw)
-        acc += mma_v2(_a_operand(w0, BN, a_layout), _b_operand(x0, b_layout), zero) * _e8m0((s >> 0) & 255)[:, None]
-        acc += mma_v2(_a_operand(w1, BN, a_layout), _b_operand(x1, b_layout), zero) * _e8m0((s >> 8) & 255)[:, None]
-        acc += mma_v2(_a_operand(w2, BN, a_layout), _b_operand(x2, b_layout), zero) * _e8m0((s >> 16) & 255)[:, None]
-        acc += mma_v2(_a_operand(w3, BN, a_layout), _b_operand(x3, b_layout), zero) * _e8m0((s >> 24) & 255)[:, None]
+        acc = _chunk(acc, zero, gl.load(w_ptrs + k0 // 8), gl.load(s_ptrs + k0 // 128), xw, BN, a_layout, b_layout)
     out_rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     out_tok = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     gl.store(y_ptr + out_tok[None, :] * stride_yt + out_rows[:, None], acc * 16384.0,
              mask=(out_rows < N)[:, None] & (out_tok < T)[None, :])
+
+
+@gluon.jit
+def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                        b_ptr, stride_be, h_ptr, stride_hm, ids_ptr, top_k, I, K, gate_step, up_offset,
+                        HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr,
+                        words_layout: gl.constexpr, x_layout: gl.constexpr):
+    """Decode GEMM1 of one (token, slot) pair and 16 * WARPS columns of h: act(x W_gate^T + b, x W_up^T + b)
+    with W MXFP4 prepacked per expert (words [E, 2I, K/8], scale words [E, 2I, K/128]), x permuted fp16 as
+    int32 pairs [T, K/2], h bf16 [T * top_k, I]. The token is the B operand's column 0."""
+    BN: gl.constexpr = 16 * WARPS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    n_blocks = gl.cdiv(I, BN)
+    pair = gl.program_id(0) // n_blocks
+    n0 = (gl.program_id(0) % n_blocks) * BN
+    e = gl.load(ids_ptr + pair).to(gl.int64)
+    r3 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
+    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
+    q3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+    gate3 = gl.minimum(r3, I - 1).to(gl.int64) * gate_step
+    inner = c3[None, :, None] * 4 + q3[None, None, :]
+    wg_ptrs = w_ptr + e * stride_we + gate3[:, None, None] * stride_wn + inner
+    wu_ptrs = wg_ptrs + up_offset * stride_wn
+    r2 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    gate2 = gl.minimum(r2, I - 1).to(gl.int64) * gate_step
+    sg_ptrs = s_ptr + e * stride_se + gate2 * stride_sn
+    su_ptrs = sg_ptrs + up_offset * stride_sn
+    t4 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    q4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, x_layout))))
+    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, x_layout))))
+    x_ptrs = (x_ptr + (pair // top_k).to(gl.int64) * stride_xt + t4[:, None, None, None] * 0
+              + q4[None, :, None, None] * 16 + c4[None, None, :, None] * 4 + j4[None, None, None, :])
+    x_ok = (t4 == 0)[:, None, None, None] & (j4 >= 0)[None, None, None, :]  # the pair's token: column 0
+    acc_g = gl.zeros([BN, 8], gl.float32, mma)
+    acc_u = gl.zeros([BN, 8], gl.float32, mma)
+    zero = gl.zeros([BN, 8], gl.float32, mma)
+    for k0 in range(0, K, 128):
+        xw = gl.permute(gl.load(x_ptrs + k0 // 2, mask=x_ok, other=0), (0, 2, 3, 1))
+        acc_g = _chunk(acc_g, zero, gl.load(wg_ptrs + k0 // 8), gl.load(sg_ptrs + k0 // 128), xw, BN, a_layout,
+                       b_layout)
+        acc_u = _chunk(acc_u, zero, gl.load(wu_ptrs + k0 // 8), gl.load(su_ptrs + k0 // 128), xw, BN, a_layout,
+                       b_layout)
+    gate = gl.sum(acc_g, axis=1) * 16384.0  # columns 1..7 are exact zeros (their x is zero)
+    up = gl.sum(acc_u, axis=1) * 16384.0
+    if HAS_BIAS:
+        gate += gl.load(b_ptr + e * stride_be + gate2).to(gl.float32)
+        up += gl.load(b_ptr + e * stride_be + gate2 + up_offset).to(gl.float32)
+    if SWIGLU:
+        g = gl.minimum(gate, 7.0)
+        u = gl.minimum(gl.maximum(up, -7.0), 7.0)
+        act = (u + 1.0) * g / (1.0 + gl.exp(-1.702 * g))
+    else:
+        act = gate / (1.0 + gl.exp(-gate)) * up
+    gl.store(h_ptr + pair.to(gl.int64) * stride_hm + r2, act.to(gl.bfloat16), mask=r2 < I)
 
 
 def _linear(reg, lane, warp, shape):
@@ -157,11 +220,12 @@ def prepack(data: torch.Tensor, scales: torch.Tensor):
 
 
 def permute_x(x: torch.Tensor, k_padded: int) -> torch.Tensor:
-    """x [T, K] (T <= 8) -> fp16 [8, Kp] as int32 pairs [8, Kp/2], each 8-block ordered [0, 4, 1, 5, 2, 6, 3, 7]."""
+    """x [T, K] -> fp16 [max(T, 8), Kp] (zero rows and columns past x's) as int32 pairs, each 8-block ordered
+    [0, 4, 1, 5, 2, 6, 3, 7]."""
     T, K = x.shape
-    xp = torch.zeros(8, k_padded, dtype=torch.float16, device=x.device)
+    xp = torch.zeros(max(T, 8), k_padded, dtype=torch.float16, device=x.device)
     xp[:T, :K] = x.to(torch.float16)
-    return xp.reshape(8, -1, 2, 4).transpose(-1, -2).reshape(8, -1).contiguous().view(torch.int32)
+    return xp.reshape(xp.shape[0], -1, 2, 4).transpose(-1, -2).reshape(xp.shape[0], -1).contiguous().view(torch.int32)
 
 
 def w4_gemv_mma(words, scales, xw, y, T, warps=4):
@@ -169,6 +233,19 @@ def w4_gemv_mma(words, scales, xw, y, T, warps=4):
     grid = (-(-N // (16 * warps)),)
     return w4_gemv_mma_kernel[grid](words, scales, xw, y, N, K, words.stride(0), scales.stride(0), xw.stride(0),
                                     y.stride(0), T, warps, *layouts(warps), num_warps=warps)
+
+
+def w4_gemm1_mma(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4):
+    """words [E, 2I, Kp/8], scale_words [E, 2I, Kp/128] (prepack per expert), xw = permute_x int32 [T, Kp/2]."""
+    E, two_i, kw = words.shape
+    inter = two_i // 2
+    step, up = (2, 1) if swiglu else (1, inter)
+    grid = (ids.numel() * -(-inter // (16 * warps)),)
+    b = bias if bias is not None else h
+    return w4_gemm1_mma_kernel[grid](
+        xw, xw.stride(0), words, words.stride(0), words.stride(1), scale_words, scale_words.stride(0),
+        scale_words.stride(1), b, b.stride(0), h, h.stride(0), ids, top_k, inter, kw * 8, step, up,
+        bias is not None, swiglu, warps, *layouts(warps), num_warps=warps)
 
 
 def _loop_ops(listing: str) -> list[Counter]:
@@ -196,20 +273,27 @@ def _compile_offline():
     N, K = 5760, 2944
     words, scales = torch.zeros(N, K // 8, dtype=torch.int32), torch.zeros(N, K // 128, dtype=torch.int32)
     xw, y = torch.zeros(8, K // 2, dtype=torch.int32), torch.zeros(1, N)
-    for warps in (4, 8):
+    E, I = 4, N // 2
+    words1, scales1 = words.reshape(1, N, -1).expand(E, N, -1), scales.reshape(1, N, -1).expand(E, N, -1)
+    bias, h, ids = torch.zeros(E, N, dtype=torch.bfloat16), torch.zeros(4, I, dtype=torch.bfloat16), torch.zeros(
+        4, dtype=torch.int32)
+    runs = [(f"gemv warps={w}", lambda w=w: w4_gemv_mma(words, scales, xw, y, 1, w)) for w in (4, 8)] + [
+        (f"gemm1 swiglu+bias warps={w}", lambda w=w: w4_gemm1_mma(xw[:1], words1, scales1, bias, h, ids, 4, True, w))
+        for w in (4, 8)]
+    for warps, run in runs:
         S.BUILT.clear()
         try:
-            w4_gemv_mma(words, scales, xw, y, 1, warps)
+            run()
         except Exception as exc:  # noqa: BLE001 - report and go on
             while exc.__cause__ is not None:
                 exc = exc.__cause__
-            print(f"warps={warps}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            print(f"{warps}: {type(exc).__name__}: {str(exc)[-1500:]}")
             continue
         for name, k in S.BUILT:
             ttgir, listing = k.asm.get("ttgir", ""), _sass.sass(k.asm["cubin"]) or ""
             for ops in _loop_ops(listing):
                 if sum(ops.values()) > 8:
-                    print(f"warps={warps} {name}: {S.resource_usage(k)} smem={k.metadata.shared} "
+                    print(f"{warps} {name}: {S.resource_usage(k)} smem={k.metadata.shared} "
                           f"local_alloc={ttgir.count('local_alloc')} loop {sum(ops.values())} instructions per 128 K "
                           f"(x 2 rows per thread = 64 codes): {ops.most_common(16)}")
             open(f"/tmp/w4_mma_{warps}.sass", "w").write(listing)
@@ -258,6 +342,50 @@ def _gpu_check_and_time():
     us = graph_time_us([lambda w=layers[i % 4]: X._gemv1(x, w[0], None, h, flat, None, E, spec.activation, k,
                                                           cfg.gemm1) for i in range(8)])
     print(f"moekit GEMM1 (CUDA cores, {cfg.gemm1}): {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s (same bytes)", flush=True)
+    _gpu_gemm1(spec, stacks, layers)
+
+
+def _gpu_gemm1(spec, stacks, layers):
+    """The MoE GEMM1 prototype (per pair, SwiGLU + biases) against moekit's on the same routes: h vs float64,
+    and time, T = 1, 4, 16."""
+    from moekit import _experts_triton as X
+    from moekit.bench.experts import routes
+    from moekit.bench.timing import graph_time_us
+    from moekit.expert_configs import choose
+    from moekit.formats import mxfp4
+    from moekit.reference import swiglu_oai
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    biases = [torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    packs = []
+    for w13, _ in stacks:
+        words, scale_words = prepack(w13.data.reshape(E * 2 * I, H // 2), w13.scales.reshape(E * 2 * I, H // 32))
+        packs.append((words.reshape(E, 2 * I, -1), scale_words.reshape(E, 2 * I, -1)))
+    kp = packs[0][0].shape[2] * 8
+    for T in (1, 4, 16):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        _, ids = routes(spec, T)
+        flat = ids.reshape(-1).contiguous()
+        xw = permute_x(x, kp)
+        h_new = torch.full((T * k, I), float("nan"), device="cuda", dtype=torch.bfloat16)
+        h_old = torch.full_like(h_new, float("nan"))
+        cfg, _ = choose(T, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
+        run_new = lambda i=0: w4_gemm1_mma(xw, packs[i][0], packs[i][1], biases[i], h_new, flat, k, True)  # noqa: E731
+        run_old = lambda i=0: X._gemv1(x, layers[i][0], biases[i], h_old, flat, None, E, "swiglu_oai", k,  # noqa: E731
+                                       cfg.gemm1)
+        run_new()
+        run_old()
+        torch.cuda.synchronize()
+        ref = torch.empty(T * k, I, dtype=torch.float64, device="cuda")
+        for p in range(T * k):
+            e = int(flat[p])
+            w = mxfp4.dequantize(mxfp4.MXFP4Tensor(stacks[0][0].data[e], stacks[0][0].scales[e], (2 * I, H)),
+                                 torch.float64)
+            ref[p] = swiglu_oai(x[p // k].double() @ w.T + biases[0][e].double())
+        err = lambda h: ((h.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+        t_new = graph_time_us([lambda i=i: run_new(i % 4) for i in range(8)])
+        t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
+        print(f"GEMM1 T={T}: prototype {t_new:.1f} us (rel err {err(h_new):.1e}), moekit {t_old:.1f} us "
+              f"(rel err {err(h_old):.1e}) [{cfg.gemm1}]", flush=True)
 
 
 def _emulate():
