@@ -192,6 +192,54 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
     gl.store(h_ptr + pair.to(gl.int64) * stride_hm + r2, act.to(gl.bfloat16), mask=r2 < I)
 
 
+@gluon.jit
+def w4_gemm2_mma_kernel(h_ptr, stride_hm, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr,
+                        stride_be, weights_ptr, ids_ptr, out_ptr, stride_ot, top_k, H, K,
+                        HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, words_layout: gl.constexpr,
+                        x_layout: gl.constexpr):
+    """Decode GEMM2 of one token and 16 * WARPS columns of out: sum over its k slots, in order, of
+    weight * (h_pair W2_e^T + b2_e). W2 MXFP4 prepacked per expert (words [E, H, K/8], scale words
+    [E, H, K/128]); h permuted fp16 as int32 pairs [T * k, K/2] (permute_x of GEMM1's output)."""
+    BN: gl.constexpr = 16 * WARPS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    n_blocks = gl.cdiv(H, BN)
+    t = gl.program_id(0) // n_blocks
+    n0 = (gl.program_id(0) % n_blocks) * BN
+    r3 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
+    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
+    q3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+    w_rows = gl.minimum(r3, H - 1).to(gl.int64)[:, None, None] * stride_wn + c3[None, :, None] * 4 + q3[None, None, :]
+    r2 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    s_rows = gl.minimum(r2, H - 1).to(gl.int64) * stride_sn
+    t4 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    q4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, x_layout))))
+    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, x_layout))))
+    h_cols = t4[:, None, None, None] * 0 + q4[None, :, None, None] * 16 + c4[None, None, :, None] * 4 + j4[None, None,
+                                                                                                           None, :]
+    h_ok = (t4 == 0)[:, None, None, None] & (j4 >= 0)[None, None, None, :]  # the pair's row: column 0
+    zero = gl.zeros([BN, 8], gl.float32, mma)
+    total = gl.zeros([BN], gl.float32, gl.SliceLayout(1, mma))
+    for j in range(0, top_k):  # the same order on every run: the same bits
+        pair = t * top_k + j
+        e = gl.load(ids_ptr + pair).to(gl.int64)
+        w_ptrs = w_ptr + e * stride_we + w_rows
+        s_ptrs = s_ptr + e * stride_se + s_rows
+        h_ptrs = h_ptr + pair.to(gl.int64) * stride_hm + h_cols
+        acc = gl.zeros([BN, 8], gl.float32, mma)
+        for k0 in range(0, K, 128):
+            hw = gl.permute(gl.load(h_ptrs + k0 // 2, mask=h_ok, other=0), (0, 2, 3, 1))
+            acc = _chunk(acc, zero, gl.load(w_ptrs + k0 // 8), gl.load(s_ptrs + k0 // 128), hw, BN, a_layout,
+                         b_layout)
+        part = gl.sum(acc, axis=1) * 16384.0
+        if HAS_BIAS:
+            part += gl.load(b_ptr + e * stride_be + gl.minimum(r2, H - 1)).to(gl.float32)
+        total += gl.load(weights_ptr + pair) * part
+    gl.store(out_ptr + t.to(gl.int64) * stride_ot + r2, total.to(gl.bfloat16), mask=r2 < H)
+
+
 def _linear(reg, lane, warp, shape):
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=shape)
 
@@ -248,6 +296,17 @@ def w4_gemm1_mma(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4):
         bias is not None, swiglu, warps, *layouts(warps), num_warps=warps)
 
 
+def w4_gemm2_mma(hw, words, scale_words, bias, weights, ids, out, top_k, warps=4):
+    """words [E, H, Kp/8], scale_words [E, H, Kp/128] (prepack per expert), hw = permute_x(h) [T*k, Kp/2]."""
+    E, hidden, kw = words.shape
+    grid = (out.shape[0] * -(-hidden // (16 * warps)),)
+    b = bias if bias is not None else out
+    return w4_gemm2_mma_kernel[grid](
+        hw, hw.stride(0), words, words.stride(0), words.stride(1), scale_words, scale_words.stride(0),
+        scale_words.stride(1), b, b.stride(0), weights, ids, out, out.stride(0), top_k, hidden, kw * 8,
+        bias is not None, warps, *layouts(warps), num_warps=warps)
+
+
 def _loop_ops(listing: str) -> list[Counter]:
     label, branch = re.compile(r"^\s*(\.L_x_\d+):"), re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
     instruction = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*)")
@@ -279,6 +338,8 @@ def _compile_offline():
         4, dtype=torch.int32)
     runs = [(f"gemv warps={w}", lambda w=w: w4_gemv_mma(words, scales, xw, y, 1, w)) for w in (4, 8)] + [
         (f"gemm1 swiglu+bias warps={w}", lambda w=w: w4_gemm1_mma(xw[:1], words1, scales1, bias, h, ids, 4, True, w))
+        for w in (4, 8)] + [
+        (f"gemm2 bias warps={w}", lambda w=w: w4_gemm2_mma(xw, words1, scales1, bias, torch.zeros(4), ids, h[:1], 4, w))
         for w in (4, 8)]
     for warps, run in runs:
         S.BUILT.clear()
@@ -343,6 +404,7 @@ def _gpu_check_and_time():
                                                           cfg.gemm1) for i in range(8)])
     print(f"moekit GEMM1 (CUDA cores, {cfg.gemm1}): {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s (same bytes)", flush=True)
     _gpu_gemm1(spec, stacks, layers)
+    _gpu_gemm2(spec, stacks, layers)
 
 
 def _gpu_gemm1(spec, stacks, layers):
@@ -386,6 +448,48 @@ def _gpu_gemm1(spec, stacks, layers):
         t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
         print(f"GEMM1 T={T}: prototype {t_new:.1f} us (rel err {err(h_new):.1e}), moekit {t_old:.1f} us "
               f"(rel err {err(h_old):.1e}) [{cfg.gemm1}]", flush=True)
+
+
+def _gpu_gemm2(spec, stacks, layers):
+    """The MoE GEMM2 prototype (per token, slots in order, biases) against moekit's on the same routes and h:
+    out vs float64, and time, T = 1, 4, 16."""
+    from moekit import _experts_triton as X
+    from moekit.bench.experts import routes
+    from moekit.bench.timing import graph_time_us
+    from moekit.expert_configs import choose
+    from moekit.formats import mxfp4
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    biases = [torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    packs = []
+    for _, w2 in stacks:
+        words, scale_words = prepack(w2.data.reshape(E * H, I // 2), w2.scales.reshape(E * H, I // 32))
+        packs.append((words.reshape(E, H, -1), scale_words.reshape(E, H, -1)))
+    kp = packs[0][0].shape[2] * 8
+    for T in (1, 4, 16):
+        tw, ids = routes(spec, T)
+        flat, wflat = ids.reshape(-1).contiguous(), tw.reshape(-1).contiguous()
+        h = torch.randn(T * k, I, device="cuda", dtype=torch.bfloat16)
+        hw = permute_x(h, kp)
+        out_new = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out_old = torch.full_like(out_new, float("nan"))
+        cfg, _ = choose(T, E, k, 2 * I, H, h.device, h.dtype, layers[0][0].format)
+        run_new = lambda i=0: w4_gemm2_mma(hw, packs[i][0], packs[i][1], biases[i], wflat, flat, out_new, k)  # noqa: E731
+        run_old = lambda i=0: X._gemv2_tokens(h, layers[i][1], biases[i], wflat, flat, None, E, out_old, k,  # noqa: E731
+                                              cfg.gemm2)
+        run_new()
+        run_old()
+        torch.cuda.synchronize()
+        ref = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+        for p in range(T * k):
+            e = int(flat[p])
+            w = mxfp4.dequantize(mxfp4.MXFP4Tensor(stacks[0][1].data[e], stacks[0][1].scales[e], (H, I)),
+                                 torch.float64)
+            ref[p // k] += wflat[p].double() * (h[p].double() @ w.T + biases[0][e].double())
+        err = lambda o: ((o.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+        t_new = graph_time_us([lambda i=i: run_new(i % 4) for i in range(8)])
+        t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
+        print(f"GEMM2 T={T}: prototype {t_new:.1f} us (rel err {err(out_new):.1e}), moekit {t_old:.1f} us "
+              f"(rel err {err(out_old):.1e}) [{cfg.gemm2}]", flush=True)
 
 
 def _emulate():
