@@ -98,32 +98,48 @@ def _chunk(acc, zero, w, s, xw, BN: gl.constexpr, a_layout: gl.constexpr, b_layo
 
 
 @gluon.jit
+def _word_offsets(n0, rows_max, row_step, BN: gl.constexpr, words_layout: gl.constexpr):
+    """Element offsets [BN, 4 c, 4 q] of the first chunk's words of rows n0.. (times row_step; clamped to
+    rows_max - 1), before the row stride: (row index [BN, 1, 1] as int64, offset inside the row)."""
+    r = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+    rows = gl.minimum(r, rows_max - 1).to(gl.int64) * row_step
+    return rows[:, None, None], c[None, :, None] * 4 + q[None, None, :]
+
+
+@gluon.jit
+def _x_offsets(x_layout: gl.constexpr, ONE_ROW: gl.constexpr):
+    """Offsets [8 tokens, 4 q, 4 c, 4 j] of the first chunk's permuted x words (row stride applied by the
+    caller: pass the token index back), and which to load: every token, or ONE_ROW (only column 0)."""
+    t = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, x_layout))))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, x_layout))))
+    inner = q[None, :, None, None] * 16 + c[None, None, :, None] * 4 + j[None, None, None, :]
+    tok = t[:, None, None, None] + inner * 0
+    ok = (tok == 0) if ONE_ROW else (tok >= 0)
+    return tok, inner, ok
+
+
+@gluon.jit
 def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_xt, stride_yt, T,
-                       WARPS: gl.constexpr, words_layout: gl.constexpr, x_layout: gl.constexpr):
+                       WARPS: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr,
+                       words_layout: gl.constexpr, x_layout: gl.constexpr):
     """y[t, n] = sum_k W[n, k] x[t, k]: W MXFP4 prepacked (int32 words [N, K/8], E8M0 scales [N, K/32], K a
     multiple of 128; scales as int32 [N, K/128], four groups each), x permuted fp16 as int32 pairs [8, K/2]
     (rows >= T zero), y fp32 [T, N]."""
     BN: gl.constexpr = 16 * WARPS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     n0 = gl.program_id(0) * BN
     # words [BN, 4 (c), 4 (group q)]: a lane's four words of a row are one 16-byte load
-    r3 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
-    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
-    q3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
-    w_ptrs = (w_ptr + gl.minimum(r3, N - 1).to(gl.int64)[:, None, None] * stride_wn + c3[None, :, None] * 4
-              + q3[None, None, :])
+    rows, inner = _word_offsets(n0, N, 1, BN, words_layout)
+    w_ptrs = w_ptr + rows * stride_wn + inner
     # scales: the chunk's four bytes of a row as one int32, shared by the quad
     r2 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     s_ptrs = s_ptr + gl.minimum(r2, N - 1).to(gl.int64) * stride_sn
     # x words [8 tokens, 4 (q), 4 (c), 4 (j)]: per group a lane's B fragment is one 16-byte load
-    t4 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
-    q4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
-    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, x_layout))))
-    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, x_layout))))
-    x_ptrs = (x_ptr + t4[:, None, None, None] * stride_xt + q4[None, :, None, None] * 16
-              + c4[None, None, :, None] * 4 + j4[None, None, None, :])
+    tok, x_inner, _ = _x_offsets(x_layout, False)
+    x_ptrs = x_ptr + tok * stride_xt + x_inner
     acc = gl.zeros([BN, 8], gl.float32, mma)
     zero = gl.zeros([BN, 8], gl.float32, mma)
     for k0 in range(0, K, 128):
@@ -138,37 +154,26 @@ def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, s
 @gluon.jit
 def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
                         b_ptr, stride_be, h_ptr, stride_hm, ids_ptr, top_k, I, K, gate_step, up_offset,
-                        HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr,
-                        words_layout: gl.constexpr, x_layout: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr, mma: gl.constexpr,
+                        a_layout: gl.constexpr, b_layout: gl.constexpr, words_layout: gl.constexpr,
+                        x_layout: gl.constexpr):
     """Decode GEMM1 of one (token, slot) pair and 16 * WARPS columns of h: act(x W_gate^T + b, x W_up^T + b)
     with W MXFP4 prepacked per expert (words [E, 2I, K/8], scale words [E, 2I, K/128]), x permuted fp16 as
     int32 pairs [T, K/2], h bf16 [T * top_k, I]. The token is the B operand's column 0."""
     BN: gl.constexpr = 16 * WARPS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     n_blocks = gl.cdiv(I, BN)
     pair = gl.program_id(0) // n_blocks
     n0 = (gl.program_id(0) % n_blocks) * BN
     e = gl.load(ids_ptr + pair).to(gl.int64)
-    r3 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
-    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
-    q3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
-    gate3 = gl.minimum(r3, I - 1).to(gl.int64) * gate_step
-    inner = c3[None, :, None] * 4 + q3[None, None, :]
-    wg_ptrs = w_ptr + e * stride_we + gate3[:, None, None] * stride_wn + inner
+    gate_rows, inner = _word_offsets(n0, I, gate_step, BN, words_layout)
+    wg_ptrs = w_ptr + e * stride_we + gate_rows * stride_wn + inner
     wu_ptrs = wg_ptrs + up_offset * stride_wn
     r2 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     gate2 = gl.minimum(r2, I - 1).to(gl.int64) * gate_step
     sg_ptrs = s_ptr + e * stride_se + gate2 * stride_sn
     su_ptrs = sg_ptrs + up_offset * stride_sn
-    t4 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
-    q4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
-    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, x_layout))))
-    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, x_layout))))
-    x_ptrs = (x_ptr + (pair // top_k).to(gl.int64) * stride_xt + t4[:, None, None, None] * 0
-              + q4[None, :, None, None] * 16 + c4[None, None, :, None] * 4 + j4[None, None, None, :])
-    x_ok = (t4 == 0)[:, None, None, None] & (j4 >= 0)[None, None, None, :]  # the pair's token: column 0
+    _, x_inner, x_ok = _x_offsets(x_layout, True)  # the pair's token: column 0
+    x_ptrs = x_ptr + (pair // top_k).to(gl.int64) * stride_xt + x_inner
     acc_g = gl.zeros([BN, 8], gl.float32, mma)
     acc_u = gl.zeros([BN, 8], gl.float32, mma)
     zero = gl.zeros([BN, 8], gl.float32, mma)
@@ -195,31 +200,20 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
 @gluon.jit
 def w4_gemm2_mma_kernel(h_ptr, stride_hm, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr,
                         stride_be, weights_ptr, ids_ptr, out_ptr, stride_ot, top_k, H, K,
-                        HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, words_layout: gl.constexpr,
-                        x_layout: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr,
+                        b_layout: gl.constexpr, words_layout: gl.constexpr, x_layout: gl.constexpr):
     """Decode GEMM2 of one token and 16 * WARPS columns of out: sum over its k slots, in order, of
     weight * (h_pair W2_e^T + b2_e). W2 MXFP4 prepacked per expert (words [E, H, K/8], scale words
     [E, H, K/128]); h permuted fp16 as int32 pairs [T * k, K/2] (permute_x of GEMM1's output)."""
     BN: gl.constexpr = 16 * WARPS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     n_blocks = gl.cdiv(H, BN)
     t = gl.program_id(0) // n_blocks
     n0 = (gl.program_id(0) % n_blocks) * BN
-    r3 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
-    c3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
-    q3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
-    w_rows = gl.minimum(r3, H - 1).to(gl.int64)[:, None, None] * stride_wn + c3[None, :, None] * 4 + q3[None, None, :]
+    rows, w_inner = _word_offsets(n0, H, 1, BN, words_layout)
+    w_rows = rows * stride_wn + w_inner
     r2 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     s_rows = gl.minimum(r2, H - 1).to(gl.int64) * stride_sn
-    t4 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
-    q4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, x_layout))))
-    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, x_layout))))
-    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, x_layout))))
-    h_cols = t4[:, None, None, None] * 0 + q4[None, :, None, None] * 16 + c4[None, None, :, None] * 4 + j4[None, None,
-                                                                                                           None, :]
-    h_ok = (t4 == 0)[:, None, None, None] & (j4 >= 0)[None, None, None, :]  # the pair's row: column 0
+    _, h_cols, h_ok = _x_offsets(x_layout, True)  # the pair's row: column 0
     zero = gl.zeros([BN, 8], gl.float32, mma)
     total = gl.zeros([BN], gl.float32, gl.SliceLayout(1, mma))
     for j in range(0, top_k):  # the same order on every run: the same bits
@@ -245,7 +239,7 @@ def _linear(reg, lane, warp, shape):
 
 
 def layouts(warps):
-    """(words [BN, 4 c, 4 q], x words [8, 4 q, 4 c, 4 j]) layouts: lanes 0-1 are c (the
+    """(mma, its A and B operands, words [BN, 4 c, 4 q], x words [8, 4 q, 4 c, 4 j]) layouts: lanes 0-1 are c (the
     quad), lanes 2-4 the fragment row g (or token), the register bit of the rows the row g + 8, the warps
     16-row slabs -- the mma fragment's own placement."""
     slabs = [16 << i for i in range(warps.bit_length() - 1)]
@@ -254,7 +248,9 @@ def layouts(warps):
     x = _linear([[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0]],
                 [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
                 [[0, 0, 0, 0] for _ in slabs], [8, 4, 4, 4])
-    return words, x
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+    return (mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+            gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2), words, x)
 
 
 def prepack(data: torch.Tensor, scales: torch.Tensor):
