@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 CHUNK = 128  # K per loop step: 4 scale groups, 16 words per row
+VARIANTS = ((1, 0), (1, 1), (2, 1), (4, 0), (4, 1), (4, 2))  # (warps, prefetch depth)
 
 
 @gluon.jit
@@ -85,15 +86,18 @@ def _e8m0(s):
 
 
 @gluon.jit
-def _chunk(acc, zero, w, s, xw, BN: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr):
+def _chunk(acc, zero, w, s, xw, factor, BN: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr):
     """acc + one 128-wide K chunk: words [BN, 4 c, 4 q], scale words [BN] (a byte per group q), x words
-    [8, c, j, q]; each group's MMA partial times its scale."""
+    [8, q, c, j] as loaded; each group's MMA partial times its scale and ``factor``."""
     w0, w1, w2, w3 = _take4(w)
-    x0, x1, x2, x3 = _take4(xw)
-    acc += mma_v2(_a_operand(w0, BN, a_layout), _b_operand(x0, b_layout), zero) * _e8m0(s & 255)[:, None]
-    acc += mma_v2(_a_operand(w1, BN, a_layout), _b_operand(x1, b_layout), zero) * _e8m0((s >> 8) & 255)[:, None]
-    acc += mma_v2(_a_operand(w2, BN, a_layout), _b_operand(x2, b_layout), zero) * _e8m0((s >> 16) & 255)[:, None]
-    acc += mma_v2(_a_operand(w3, BN, a_layout), _b_operand(x3, b_layout), zero) * _e8m0((s >> 24) & 255)[:, None]
+    x0, x1, x2, x3 = _take4(gl.permute(xw, (0, 2, 3, 1)))  # [tok, c, j, q]
+    acc += mma_v2(_a_operand(w0, BN, a_layout), _b_operand(x0, b_layout), zero) * (_e8m0(s & 255) * factor)[:, None]
+    acc += mma_v2(_a_operand(w1, BN, a_layout), _b_operand(x1, b_layout), zero) * (
+        _e8m0((s >> 8) & 255) * factor)[:, None]
+    acc += mma_v2(_a_operand(w2, BN, a_layout), _b_operand(x2, b_layout), zero) * (
+        _e8m0((s >> 16) & 255) * factor)[:, None]
+    acc += mma_v2(_a_operand(w3, BN, a_layout), _b_operand(x3, b_layout), zero) * (
+        _e8m0((s >> 24) & 255) * factor)[:, None]
     return acc
 
 
@@ -124,8 +128,8 @@ def _x_offsets(x_layout: gl.constexpr, ONE_ROW: gl.constexpr):
 
 @gluon.jit
 def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_xt, stride_yt, T,
-                       WARPS: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr,
-                       words_layout: gl.constexpr, x_layout: gl.constexpr):
+                       WARPS: gl.constexpr, DEPTH: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr,
+                       b_layout: gl.constexpr, words_layout: gl.constexpr, x_layout: gl.constexpr):
     """y[t, n] = sum_k W[n, k] x[t, k]: W MXFP4 prepacked (int32 words [N, K/8], E8M0 scales [N, K/32], K a
     multiple of 128; scales as int32 [N, K/128], four groups each), x permuted fp16 as int32 pairs [8, K/2]
     (rows >= T zero), y fp32 [T, N]."""
@@ -142,9 +146,28 @@ def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, s
     x_ptrs = x_ptr + tok * stride_xt + x_inner
     acc = gl.zeros([BN, 8], gl.float32, mma)
     zero = gl.zeros([BN, 8], gl.float32, mma)
-    for k0 in range(0, K, 128):
-        xw = gl.permute(gl.load(x_ptrs + k0 // 2), (0, 2, 3, 1))  # [tok, c, j, q]
-        acc = _chunk(acc, zero, gl.load(w_ptrs + k0 // 8), gl.load(s_ptrs + k0 // 128), xw, BN, a_layout, b_layout)
+    # Gluon does not pipeline a loop: with DEPTH 1 or 2 the loads of the chunk that far ahead are issued before
+    # this chunk's math (past the end they re-read the last chunk, never out of bounds)
+    if DEPTH == 0:
+        for k0 in range(0, K, 128):
+            acc = _chunk(acc, zero, gl.load(w_ptrs + k0 // 8), gl.load(s_ptrs + k0 // 128), gl.load(x_ptrs + k0 // 2),
+                         1.0, BN, a_layout, b_layout)
+    elif DEPTH == 1:
+        wa, sa, xa = gl.load(w_ptrs), gl.load(s_ptrs), gl.load(x_ptrs)
+        for k0 in range(0, K, 128):
+            kn = gl.minimum(k0 + 128, K - 128)
+            wb, sb, xb = gl.load(w_ptrs + kn // 8), gl.load(s_ptrs + kn // 128), gl.load(x_ptrs + kn // 2)
+            acc = _chunk(acc, zero, wa, sa, xa, 1.0, BN, a_layout, b_layout)
+            wa, sa, xa = wb, sb, xb
+    else:
+        k1 = gl.minimum(128, K - 128)
+        wa, sa, xa = gl.load(w_ptrs), gl.load(s_ptrs), gl.load(x_ptrs)
+        wb, sb, xb = gl.load(w_ptrs + k1 // 8), gl.load(s_ptrs + k1 // 128), gl.load(x_ptrs + k1 // 2)
+        for k0 in range(0, K, 128):
+            kn = gl.minimum(k0 + 256, K - 128)
+            wc, sc, xc = gl.load(w_ptrs + kn // 8), gl.load(s_ptrs + kn // 128), gl.load(x_ptrs + kn // 2)
+            acc = _chunk(acc, zero, wa, sa, xa, 1.0, BN, a_layout, b_layout)
+            wa, sa, xa, wb, sb, xb = wb, sb, xb, wc, sc, xc
     out_rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     out_tok = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     gl.store(y_ptr + out_tok[None, :] * stride_yt + out_rows[:, None], acc * 16384.0,
@@ -154,7 +177,8 @@ def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, s
 @gluon.jit
 def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
                         b_ptr, stride_be, h_ptr, stride_hm, ids_ptr, top_k, I, K, gate_step, up_offset,
-                        HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr, mma: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
+                        mma: gl.constexpr,
                         a_layout: gl.constexpr, b_layout: gl.constexpr, words_layout: gl.constexpr,
                         x_layout: gl.constexpr):
     """Decode GEMM1 of one (token, slot) pair and 16 * WARPS columns of h: act(x W_gate^T + b, x W_up^T + b)
@@ -177,12 +201,40 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
     acc_g = gl.zeros([BN, 8], gl.float32, mma)
     acc_u = gl.zeros([BN, 8], gl.float32, mma)
     zero = gl.zeros([BN, 8], gl.float32, mma)
-    for k0 in range(0, K, 128):
-        xw = gl.permute(gl.load(x_ptrs + k0 // 2, mask=x_ok, other=0), (0, 2, 3, 1))
-        acc_g = _chunk(acc_g, zero, gl.load(wg_ptrs + k0 // 8), gl.load(sg_ptrs + k0 // 128), xw, BN, a_layout,
-                       b_layout)
-        acc_u = _chunk(acc_u, zero, gl.load(wu_ptrs + k0 // 8), gl.load(su_ptrs + k0 // 128), xw, BN, a_layout,
-                       b_layout)
+    # loads DEPTH chunks ahead of the math (see w4_gemv_mma_kernel)
+    if DEPTH == 0:
+        for k0 in range(0, K, 128):
+            xw = gl.load(x_ptrs + k0 // 2, mask=x_ok, other=0)
+            acc_g = _chunk(acc_g, zero, gl.load(wg_ptrs + k0 // 8), gl.load(sg_ptrs + k0 // 128), xw, 1.0, BN,
+                           a_layout, b_layout)
+            acc_u = _chunk(acc_u, zero, gl.load(wu_ptrs + k0 // 8), gl.load(su_ptrs + k0 // 128), xw, 1.0, BN,
+                           a_layout, b_layout)
+    elif DEPTH == 1:
+        ga, gsa, ua, usa = gl.load(wg_ptrs), gl.load(sg_ptrs), gl.load(wu_ptrs), gl.load(su_ptrs)
+        xa = gl.load(x_ptrs, mask=x_ok, other=0)
+        for k0 in range(0, K, 128):
+            kn = gl.minimum(k0 + 128, K - 128)
+            gb, gsb = gl.load(wg_ptrs + kn // 8), gl.load(sg_ptrs + kn // 128)
+            ub, usb = gl.load(wu_ptrs + kn // 8), gl.load(su_ptrs + kn // 128)
+            xb = gl.load(x_ptrs + kn // 2, mask=x_ok, other=0)
+            acc_g = _chunk(acc_g, zero, ga, gsa, xa, 1.0, BN, a_layout, b_layout)
+            acc_u = _chunk(acc_u, zero, ua, usa, xa, 1.0, BN, a_layout, b_layout)
+            ga, gsa, ua, usa, xa = gb, gsb, ub, usb, xb
+    else:
+        k1 = gl.minimum(128, K - 128)
+        ga, gsa, ua, usa = gl.load(wg_ptrs), gl.load(sg_ptrs), gl.load(wu_ptrs), gl.load(su_ptrs)
+        xa = gl.load(x_ptrs, mask=x_ok, other=0)
+        gb, gsb = gl.load(wg_ptrs + k1 // 8), gl.load(sg_ptrs + k1 // 128)
+        ub, usb = gl.load(wu_ptrs + k1 // 8), gl.load(su_ptrs + k1 // 128)
+        xb = gl.load(x_ptrs + k1 // 2, mask=x_ok, other=0)
+        for k0 in range(0, K, 128):
+            kn = gl.minimum(k0 + 256, K - 128)
+            gc, gsc = gl.load(wg_ptrs + kn // 8), gl.load(sg_ptrs + kn // 128)
+            uc, usc = gl.load(wu_ptrs + kn // 8), gl.load(su_ptrs + kn // 128)
+            xc = gl.load(x_ptrs + kn // 2, mask=x_ok, other=0)
+            acc_g = _chunk(acc_g, zero, ga, gsa, xa, 1.0, BN, a_layout, b_layout)
+            acc_u = _chunk(acc_u, zero, ua, usa, xa, 1.0, BN, a_layout, b_layout)
+            ga, gsa, ua, usa, xa, gb, gsb, ub, usb, xb = gb, gsb, ub, usb, xb, gc, gsc, uc, usc, xc
     gate = gl.sum(acc_g, axis=1) * 16384.0  # columns 1..7 are exact zeros (their x is zero)
     up = gl.sum(acc_u, axis=1) * 16384.0
     if HAS_BIAS:
@@ -198,9 +250,24 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
 
 
 @gluon.jit
+def _gemm2_step(it, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows, s_ptr, stride_se, s_rows,
+                h_ptr, stride_hm, h_cols, h_ok):
+    """Loads of step ``it`` (clamped to the last) of a token's GEMM2: (words, scale words, h words, router
+    weight) of slot it // chunks, chunk it % chunks."""
+    it = gl.minimum(it, steps - 1)
+    pair = t * top_k + it // chunks
+    k0 = (it % chunks) * 128
+    e = gl.load(ids_ptr + pair).to(gl.int64)
+    return (gl.load(w_ptr + e * stride_we + w_rows + k0 // 8), gl.load(s_ptr + e * stride_se + s_rows + k0 // 128),
+            gl.load(h_ptr + pair.to(gl.int64) * stride_hm + h_cols + k0 // 2, mask=h_ok, other=0),
+            gl.load(weights_ptr + pair))
+
+
+@gluon.jit
 def w4_gemm2_mma_kernel(h_ptr, stride_hm, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr,
                         stride_be, weights_ptr, ids_ptr, out_ptr, stride_ot, top_k, H, K,
-                        HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr, mma: gl.constexpr,
+                        a_layout: gl.constexpr,
                         b_layout: gl.constexpr, words_layout: gl.constexpr, x_layout: gl.constexpr):
     """Decode GEMM2 of one token and 16 * WARPS columns of out: sum over its k slots, in order, of
     weight * (h_pair W2_e^T + b2_e). W2 MXFP4 prepacked per expert (words [E, H, K/8], scale words
@@ -215,22 +282,38 @@ def w4_gemm2_mma_kernel(h_ptr, stride_hm, w_ptr, stride_we, stride_wn, s_ptr, st
     s_rows = gl.minimum(r2, H - 1).to(gl.int64) * stride_sn
     _, h_cols, h_ok = _x_offsets(x_layout, True)  # the pair's row: column 0
     zero = gl.zeros([BN, 8], gl.float32, mma)
-    total = gl.zeros([BN], gl.float32, gl.SliceLayout(1, mma))
-    for j in range(0, top_k):  # the same order on every run: the same bits
-        pair = t * top_k + j
-        e = gl.load(ids_ptr + pair).to(gl.int64)
-        w_ptrs = w_ptr + e * stride_we + w_rows
-        s_ptrs = s_ptr + e * stride_se + s_rows
-        h_ptrs = h_ptr + pair.to(gl.int64) * stride_hm + h_cols
-        acc = gl.zeros([BN, 8], gl.float32, mma)
-        for k0 in range(0, K, 128):
-            hw = gl.permute(gl.load(h_ptrs + k0 // 2, mask=h_ok, other=0), (0, 2, 3, 1))
-            acc = _chunk(acc, zero, gl.load(w_ptrs + k0 // 8), gl.load(s_ptrs + k0 // 128), hw, BN, a_layout,
-                         b_layout)
-        part = gl.sum(acc, axis=1) * 16384.0
-        if HAS_BIAS:
-            part += gl.load(b_ptr + e * stride_be + gl.minimum(r2, H - 1)).to(gl.float32)
-        total += gl.load(weights_ptr + pair) * part
+    acc = gl.zeros([BN, 8], gl.float32, mma)
+    # One loop over (slot, chunk), the same order on every run, with the loads DEPTH steps ahead crossing the
+    # slots' ends (a slot's router weight rides on its groups' scales); past the last step they re-read it.
+    chunks = K // 128
+    steps = top_k * chunks
+    wa, sa, ha, fa = _gemm2_step(0, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows, s_ptr,
+                                 stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
+    if DEPTH == 0:
+        for it in range(0, steps):
+            wa, sa, ha, fa = _gemm2_step(it, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows,
+                                         s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
+            acc = _chunk(acc, zero, wa, sa, ha, fa, BN, a_layout, b_layout)
+    elif DEPTH == 1:
+        for it in range(0, steps):
+            wb, sb, hb, fb = _gemm2_step(it + 1, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we,
+                                         w_rows, s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
+            acc = _chunk(acc, zero, wa, sa, ha, fa, BN, a_layout, b_layout)
+            wa, sa, ha, fa = wb, sb, hb, fb
+    else:
+        wb, sb, hb, fb = _gemm2_step(1, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows,
+                                     s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
+        for it in range(0, steps):
+            wc, sc, hc, fc = _gemm2_step(it + 2, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we,
+                                         w_rows, s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
+            acc = _chunk(acc, zero, wa, sa, ha, fa, BN, a_layout, b_layout)
+            wa, sa, ha, fa, wb, sb, hb, fb = wb, sb, hb, fb, wc, sc, hc, fc
+    total = gl.sum(acc, axis=1) * 16384.0  # columns 1..7 are exact zeros
+    if HAS_BIAS:
+        for j in range(0, top_k):
+            pair = t * top_k + j
+            e = gl.load(ids_ptr + pair).to(gl.int64)
+            total += gl.load(weights_ptr + pair) * gl.load(b_ptr + e * stride_be + gl.minimum(r2, H - 1)).to(gl.float32)
     gl.store(out_ptr + t.to(gl.int64) * stride_ot + r2, total.to(gl.bfloat16), mask=r2 < H)
 
 
@@ -272,14 +355,14 @@ def permute_x(x: torch.Tensor, k_padded: int) -> torch.Tensor:
     return xp.reshape(xp.shape[0], -1, 2, 4).transpose(-1, -2).reshape(xp.shape[0], -1).contiguous().view(torch.int32)
 
 
-def w4_gemv_mma(words, scales, xw, y, T, warps=4):
+def w4_gemv_mma(words, scales, xw, y, T, warps=4, depth=1):
     N, K = words.shape[0], words.shape[1] * 8
     grid = (-(-N // (16 * warps)),)
     return w4_gemv_mma_kernel[grid](words, scales, xw, y, N, K, words.stride(0), scales.stride(0), xw.stride(0),
-                                    y.stride(0), T, warps, *layouts(warps), num_warps=warps)
+                                    y.stride(0), T, warps, depth, *layouts(warps), num_warps=warps)
 
 
-def w4_gemm1_mma(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4):
+def w4_gemm1_mma(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4, depth=1):
     """words [E, 2I, Kp/8], scale_words [E, 2I, Kp/128] (prepack per expert), xw = permute_x int32 [T, Kp/2]."""
     E, two_i, kw = words.shape
     inter = two_i // 2
@@ -289,10 +372,10 @@ def w4_gemm1_mma(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4):
     return w4_gemm1_mma_kernel[grid](
         xw, xw.stride(0), words, words.stride(0), words.stride(1), scale_words, scale_words.stride(0),
         scale_words.stride(1), b, b.stride(0), h, h.stride(0), ids, top_k, inter, kw * 8, step, up,
-        bias is not None, swiglu, warps, *layouts(warps), num_warps=warps)
+        bias is not None, swiglu, warps, depth, *layouts(warps), num_warps=warps)
 
 
-def w4_gemm2_mma(hw, words, scale_words, bias, weights, ids, out, top_k, warps=4):
+def w4_gemm2_mma(hw, words, scale_words, bias, weights, ids, out, top_k, warps=4, depth=1):
     """words [E, H, Kp/8], scale_words [E, H, Kp/128] (prepack per expert), hw = permute_x(h) [T*k, Kp/2]."""
     E, hidden, kw = words.shape
     grid = (out.shape[0] * -(-hidden // (16 * warps)),)
@@ -300,7 +383,7 @@ def w4_gemm2_mma(hw, words, scale_words, bias, weights, ids, out, top_k, warps=4
     return w4_gemm2_mma_kernel[grid](
         hw, hw.stride(0), words, words.stride(0), words.stride(1), scale_words, scale_words.stride(0),
         scale_words.stride(1), b, b.stride(0), weights, ids, out, out.stride(0), top_k, hidden, kw * 8,
-        bias is not None, warps, *layouts(warps), num_warps=warps)
+        bias is not None, warps, depth, *layouts(warps), num_warps=warps)
 
 
 def _loop_ops(listing: str) -> list[Counter]:
@@ -332,11 +415,13 @@ def _compile_offline():
     words1, scales1 = words.reshape(1, N, -1).expand(E, N, -1), scales.reshape(1, N, -1).expand(E, N, -1)
     bias, h, ids = torch.zeros(E, N, dtype=torch.bfloat16), torch.zeros(4, I, dtype=torch.bfloat16), torch.zeros(
         4, dtype=torch.int32)
-    runs = [(f"gemv warps={w}", lambda w=w: w4_gemv_mma(words, scales, xw, y, 1, w)) for w in (4, 8)] + [
-        (f"gemm1 swiglu+bias warps={w}", lambda w=w: w4_gemm1_mma(xw[:1], words1, scales1, bias, h, ids, 4, True, w))
-        for w in (4, 8)] + [
-        (f"gemm2 bias warps={w}", lambda w=w: w4_gemm2_mma(xw, words1, scales1, bias, torch.zeros(4), ids, h[:1], 4, w))
-        for w in (4, 8)]
+    runs = []
+    for w, d in VARIANTS:
+        runs += [(f"gemv warps={w} depth={d}", lambda w=w, d=d: w4_gemv_mma(words, scales, xw, y, 1, w, d)),
+                 (f"gemm1 swiglu+bias warps={w} depth={d}",
+                  lambda w=w, d=d: w4_gemm1_mma(xw[:1], words1, scales1, bias, h, ids, 4, True, w, d)),
+                 (f"gemm2 bias warps={w} depth={d}",
+                  lambda w=w, d=d: w4_gemm2_mma(xw, words1, scales1, bias, torch.zeros(4), ids, h[:1], 4, w, d))]
     for warps, run in runs:
         S.BUILT.clear()
         try:
@@ -348,7 +433,7 @@ def _compile_offline():
             continue
         for name, k in S.BUILT:
             ttgir, listing = k.asm.get("ttgir", ""), _sass.sass(k.asm["cubin"]) or ""
-            for ops in _loop_ops(listing):
+            for ops in sorted(_loop_ops(listing), key=lambda o: -sum(o.values()))[:1]:
                 if sum(ops.values()) > 8:
                     print(f"{warps} {name}: {S.resource_usage(k)} smem={k.metadata.shared} "
                           f"local_alloc={ttgir.count('local_alloc')} loop {sum(ops.values())} instructions per 128 K "
@@ -390,9 +475,9 @@ def _gpu_check_and_time():
     xw = permute_x(x, kp)
     y = torch.empty(1, k * 2 * I, device="cuda")
     nbytes = packed[0][0].numel() * 4 + packed[0][1].numel() * 4
-    for warps in (4, 8):
-        us = graph_time_us([lambda p=packed[i % 4]: w4_gemv_mma(p[0], p[1], xw, y, 1, warps) for i in range(8)])
-        print(f"prototype warps={warps}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+    for warps, depth in VARIANTS:
+        us = graph_time_us([lambda p=packed[i % 4]: w4_gemv_mma(p[0], p[1], xw, y, 1, warps, depth) for i in range(8)])
+        print(f"prototype warps={warps} depth={depth}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
     layers = [(X.WeightOperand.of(a), X.WeightOperand.of(b)) for a, b in stacks]
     cfg, _ = choose(1, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
     h = torch.empty(k, I, device="cuda", dtype=torch.bfloat16)
@@ -427,7 +512,8 @@ def _gpu_gemm1(spec, stacks, layers):
         h_new = torch.full((T * k, I), float("nan"), device="cuda", dtype=torch.bfloat16)
         h_old = torch.full_like(h_new, float("nan"))
         cfg, _ = choose(T, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
-        run_new = lambda i=0: w4_gemm1_mma(xw, packs[i][0], packs[i][1], biases[i], h_new, flat, k, True)  # noqa: E731
+        run_new = lambda i=0, w=4, d=1: w4_gemm1_mma(xw, packs[i][0], packs[i][1], biases[i], h_new, flat, k,  # noqa: E731
+                                                     True, w, d)
         run_old = lambda i=0: X._gemv1(x, layers[i][0], biases[i], h_old, flat, None, E, "swiglu_oai", k,  # noqa: E731
                                        cfg.gemm1)
         run_new()
@@ -440,10 +526,10 @@ def _gpu_gemm1(spec, stacks, layers):
                                  torch.float64)
             ref[p] = swiglu_oai(x[p // k].double() @ w.T + biases[0][e].double())
         err = lambda h: ((h.double() - ref).norm() / ref.norm()).item()  # noqa: E731
-        t_new = graph_time_us([lambda i=i: run_new(i % 4) for i in range(8)])
+        t_new = {v: graph_time_us([lambda i=i, v=v: run_new(i % 4, *v) for i in range(8)]) for v in VARIANTS}
         t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
-        print(f"GEMM1 T={T}: prototype {t_new:.1f} us (rel err {err(h_new):.1e}), moekit {t_old:.1f} us "
-              f"(rel err {err(h_old):.1e}) [{cfg.gemm1}]", flush=True)
+        print(f"GEMM1 T={T}: moekit {t_old:.1f} us (rel err {err(h_old):.1e}) [{cfg.gemm1}]; prototype rel err "
+              f"{err(h_new):.1e}, (warps, depth): " + ", ".join(f"{v} {us:.1f}" for v, us in t_new.items()), flush=True)
 
 
 def _gpu_gemm2(spec, stacks, layers):
@@ -469,7 +555,8 @@ def _gpu_gemm2(spec, stacks, layers):
         out_new = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
         out_old = torch.full_like(out_new, float("nan"))
         cfg, _ = choose(T, E, k, 2 * I, H, h.device, h.dtype, layers[0][0].format)
-        run_new = lambda i=0: w4_gemm2_mma(hw, packs[i][0], packs[i][1], biases[i], wflat, flat, out_new, k)  # noqa: E731
+        run_new = lambda i=0, w=4, d=1: w4_gemm2_mma(hw, packs[i][0], packs[i][1], biases[i], wflat, flat,  # noqa: E731
+                                                     out_new, k, w, d)
         run_old = lambda i=0: X._gemv2_tokens(h, layers[i][1], biases[i], wflat, flat, None, E, out_old, k,  # noqa: E731
                                               cfg.gemm2)
         run_new()
@@ -482,10 +569,10 @@ def _gpu_gemm2(spec, stacks, layers):
                                  torch.float64)
             ref[p // k] += wflat[p].double() * (h[p].double() @ w.T + biases[0][e].double())
         err = lambda o: ((o.double() - ref).norm() / ref.norm()).item()  # noqa: E731
-        t_new = graph_time_us([lambda i=i: run_new(i % 4) for i in range(8)])
+        t_new = {v: graph_time_us([lambda i=i, v=v: run_new(i % 4, *v) for i in range(8)]) for v in VARIANTS}
         t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
-        print(f"GEMM2 T={T}: prototype {t_new:.1f} us (rel err {err(out_new):.1e}), moekit {t_old:.1f} us "
-              f"(rel err {err(out_old):.1e}) [{cfg.gemm2}]", flush=True)
+        print(f"GEMM2 T={T}: moekit {t_old:.1f} us (rel err {err(out_old):.1e}) [{cfg.gemm2}]; prototype rel err "
+              f"{err(out_new):.1e}, (warps, depth): " + ", ".join(f"{v} {us:.1f}" for v, us in t_new.items()), flush=True)
 
 
 def _emulate():
