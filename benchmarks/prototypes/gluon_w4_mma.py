@@ -175,6 +175,13 @@ def w4_gemv_mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, s
 
 
 @gluon.jit
+def _gemm1_loads(k0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok):
+    """GEMM1's loads of the chunk at k0: gate words and scale words, up words and scale words, x words."""
+    return (gl.load(wg_ptrs + k0 // 8), gl.load(sg_ptrs + k0 // 128), gl.load(wu_ptrs + k0 // 8),
+            gl.load(su_ptrs + k0 // 128), gl.load(x_ptrs + k0 // 2, mask=x_ok, other=0))
+
+
+@gluon.jit
 def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
                         b_ptr, stride_be, h_ptr, stride_hm, ids_ptr, top_k, I, K, gate_step, up_offset,
                         HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
@@ -202,36 +209,25 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
     acc_u = gl.zeros([BN, 8], gl.float32, mma)
     zero = gl.zeros([BN, 8], gl.float32, mma)
     # loads DEPTH chunks ahead of the math (see w4_gemv_mma_kernel)
+    ga, gsa, ua, usa, xa = _gemm1_loads(0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok)
     if DEPTH == 0:
         for k0 in range(0, K, 128):
-            xw = gl.load(x_ptrs + k0 // 2, mask=x_ok, other=0)
-            acc_g = _chunk(acc_g, zero, gl.load(wg_ptrs + k0 // 8), gl.load(sg_ptrs + k0 // 128), xw, 1.0, BN,
-                           a_layout, b_layout)
-            acc_u = _chunk(acc_u, zero, gl.load(wu_ptrs + k0 // 8), gl.load(su_ptrs + k0 // 128), xw, 1.0, BN,
-                           a_layout, b_layout)
+            ga, gsa, ua, usa, xa = _gemm1_loads(k0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok)
+            acc_g = _chunk(acc_g, zero, ga, gsa, xa, 1.0, BN, a_layout, b_layout)
+            acc_u = _chunk(acc_u, zero, ua, usa, xa, 1.0, BN, a_layout, b_layout)
     elif DEPTH == 1:
-        ga, gsa, ua, usa = gl.load(wg_ptrs), gl.load(sg_ptrs), gl.load(wu_ptrs), gl.load(su_ptrs)
-        xa = gl.load(x_ptrs, mask=x_ok, other=0)
         for k0 in range(0, K, 128):
-            kn = gl.minimum(k0 + 128, K - 128)
-            gb, gsb = gl.load(wg_ptrs + kn // 8), gl.load(sg_ptrs + kn // 128)
-            ub, usb = gl.load(wu_ptrs + kn // 8), gl.load(su_ptrs + kn // 128)
-            xb = gl.load(x_ptrs + kn // 2, mask=x_ok, other=0)
+            gb, gsb, ub, usb, xb = _gemm1_loads(gl.minimum(k0 + 128, K - 128), wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs,
+                                                x_ptrs, x_ok)
             acc_g = _chunk(acc_g, zero, ga, gsa, xa, 1.0, BN, a_layout, b_layout)
             acc_u = _chunk(acc_u, zero, ua, usa, xa, 1.0, BN, a_layout, b_layout)
             ga, gsa, ua, usa, xa = gb, gsb, ub, usb, xb
     else:
-        k1 = gl.minimum(128, K - 128)
-        ga, gsa, ua, usa = gl.load(wg_ptrs), gl.load(sg_ptrs), gl.load(wu_ptrs), gl.load(su_ptrs)
-        xa = gl.load(x_ptrs, mask=x_ok, other=0)
-        gb, gsb = gl.load(wg_ptrs + k1 // 8), gl.load(sg_ptrs + k1 // 128)
-        ub, usb = gl.load(wu_ptrs + k1 // 8), gl.load(su_ptrs + k1 // 128)
-        xb = gl.load(x_ptrs + k1 // 2, mask=x_ok, other=0)
+        gb, gsb, ub, usb, xb = _gemm1_loads(gl.minimum(128, K - 128), wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs,
+                                            x_ok)
         for k0 in range(0, K, 128):
-            kn = gl.minimum(k0 + 256, K - 128)
-            gc, gsc = gl.load(wg_ptrs + kn // 8), gl.load(sg_ptrs + kn // 128)
-            uc, usc = gl.load(wu_ptrs + kn // 8), gl.load(su_ptrs + kn // 128)
-            xc = gl.load(x_ptrs + kn // 2, mask=x_ok, other=0)
+            gc, gsc, uc, usc, xc = _gemm1_loads(gl.minimum(k0 + 256, K - 128), wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs,
+                                                x_ptrs, x_ok)
             acc_g = _chunk(acc_g, zero, ga, gsa, xa, 1.0, BN, a_layout, b_layout)
             acc_u = _chunk(acc_u, zero, ua, usa, xa, 1.0, BN, a_layout, b_layout)
             ga, gsa, ua, usa, xa, gb, gsb, ub, usb, xb = gb, gsb, ub, usb, xb, gc, gsc, uc, usc, xc
