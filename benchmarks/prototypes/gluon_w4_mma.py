@@ -184,8 +184,8 @@ def _gemm1_loads(k0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok):
 @gluon.jit
 def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
                         b_ptr, stride_be, h_ptr, stride_hm, ids_ptr, top_k, I, K, gate_step, up_offset,
-                        HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
-                        mma: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, H_PERMUTED: gl.constexpr, WARPS: gl.constexpr,
+                        DEPTH: gl.constexpr, mma: gl.constexpr,
                         a_layout: gl.constexpr, b_layout: gl.constexpr, words_layout: gl.constexpr,
                         x_layout: gl.constexpr):
     """Decode GEMM1 of one (token, slot) pair and 16 * WARPS columns of h: act(x W_gate^T + b, x W_up^T + b)
@@ -242,7 +242,11 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
         act = (u + 1.0) * g / (1.0 + gl.exp(-1.702 * g))
     else:
         act = gate / (1.0 + gl.exp(-gate)) * up
-    gl.store(h_ptr + pair.to(gl.int64) * stride_hm + r2, act.to(gl.bfloat16), mask=r2 < I)
+    if H_PERMUTED:  # GEMM2's B operand as it loads it: fp16, each 8-block in permute_x's order
+        gl.store(h_ptr + pair.to(gl.int64) * stride_hm + (r2 & -8) + ((r2 & 3) << 1) + ((r2 >> 2) & 1),
+                 act.to(gl.float16), mask=r2 < I)
+    else:
+        gl.store(h_ptr + pair.to(gl.int64) * stride_hm + r2, act.to(gl.bfloat16), mask=r2 < I)
 
 
 @gluon.jit
@@ -359,7 +363,8 @@ def w4_gemv_mma(words, scales, xw, y, T, warps=4, depth=1):
 
 
 def w4_gemm1_mma(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4, depth=1):
-    """words [E, 2I, Kp/8], scale_words [E, 2I, Kp/128] (prepack per expert), xw = permute_x int32 [T, Kp/2]."""
+    """words [E, 2I, Kp/8], scale_words [E, 2I, Kp/128] (prepack per expert), xw = permute_x int32 [T, Kp/2];
+    h bf16 [T * k, I], or fp16 [T * k, Ip] (zeroed past I) written in permute_x's order for w4_gemm2_mma."""
     E, two_i, kw = words.shape
     inter = two_i // 2
     step, up = (2, 1) if swiglu else (1, inter)
@@ -368,7 +373,7 @@ def w4_gemm1_mma(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4, d
     return w4_gemm1_mma_kernel[grid](
         xw, xw.stride(0), words, words.stride(0), words.stride(1), scale_words, scale_words.stride(0),
         scale_words.stride(1), b, b.stride(0), h, h.stride(0), ids, top_k, inter, kw * 8, step, up,
-        bias is not None, swiglu, warps, depth, *layouts(warps), num_warps=warps)
+        bias is not None, swiglu, h.dtype == torch.float16, warps, depth, *layouts(warps), num_warps=warps)
 
 
 def w4_gemm2_mma(hw, words, scale_words, bias, weights, ids, out, top_k, warps=4, depth=1):
@@ -416,6 +421,8 @@ def _compile_offline():
         runs += [(f"gemv warps={w} depth={d}", lambda w=w, d=d: w4_gemv_mma(words, scales, xw, y, 1, w, d)),
                  (f"gemm1 swiglu+bias warps={w} depth={d}",
                   lambda w=w, d=d: w4_gemm1_mma(xw[:1], words1, scales1, bias, h, ids, 4, True, w, d)),
+                 (f"gemm1 swiglu+bias, h for GEMM2, warps={w} depth={d}",
+                  lambda w=w, d=d: w4_gemm1_mma(xw[:1], words1, scales1, bias, h.half(), ids, 4, True, w, d)),
                  (f"gemm2 bias warps={w} depth={d}",
                   lambda w=w, d=d: w4_gemm2_mma(xw, words1, scales1, bias, torch.zeros(4), ids, h[:1], 4, w, d))]
     for warps, run in runs:
@@ -482,6 +489,7 @@ def _gpu_check_and_time():
     print(f"moekit GEMM1 (CUDA cores, {cfg.gemm1}): {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s (same bytes)", flush=True)
     _gpu_gemm1(spec, stacks, layers)
     _gpu_gemm2(spec, stacks, layers)
+    _gpu_chain(spec, stacks)
 
 
 def _gpu_gemm1(spec, stacks, layers):
@@ -569,6 +577,50 @@ def _gpu_gemm2(spec, stacks, layers):
         t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
         print(f"GEMM2 T={T}: moekit {t_old:.1f} us (rel err {err(out_old):.1e}) [{cfg.gemm2}]; prototype rel err "
               f"{err(out_new):.1e}, (warps, depth): " + ", ".join(f"{v} {us:.1f}" for v, us in t_new.items()), flush=True)
+
+
+def _gpu_chain(spec, stacks, variant=(4, 1)):
+    """The whole decode call: x prepared (permute_x, torch ops here), GEMM1 writing h for GEMM2 in its order,
+    GEMM2 -- against moekit.fused_experts on the same MXFP4 weights, routes and biases (T = 1, 4, 16)."""
+    from moekit import fused_experts
+    from moekit.bench.experts import routes
+    from moekit.bench.timing import graph_time_us
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    b13 = [torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    b2 = [torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    p13, p2 = [], []
+    for w13, w2 in stacks:
+        words, sw = prepack(w13.data.reshape(E * 2 * I, H // 2), w13.scales.reshape(E * 2 * I, H // 32))
+        p13.append((words.reshape(E, 2 * I, -1), sw.reshape(E, 2 * I, -1)))
+        words, sw = prepack(w2.data.reshape(E * H, I // 2), w2.scales.reshape(E * H, I // 32))
+        p2.append((words.reshape(E, H, -1), sw.reshape(E, H, -1)))
+    kp1, kp2 = p13[0][0].shape[2] * 8, p2[0][0].shape[2] * 8
+    for T in (1, 4, 16):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        tw, ids = routes(spec, T)
+        flat, wflat = ids.reshape(-1).contiguous(), tw.reshape(-1).contiguous()
+        hp = torch.zeros(max(T * k, 8), kp2, device="cuda", dtype=torch.float16)
+        out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
+        xw_fixed = permute_x(x, kp1)
+
+        def chain(i, xw=None):
+            xw = permute_x(x, kp1) if xw is None else xw
+            w4_gemm1_mma(xw, *p13[i], b13[i], hp, flat, k, True, *variant)
+            w4_gemm2_mma(hp.view(torch.int32), *p2[i], b2[i], wflat, flat, out, k, *variant)
+            return out
+
+        def moekit(i):
+            return fused_experts(x, stacks[i][0], stacks[i][1], tw, ids, activation="swiglu_oai", w13_bias=b13[i],
+                                 w2_bias=b2[i])
+
+        ref = moekit(0).double()
+        got = chain(0).double()
+        diff = ((got - ref).norm() / ref.norm()).item()
+        t_chain = graph_time_us([lambda i=i: chain(i % 4) for i in range(8)])
+        t_kernels = graph_time_us([lambda i=i: chain(i % 4, xw_fixed) for i in range(8)])
+        t_moekit = graph_time_us([lambda i=i: moekit(i % 4) for i in range(8)])
+        print(f"decode call T={T}: moekit {t_moekit:.1f} us; prototype {t_chain:.1f} us with x prepared by torch ops, "
+              f"{t_kernels:.1f} us the two kernels alone; rel diff vs moekit {diff:.1e}", flush=True)
 
 
 def _emulate():
