@@ -17,6 +17,7 @@ B fragment of a group is one 16-byte load too.
 
     python benchmarks/prototypes/gluon_w4_mma.py compile   # offline: sm_90 compile, shared memory, SASS loop
     python benchmarks/prototypes/gluon_w4_mma.py emulate   # CPU: the kernel's index math in torch vs float64
+    python benchmarks/prototypes/gluon_w4_mma.py dryrun    # CPU: the GPU script with the kernels emulated
     python benchmarks/prototypes/gluon_w4_mma.py           # GPU: check against float64, time vs moekit's gemv
 """
 import re
@@ -32,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 CHUNK = 128  # K per loop step: 4 scale groups, 16 words per row
 VARIANTS = ((1, 0), (1, 1), (2, 1), (4, 0), (4, 1), (4, 2))  # (warps, prefetch depth)
+DEVICE = "cuda"  # `dryrun` runs the GPU script's sections on the CPU with the kernels emulated in torch
 
 
 @gluon.jit
@@ -449,9 +451,12 @@ def _gpu_check_and_time():
     """gpt-oss-120b MXFP4 (4 layers of random weights): each section checks a prototype kernel against float64
     or moekit and times both in graphs of 8 calls over the 4 layers; a failing section does not stop the rest."""
     from moekit import _experts_triton as X, presets
-    from moekit.tune import random_weights
-    spec = presets.get("gpt-oss-120b")
-    stacks = random_weights(spec, 4, weight_format="mxfp4")
+    from moekit.formats import quantize_experts
+    spec = presets.get("gpt-oss-120b") if DEVICE == "cuda" else presets.get("gpt-oss-120b").scaled(256, 256, 16)
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    stacks = [(quantize_experts(torch.randn(E, 2 * I, H, device=DEVICE, dtype=torch.bfloat16) * H ** -0.5, "mxfp4"),
+               quantize_experts(torch.randn(E, H, I, device=DEVICE, dtype=torch.bfloat16) * I ** -0.5, "mxfp4"))
+              for _ in range(4)]
     layers = [(X.WeightOperand.of(a), X.WeightOperand.of(b)) for a, b in stacks]
     for section in (_gpu_gemv, _gpu_gemm1, _gpu_gemm2, _gpu_chain):
         try:
@@ -469,8 +474,8 @@ def _gpu_gemv(spec, stacks, layers):
     from moekit.expert_configs import choose
     from moekit.formats import mxfp4
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
-    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
-    _, ids = routes(spec, 1)
+    x = torch.randn(1, H, device=DEVICE, dtype=torch.bfloat16)
+    _, ids = routes(spec, 1, DEVICE)
     flat = ids.reshape(-1)
     packed = []
     for w13, _ in stacks:
@@ -479,21 +484,21 @@ def _gpu_gemv(spec, stacks, layers):
         packed.append((*prepack(data, sc), mxfp4.MXFP4Tensor(data, sc, (k * 2 * I, H))))
     kp = packed[0][0].shape[1] * 8
     for T in (1, 3, 8):
-        xt = torch.randn(T, H, device="cuda") * 2
+        xt = torch.randn(T, H, device=DEVICE) * 2
         ref = xt.half().double() @ mxfp4.dequantize(packed[0][2], torch.float64).T
-        y = torch.full((T, k * 2 * I), float("nan"), device="cuda")
+        y = torch.full((T, k * 2 * I), float("nan"), device=DEVICE)
         w4_gemv_mma(packed[0][0], packed[0][1], permute_x(xt, kp), y, T)
         torch.cuda.synchronize()
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
         print(f"GEMV T={T}: max |y - ref| / max |ref| = {err:.2e}  nan={torch.isnan(y).any().item()}", flush=True)
     xw = permute_x(x, kp)
-    y = torch.empty(1, k * 2 * I, device="cuda")
+    y = torch.empty(1, k * 2 * I, device=DEVICE)
     nbytes = packed[0][0].numel() * 4 + packed[0][1].numel() * 4
     for warps, depth in VARIANTS:
         us = graph_time_us([lambda p=packed[i % 4]: w4_gemv_mma(p[0], p[1], xw, y, 1, warps, depth) for i in range(8)])
         print(f"GEMV prototype warps={warps} depth={depth}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
     cfg, _ = choose(1, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
-    h = torch.empty(k, I, device="cuda", dtype=torch.bfloat16)
+    h = torch.empty(k, I, device=DEVICE, dtype=torch.bfloat16)
     us = graph_time_us([lambda w=layers[i % 4]: X._gemv1(x, w[0], None, h, flat, None, E, spec.activation, k,
                                                           cfg.gemm1) for i in range(8)])
     print(f"moekit GEMM1 (CUDA cores, {cfg.gemm1}): {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s (same bytes)", flush=True)
@@ -509,18 +514,18 @@ def _gpu_gemm1(spec, stacks, layers):
     from moekit.formats import mxfp4
     from moekit.reference import swiglu_oai
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
-    biases = [torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    biases = [torch.randn(E, 2 * I, device=DEVICE, dtype=torch.bfloat16) * 0.1 for _ in stacks]
     packs = []
     for w13, _ in stacks:
         words, scale_words = prepack(w13.data.reshape(E * 2 * I, H // 2), w13.scales.reshape(E * 2 * I, H // 32))
         packs.append((words.reshape(E, 2 * I, -1), scale_words.reshape(E, 2 * I, -1)))
     kp = packs[0][0].shape[2] * 8
     for T in (1, 4, 16):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        _, ids = routes(spec, T)
+        x = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+        _, ids = routes(spec, T, DEVICE)
         flat = ids.reshape(-1).contiguous()
         xw = permute_x(x, kp)
-        h_new = torch.full((T * k, I), float("nan"), device="cuda", dtype=torch.bfloat16)
+        h_new = torch.full((T * k, I), float("nan"), device=DEVICE, dtype=torch.bfloat16)
         h_old = torch.full_like(h_new, float("nan"))
         cfg, _ = choose(T, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
         run_new = lambda i=0, w=4, d=1: w4_gemm1_mma(xw, packs[i][0], packs[i][1], biases[i], h_new, flat, k,  # noqa: E731
@@ -530,17 +535,17 @@ def _gpu_gemm1(spec, stacks, layers):
         run_new()
         run_old()
         torch.cuda.synchronize()
-        ref = torch.empty(T * k, I, dtype=torch.float64, device="cuda")
+        ref = torch.empty(T * k, I, dtype=torch.float64, device=DEVICE)
         for p in range(T * k):
             e = int(flat[p])
             w = mxfp4.dequantize(mxfp4.MXFP4Tensor(stacks[0][0].data[e], stacks[0][0].scales[e], (2 * I, H)),
                                  torch.float64)
             ref[p] = swiglu_oai(x[p // k].double() @ w.T + biases[0][e].double())
-        err = lambda h: ((h.double() - ref).norm() / ref.norm()).item()  # noqa: E731
-        t_new = {v: graph_time_us([lambda i=i, v=v: run_new(i % 4, *v) for i in range(8)]) for v in VARIANTS}
-        t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
-        print(f"GEMM1 T={T}: moekit {t_old:.1f} us (rel err {err(h_old):.1e}) [{cfg.gemm1}]; prototype rel err "
-              f"{err(h_new):.1e}, (warps, depth): " + ", ".join(f"{v} {us:.1f}" for v, us in t_new.items()), flush=True)
+        e_new, e_old = (((h.double() - ref).norm() / ref.norm()).item() for h in (h_new, h_old))  # before the
+        t_new = {v: graph_time_us([lambda i=i, v=v: run_new(i % 4, *v) for i in range(8)]) for v in VARIANTS}  # timed
+        t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])  # calls overwrite h with other layers'
+        print(f"GEMM1 T={T}: moekit {t_old:.1f} us (rel err {e_old:.1e}) [{cfg.gemm1}]; prototype rel err "
+              f"{e_new:.1e}, (warps, depth): " + ", ".join(f"{v} {us:.1f}" for v, us in t_new.items()), flush=True)
 
 
 def _gpu_gemm2(spec, stacks, layers):
@@ -552,18 +557,18 @@ def _gpu_gemm2(spec, stacks, layers):
     from moekit.expert_configs import choose
     from moekit.formats import mxfp4
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
-    biases = [torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    biases = [torch.randn(E, H, device=DEVICE, dtype=torch.bfloat16) * 0.1 for _ in stacks]
     packs = []
     for _, w2 in stacks:
         words, scale_words = prepack(w2.data.reshape(E * H, I // 2), w2.scales.reshape(E * H, I // 32))
         packs.append((words.reshape(E, H, -1), scale_words.reshape(E, H, -1)))
     kp = packs[0][0].shape[2] * 8
     for T in (1, 4, 16):
-        tw, ids = routes(spec, T)
+        tw, ids = routes(spec, T, DEVICE)
         flat, wflat = ids.reshape(-1).contiguous(), tw.reshape(-1).contiguous()
-        h = torch.randn(T * k, I, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(T * k, I, device=DEVICE, dtype=torch.bfloat16)
         hw = permute_x(h, kp)
-        out_new = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out_new = torch.full((T, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
         out_old = torch.full_like(out_new, float("nan"))
         cfg, _ = choose(T, E, k, 2 * I, H, h.device, h.dtype, layers[0][0].format)
         run_new = lambda i=0, w=4, d=1: w4_gemm2_mma(hw, packs[i][0], packs[i][1], biases[i], wflat, flat,  # noqa: E731
@@ -573,17 +578,17 @@ def _gpu_gemm2(spec, stacks, layers):
         run_new()
         run_old()
         torch.cuda.synchronize()
-        ref = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+        ref = torch.zeros(T, H, dtype=torch.float64, device=DEVICE)
         for p in range(T * k):
             e = int(flat[p])
             w = mxfp4.dequantize(mxfp4.MXFP4Tensor(stacks[0][1].data[e], stacks[0][1].scales[e], (H, I)),
                                  torch.float64)
             ref[p // k] += wflat[p].double() * (h[p].double() @ w.T + biases[0][e].double())
-        err = lambda o: ((o.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+        e_new, e_old = (((o.double() - ref).norm() / ref.norm()).item() for o in (out_new, out_old))
         t_new = {v: graph_time_us([lambda i=i, v=v: run_new(i % 4, *v) for i in range(8)]) for v in VARIANTS}
         t_old = graph_time_us([lambda i=i: run_old(i % 4) for i in range(8)])
-        print(f"GEMM2 T={T}: moekit {t_old:.1f} us (rel err {err(out_old):.1e}) [{cfg.gemm2}]; prototype rel err "
-              f"{err(out_new):.1e}, (warps, depth): " + ", ".join(f"{v} {us:.1f}" for v, us in t_new.items()), flush=True)
+        print(f"GEMM2 T={T}: moekit {t_old:.1f} us (rel err {e_old:.1e}) [{cfg.gemm2}]; prototype rel err "
+              f"{e_new:.1e}, (warps, depth): " + ", ".join(f"{v} {us:.1f}" for v, us in t_new.items()), flush=True)
 
 
 def _gpu_chain(spec, stacks, layers, variant=(4, 1)):
@@ -593,8 +598,8 @@ def _gpu_chain(spec, stacks, layers, variant=(4, 1)):
     from moekit.bench.experts import routes
     from moekit.bench.timing import graph_time_us
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
-    b13 = [torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
-    b2 = [torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    b13 = [torch.randn(E, 2 * I, device=DEVICE, dtype=torch.bfloat16) * 0.1 for _ in stacks]
+    b2 = [torch.randn(E, H, device=DEVICE, dtype=torch.bfloat16) * 0.1 for _ in stacks]
     p13, p2 = [], []
     for w13, w2 in stacks:
         words, sw = prepack(w13.data.reshape(E * 2 * I, H // 2), w13.scales.reshape(E * 2 * I, H // 32))
@@ -603,11 +608,11 @@ def _gpu_chain(spec, stacks, layers, variant=(4, 1)):
         p2.append((words.reshape(E, H, -1), sw.reshape(E, H, -1)))
     kp1, kp2 = p13[0][0].shape[2] * 8, p2[0][0].shape[2] * 8
     for T in (1, 4, 16):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        tw, ids = routes(spec, T)
+        x = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+        tw, ids = routes(spec, T, DEVICE)
         flat, wflat = ids.reshape(-1).contiguous(), tw.reshape(-1).contiguous()
-        hp = torch.zeros(max(T * k, 8), kp2, device="cuda", dtype=torch.float16)
-        out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
+        hp = torch.zeros(max(T * k, 8), kp2, device=DEVICE, dtype=torch.float16)
+        out = torch.empty(T, H, device=DEVICE, dtype=torch.bfloat16)
         xw_fixed = permute_x(x, kp1)
 
         def chain(i, xw=None):
@@ -628,6 +633,62 @@ def _gpu_chain(spec, stacks, layers, variant=(4, 1)):
         t_moekit = graph_time_us([lambda i=i: moekit(i % 4) for i in range(8)])
         print(f"decode call T={T}: moekit {t_moekit:.1f} us; prototype {t_chain:.1f} us with x prepared by torch ops, "
               f"{t_kernels:.1f} us the two kernels alone; rel diff vs moekit {diff:.1e}", flush=True)
+
+
+def _unpack(words, scale_words, k_true):
+    """Inverse of prepack: the MXFP4 tensor [N, k_true] of prepacked words and scale words."""
+    from moekit.formats import mxfp4
+    N = words.shape[0]
+    data = words.reshape(N, -1, 4, 4).transpose(-1, -2).reshape(N, -1).contiguous().view(torch.uint8)
+    scales = scale_words.contiguous().view(torch.uint8)
+    return mxfp4.MXFP4Tensor(data[:, :k_true // 2].contiguous(), scales[:, :k_true // 32].contiguous(), (N, k_true))
+
+
+def _unpermute(xw):
+    """Inverse of permute_x: fp32 [rows, Kp]."""
+    x = xw.view(torch.float16).float()
+    return x.reshape(x.shape[0], -1, 4, 2).transpose(-1, -2).reshape(x.shape[0], -1)
+
+
+def _dryrun():
+    """CPU: the GPU script's sections on a scaled-down gpt-oss with the three kernels replaced by their torch
+    semantics (through the inverse layouts) and the timer by one call: catches a broken script before it
+    costs device time, and pins what each kernel computes."""
+    import moekit.bench.timing as timing
+    from moekit.formats import mxfp4
+    global DEVICE, w4_gemv_mma, w4_gemm1_mma, w4_gemm2_mma
+    DEVICE = "cpu"
+    torch.cuda.synchronize = lambda *a: None
+    timing.graph_time_us = lambda fns, **kw: [fn() for fn in fns] and 1.0
+
+    def gemv(words, scales, xw, y, T, warps=4, depth=1):
+        w = mxfp4.dequantize(_unpack(words, scales, words.shape[1] * 8), torch.float32)
+        y.copy_((_unpermute(xw)[:T] @ w.T).to(y.dtype))
+
+    def gemm1(xw, words, scale_words, bias, h, ids, top_k, swiglu, warps=4, depth=1):
+        from moekit.reference import silu_and_mul, swiglu_oai
+        x = _unpermute(xw)
+        for p, e in enumerate(ids.tolist()):
+            w = mxfp4.dequantize(_unpack(words[e], scale_words[e], words.shape[2] * 8), torch.float32)
+            g = x[p // top_k] @ w.T + (bias[e].float() if bias is not None else 0)
+            act = (swiglu_oai if swiglu else silu_and_mul)(g).float()
+            if h.dtype == torch.float16:
+                row = torch.zeros(h.shape[1])
+                row[:act.numel()] = act
+                h[p] = row.reshape(-1, 2, 4).transpose(-1, -2).reshape(-1).half()  # permute_x's order
+            else:
+                h[p] = act.to(h.dtype)
+
+    def gemm2(hw, words, scale_words, bias, weights, ids, out, top_k, warps=4, depth=1):
+        h = _unpermute(hw)
+        total = torch.zeros(out.shape, dtype=torch.float64)
+        for p, e in enumerate(ids.tolist()):
+            w = mxfp4.dequantize(_unpack(words[e], scale_words[e], words.shape[2] * 8), torch.float64)
+            total[p // top_k] += float(weights[p]) * (h[p].double() @ w.T + (bias[e].double() if bias is not None else 0))
+        out.copy_(total.to(out.dtype))
+
+    w4_gemv_mma, w4_gemm1_mma, w4_gemm2_mma = gemv, gemm1, gemm2
+    _gpu_check_and_time()
 
 
 def _emulate():
@@ -660,4 +721,5 @@ def _emulate():
 
 
 if __name__ == "__main__":
-    {"compile": _compile_offline, "emulate": _emulate}.get(sys.argv[1] if sys.argv[1:] else "", _gpu_check_and_time)()
+    {"compile": _compile_offline, "emulate": _emulate, "dryrun": _dryrun}.get(sys.argv[1] if sys.argv[1:] else "",
+                                                                          _gpu_check_and_time)()
