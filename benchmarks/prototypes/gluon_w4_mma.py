@@ -319,6 +319,143 @@ def w4_gemm2_mma_kernel(h_ptr, stride_hm, w_ptr, stride_we, stride_wn, s_ptr, st
     gl.store(out_ptr + t.to(gl.int64) * stride_ot + r2, total.to(gl.bfloat16), mask=r2 < H)
 
 
+# ------------------------------------------------------------------------------------------------ NVFP4
+# A 16-wide scale group must fill one k16 MMA, so the prepack moves nibbles, not only words: lane c's word of
+# 32-chunk q holds, at nibble j + 4h, the code at physical 16 (j // 2) + 8 (j % 2) + 2c + h of the chunk (the
+# logical order itself), and x is permuted to match. The E4M3 scales multiply the fp16 pairs before the MMA
+# (code * 2^-14 * scale is exact in fp16, subnormals included), so the MMA accumulates straight into acc.
+
+
+@gluon.jit
+def _pair_bits(w, j: gl.constexpr):
+    """int32 fp16 pair (code * 2^-14) of nibbles j and j + 4 of each word."""
+    if j == 3:
+        bits = ((w >> 3) & 0x0E000E00) | (w & -0x7FFF8000)
+    else:
+        bits = ((w << (9 - 4 * j)) & 0x0E000E00) | ((w << (12 - 4 * j)) & -0x7FFF8000)
+    return bits
+
+
+@gluon.jit
+def _scaled_pair(w, j: gl.constexpr, scale2):
+    """fp16 pair of nibbles j, j + 4 times its group's scale (``scale2``: int32, (scale, scale) as fp16)."""
+    bits = gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [_pair_bits(w, j), scale2],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+    lo, hi = _halves(bits)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _e4m3_pairs(sw):
+    """Two E4M3 scale bytes (the low 16 bits of ``sw``) -> ((s0, s0), (s1, s1)) as int32 fp16 pairs."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 f; .reg .b16 a, b, lo, hi; mov.b32 {a, b}, $2; cvt.rn.f16x2.e4m3x2 f, a; "
+        "mov.b32 {lo, hi}, f; mov.b32 $0, {lo, lo}; mov.b32 $1, {hi, hi}; }",
+        "=r,=r,r", [sw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _nvfp4_group(acc, wq, xq, scale_bits, BN: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr):
+    """acc + one 32-chunk: words [BN, 4 c], x words [8, c, j], its two E4M3 scales (low 16 bits, [BN])."""
+    g0, g1 = _e4m3_pairs(scale_bits & 0xFFFF)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, wq.type.layout)
+    g0 = gl.convert_layout(g0, rows_layout)[:, None]  # the rows' own registers: no data moves
+    g1 = gl.convert_layout(g1, rows_layout)[:, None]
+    a = gl.join(gl.join(_scaled_pair(wq, 0, g0), _scaled_pair(wq, 1, g0)),
+                gl.join(_scaled_pair(wq, 2, g1), _scaled_pair(wq, 3, g1)))
+    a = gl.convert_layout(gl.reshape(gl.permute(a, (0, 4, 3, 1, 2)), [BN, 32]), a_layout)
+    return mma_v2(a, _b_operand(xq, b_layout), acc)
+
+
+@gluon.jit
+def _chunk_nvfp4(acc, w, s01, s23, xw, BN: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr):
+    """acc + one 128-wide K chunk of NVFP4: words [BN, 4 c, 4 q], the chunk's eight E4M3 scale bytes as two
+    int32 [BN], x words [8, q, c, j]."""
+    w0, w1, w2, w3 = _take4(w)
+    x0, x1, x2, x3 = _take4(gl.permute(xw, (0, 2, 3, 1)))
+    acc = _nvfp4_group(acc, w0, x0, s01, BN, a_layout, b_layout)
+    acc = _nvfp4_group(acc, w1, x1, s01 >> 16, BN, a_layout, b_layout)
+    acc = _nvfp4_group(acc, w2, x2, s23, BN, a_layout, b_layout)
+    return _nvfp4_group(acc, w3, x3, s23 >> 16, BN, a_layout, b_layout)
+
+
+@gluon.jit
+def w4_gemv_nvfp4_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_xt, stride_yt, T,
+                         WARPS: gl.constexpr, DEPTH: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr,
+                         b_layout: gl.constexpr, words_layout: gl.constexpr, x_layout: gl.constexpr):
+    """y[t, n] = sum_k W[n, k] x[t, k] * global_scale: W NVFP4 prepacked (prepack_nvfp4: int32 words [N, K/8],
+    scale words [N, K/64]), x permuted (permute_x_nvfp4), y fp32 [T, N] before the global scale."""
+    BN: gl.constexpr = 16 * WARPS
+    n0 = gl.program_id(0) * BN
+    rows, inner = _word_offsets(n0, N, 1, BN, words_layout)
+    w_ptrs = w_ptr + rows * stride_wn + inner
+    r2 = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(1, words_layout)))
+    s_ptrs = s_ptr + gl.minimum(r2, N - 1).to(gl.int64) * stride_sn
+    tok, x_inner, _ = _x_offsets(x_layout, False)
+    x_ptrs = x_ptr + tok * stride_xt + x_inner
+    acc = gl.zeros([BN, 8], gl.float32, mma)
+    if DEPTH == 0:
+        for k0 in range(0, K, 128):
+            acc = _chunk_nvfp4(acc, gl.load(w_ptrs + k0 // 8), gl.load(s_ptrs + k0 // 64), gl.load(s_ptrs + k0 // 64 + 1),
+                               gl.load(x_ptrs + k0 // 2), BN, a_layout, b_layout)
+    else:
+        wa, sa, sb, xa = gl.load(w_ptrs), gl.load(s_ptrs), gl.load(s_ptrs + 1), gl.load(x_ptrs)
+        for k0 in range(0, K, 128):
+            kn = gl.minimum(k0 + 128, K - 128)
+            wn, sn, sm, xn = (gl.load(w_ptrs + kn // 8), gl.load(s_ptrs + kn // 64), gl.load(s_ptrs + kn // 64 + 1),
+                              gl.load(x_ptrs + kn // 2))
+            acc = _chunk_nvfp4(acc, wa, sa, sb, xa, BN, a_layout, b_layout)
+            wa, sa, sb, xa = wn, sn, sm, xn
+    out_rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    out_tok = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    gl.store(y_ptr + out_tok[None, :] * stride_yt + out_rows[:, None], acc * 16384.0,
+             mask=(out_rows < N)[:, None] & (out_tok < T)[None, :])
+
+
+def _nvfp4_order(k_padded: int, device=None) -> torch.Tensor:
+    """Physical code index of each (chunk, word 4c + q, nibble n) slot: [Kp] (codes in prepacked order)."""
+    chunk, c, q, n = torch.meshgrid(torch.arange(k_padded // CHUNK), torch.arange(4), torch.arange(4), torch.arange(8),
+                                    indexing="ij")
+    j, h = n % 4, n // 4
+    return (CHUNK * chunk + 32 * q + 16 * (j // 2) + 8 * (j % 2) + 2 * c + h).reshape(-1).to(device)
+
+
+def prepack_nvfp4(data: torch.Tensor, scales: torch.Tensor):
+    """NVFP4 bytes [N, K/2] and E4M3 scale bytes [N, K/16] -> (int32 words [N, Kp/8], int32 scale words
+    [N, Kp/64]), K padded to 128 with zero codes and unit scales (0x38)."""
+    from moekit.formats import fp4
+    N, half_k = data.shape
+    pad = -half_k % (CHUNK // 2)
+    codes = fp4.unpack(F.pad(data, (0, pad)))  # [N, Kp] uint8 codes, element 2i in the low nibble
+    codes = codes[:, _nvfp4_order(codes.shape[1], codes.device)].reshape(N, -1, 2)  # [.., byte, nibble]
+    packed = codes[..., 0] | (codes[..., 1] << 4)  # nibble 2b low, 2b + 1 high: nibble n at bits 4n of the word
+    s = F.pad(scales.view(torch.uint8), (0, pad // 8), value=0x38)
+    return packed.contiguous().view(torch.int32), s.contiguous().view(torch.int32)
+
+
+def permute_x_nvfp4(x: torch.Tensor, k_padded: int) -> torch.Tensor:
+    """x [T, K] -> fp16 int32 pairs [max(T, 8), Kp/2]: int32 (chunk, q, c, j) holds x at the physical
+    positions of the codes the kernel pairs with it (h = 0, 1)."""
+    T, K = x.shape
+    xp = torch.zeros(max(T, 8), k_padded, dtype=torch.float16, device=x.device)
+    xp[:T, :K] = x.to(torch.float16)
+    return xp[:, _nvfp4_x_order(k_padded, x.device)].contiguous().view(torch.int32)
+
+
+def _nvfp4_x_order(k_padded: int, device=None) -> torch.Tensor:
+    """Physical K of each fp16 slot (chunk, q, c, j, h) of permute_x_nvfp4's rows: [Kp]."""
+    chunk, q, c, j, h = torch.meshgrid(torch.arange(k_padded // CHUNK), torch.arange(4), torch.arange(4),
+                                       torch.arange(4), torch.arange(2), indexing="ij")
+    return (CHUNK * chunk + 32 * q + 16 * (j // 2) + 8 * (j % 2) + 2 * c + h).reshape(-1).to(device)
+
+
+def w4_gemv_nvfp4(words, scale_words, xw, y, T, warps=4, depth=1):
+    N, K = words.shape[0], words.shape[1] * 8
+    grid = (-(-N // (16 * warps)),)
+    return w4_gemv_nvfp4_kernel[grid](words, scale_words, xw, y, N, K, words.stride(0), scale_words.stride(0),
+                                      xw.stride(0), y.stride(0), T, warps, depth, *layouts(warps), num_warps=warps)
+
+
 def _linear(reg, lane, warp, shape):
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=shape)
 
@@ -418,7 +555,9 @@ def _compile_offline():
     words1, scales1 = words.reshape(1, N, -1).expand(E, N, -1), scales.reshape(1, N, -1).expand(E, N, -1)
     bias, h, ids = torch.zeros(E, N, dtype=torch.bfloat16), torch.zeros(4, I, dtype=torch.bfloat16), torch.zeros(
         4, dtype=torch.int32)
-    runs = []
+    swords = torch.zeros(N, K // 64, dtype=torch.int32)
+    runs = [(f"gemv nvfp4 warps={w} depth={d}", lambda w=w, d=d: w4_gemv_nvfp4(words, swords, xw, y, 1, w, d))
+            for w, d in ((4, 0), (4, 1))]
     for w, d in VARIANTS:
         runs += [(f"gemv warps={w} depth={d}", lambda w=w, d=d: w4_gemv_mma(words, scales, xw, y, 1, w, d)),
                  (f"gemm1 swiglu+bias warps={w} depth={d}",
@@ -434,7 +573,7 @@ def _compile_offline():
         except Exception as exc:  # noqa: BLE001 - report and go on
             while exc.__cause__ is not None:
                 exc = exc.__cause__
-            print(f"{warps}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            print(f"{warps}: {type(exc).__name__}: {str(exc)[-2500:]}")
             continue
         for name, k in S.BUILT:
             ttgir, listing = k.asm.get("ttgir", ""), _sass.sass(k.asm["cubin"]) or ""
@@ -463,6 +602,12 @@ def _gpu_check_and_time():
             section(spec, stacks, layers)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{section.__name__}: {type(exc).__name__}: {str(exc)[-800:]}", flush=True)
+    del stacks, layers
+    torch.cuda.empty_cache()
+    try:
+        _gpu_gemv_nvfp4()
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        print(f"_gpu_gemv_nvfp4: {type(exc).__name__}: {str(exc)[-800:]}", flush=True)
 
 
 def _gpu_gemv(spec, stacks, layers):
@@ -635,6 +780,52 @@ def _gpu_chain(spec, stacks, layers, variant=(4, 1)):
               f"{t_kernels:.1f} us the two kernels alone; rel diff vs moekit {diff:.1e}", flush=True)
 
 
+def _gpu_gemv_nvfp4():
+    """qwen3-30b-a3b NVFP4 at T=1: the eight experts' w13 rows as one GEMV through the NVFP4 prototype,
+    accuracy vs float64 (T = 1, 3, 8) and time against moekit's CUDA-core GEMM1 on the same bytes."""
+    from moekit import _experts_triton as X, presets
+    from moekit.bench.experts import routes
+    from moekit.bench.timing import graph_time_us
+    from moekit.expert_configs import choose
+    from moekit.formats import nvfp4, quantize_experts
+    spec = presets.get("qwen3-30b-a3b") if DEVICE == "cuda" else presets.get("qwen3-30b-a3b").scaled(256, 128, 16)
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    stacks = [quantize_experts(torch.randn(E, 2 * I, H, device=DEVICE, dtype=torch.bfloat16) * H ** -0.5, "nvfp4")
+              for _ in range(4)]
+    x = torch.randn(1, H, device=DEVICE, dtype=torch.bfloat16)
+    _, ids = routes(spec, 1, DEVICE)
+    flat = ids.reshape(-1)
+    packed = []
+    for w13 in stacks:
+        data = w13.data[flat.long()].reshape(k * 2 * I, H // 2)
+        sc = w13.linear_scales()[flat.long()].reshape(k * 2 * I, H // 16)
+        packed.append((*prepack_nvfp4(data, sc), nvfp4.NVFP4Tensor(data, sc, torch.ones((), device=DEVICE),
+                                                                   (k * 2 * I, H))))
+    kp = packed[0][0].shape[1] * 8
+    for T in (1, 3, 8):
+        xt = torch.randn(T, H, device=DEVICE) * 2
+        ref = xt.half().double() @ nvfp4.dequantize(packed[0][2], torch.float64).T
+        y = torch.full((T, k * 2 * I), float("nan"), device=DEVICE)
+        w4_gemv_nvfp4(packed[0][0], packed[0][1], permute_x_nvfp4(xt, kp), y, T)
+        torch.cuda.synchronize()
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        print(f"NVFP4 GEMV T={T}: max |y - ref| / max |ref| = {err:.2e}  nan={torch.isnan(y).any().item()}", flush=True)
+    xw = permute_x_nvfp4(x, kp)
+    y = torch.empty(1, k * 2 * I, device=DEVICE)
+    nbytes = packed[0][0].numel() * 4 + packed[0][1].numel() * 4
+    for warps, depth in ((1, 0), (1, 1), (2, 1), (4, 0), (4, 1)):
+        us = graph_time_us([lambda p=packed[i % 4]: w4_gemv_nvfp4(p[0], p[1], xw, y, 1, warps, depth)
+                            for i in range(8)])
+        print(f"NVFP4 GEMV prototype warps={warps} depth={depth}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+    ops = [X.WeightOperand.of(w) for w in stacks]
+    cfg, _ = choose(1, E, k, 2 * I, H, x.device, x.dtype, ops[0].format)
+    h = torch.empty(k, I, device=DEVICE, dtype=torch.bfloat16)
+    us = graph_time_us([lambda w=ops[i % 4]: X._gemv1(x, w, None, h, flat, None, E, spec.activation, k, cfg.gemm1)
+                        for i in range(8)])
+    print(f"moekit NVFP4 GEMM1 (CUDA cores, {cfg.gemm1}): {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s (same bytes)",
+          flush=True)
+
+
 def _unpack(words, scale_words, k_true):
     """Inverse of prepack: the MXFP4 tensor [N, k_true] of prepacked words and scale words."""
     from moekit.formats import mxfp4
@@ -687,8 +878,51 @@ def _dryrun():
             total[p // top_k] += float(weights[p]) * (h[p].double() @ w.T + (bias[e].double() if bias is not None else 0))
         out.copy_(total.to(out.dtype))
 
+    def gemv_nvfp4(words, scale_words, xw, y, T, warps=4, depth=1):
+        from moekit.formats import fp4
+        kp = words.shape[1] * 8
+        codes = torch.stack([(words.view(torch.uint8) & 15), words.view(torch.uint8) >> 4], -1).reshape(len(words), -1)
+        phys = torch.empty_like(codes)
+        phys[:, _nvfp4_order(kp)] = codes
+        scales = scale_words.view(torch.uint8).view(torch.float8_e4m3fn).float().repeat_interleave(16, 1)
+        w = fp4.decode(phys).float() * scales
+        x = torch.empty(xw.shape[0], kp)
+        x[:, _nvfp4_x_order(kp)] = xw.view(torch.float16).float()
+        y.copy_(x[:T] @ w.T)
+
     w4_gemv_mma, w4_gemm1_mma, w4_gemm2_mma = gemv, gemm1, gemm2
+    global w4_gemv_nvfp4
+    w4_gemv_nvfp4 = gemv_nvfp4
     _gpu_check_and_time()
+
+
+def _emulate_nvfp4():
+    """The NVFP4 layouts' index math (prepack_nvfp4, permute_x_nvfp4, the fragment order, scale bytes) in torch."""
+    from moekit.formats import fp4, nvfp4
+    torch.manual_seed(0)
+    N, K, T = 16, 2048, 3
+    q = nvfp4.quantize(torch.randn(N, K))
+    words, scale_words = prepack_nvfp4(q.data, q.linear_scales())
+    kp = words.shape[1] * 8
+    x = torch.randn(T, K)
+    xf = permute_x_nvfp4(x, kp).view(torch.float16).double()
+    values = fp4.decode(torch.arange(16, dtype=torch.uint8)).double()
+    sbytes = scale_words.view(torch.uint8).view(torch.float8_e4m3fn).double()
+    y = torch.zeros(8, N, dtype=torch.float64)
+    for ch in range(kp // CHUNK):
+        for grp in range(4):
+            a, b = torch.zeros(N, 32, dtype=torch.float64), torch.zeros(32, 8, dtype=torch.float64)
+            for c in range(4):
+                wd = words[:, ch * 16 + 4 * c + grp].long() & 0xFFFFFFFF
+                for j in range(4):
+                    scale = sbytes[:, ch * 8 + 2 * grp + j // 2]
+                    for h in range(2):
+                        kl = 16 * (j // 2) + 8 * (j % 2) + 2 * c + h
+                        a[:, kl] = values[(wd >> (4 * (j + 4 * h))) & 15] * scale
+                        b[kl] = xf[:, ch * CHUNK + 2 * (grp * 16 + c * 4 + j) + h]
+            y += (a @ b).T
+    ref = x.half().double() @ (nvfp4.dequantize(q, torch.float64) * q.global_scale.double()).T
+    print(f"NVFP4 emulated kernel vs float64: max rel err {((y[:T] - ref).abs().max() / ref.abs().max()).item():.1e}")
 
 
 def _emulate():
@@ -718,6 +952,7 @@ def _emulate():
             y += (a @ b).T * torch.pow(2.0, (s - 127).double())
     ref = x.half().double() @ mxfp4.dequantize(q, torch.float64).T
     print(f"emulated kernel vs float64: max rel err {((y[:T] - ref).abs().max() / ref.abs().max()).item():.1e}")
+    _emulate_nvfp4()
 
 
 if __name__ == "__main__":
