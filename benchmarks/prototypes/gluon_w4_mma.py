@@ -53,13 +53,19 @@ def _halves(bits):
 
 
 @gluon.jit
-def _pair(w, j: gl.constexpr):
-    """[.., 2]: fp16 code * 2^-14 of nibbles j and j + 4 of each word (sign to bit 15, magnitude to 9..11)."""
+def _pair_bits(w, j: gl.constexpr):
+    """int32 fp16 pair (code * 2^-14) of nibbles j and j + 4 of each word: sign to bit 15, magnitude to 9..11."""
     if j == 3:
         bits = ((w >> 3) & 0x0E000E00) | (w & -0x7FFF8000)
     else:
         bits = ((w << (9 - 4 * j)) & 0x0E000E00) | ((w << (12 - 4 * j)) & -0x7FFF8000)
-    lo, hi = _halves(bits)
+    return bits
+
+
+@gluon.jit
+def _pair(w, j: gl.constexpr):
+    """[.., 2]: the fp16 codes * 2^-14 of nibbles j and j + 4 of each word."""
+    lo, hi = _halves(_pair_bits(w, j))
     return gl.join(lo, hi)
 
 
@@ -324,16 +330,6 @@ def w4_gemm2_mma_kernel(h_ptr, stride_hm, w_ptr, stride_we, stride_wn, s_ptr, st
 # 32-chunk q holds, at nibble j + 4h, the code at physical 16 (j // 2) + 8 (j % 2) + 2c + h of the chunk (the
 # logical order itself), and x is permuted to match. The E4M3 scales multiply the fp16 pairs before the MMA
 # (code * 2^-14 * scale is exact in fp16, subnormals included), so the MMA accumulates straight into acc.
-
-
-@gluon.jit
-def _pair_bits(w, j: gl.constexpr):
-    """int32 fp16 pair (code * 2^-14) of nibbles j and j + 4 of each word."""
-    if j == 3:
-        bits = ((w >> 3) & 0x0E000E00) | (w & -0x7FFF8000)
-    else:
-        bits = ((w << (9 - 4 * j)) & 0x0E000E00) | ((w << (12 - 4 * j)) & -0x7FFF8000)
-    return bits
 
 
 @gluon.jit
@@ -610,6 +606,30 @@ def _gpu_check_and_time():
         print(f"_gpu_gemv_nvfp4: {type(exc).__name__}: {str(exc)[-800:]}", flush=True)
 
 
+def _gemv_section(label, packed, permute, gemv, dequantize, x, variants):
+    """Accuracy of a GEMV prototype vs float64 (T = 1, 3, 8) and its time per variant on 4 layers' ``packed``
+    (words, scale words, the 4-bit tensor) at T=1; returns the bytes it streams per call."""
+    from moekit.bench.timing import graph_time_us
+    kp = packed[0][0].shape[1] * 8
+    rows = packed[0][0].shape[0]
+    for T in (1, 3, 8):
+        xt = torch.randn(T, x.shape[1], device=DEVICE) * 2
+        ref = xt.half().double() @ dequantize(packed[0][2], torch.float64).T
+        y = torch.full((T, rows), float("nan"), device=DEVICE)
+        gemv(packed[0][0], packed[0][1], permute(xt, kp), y, T)
+        torch.cuda.synchronize()
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        print(f"{label} GEMV T={T}: max |y - ref| / max |ref| = {err:.2e}  nan={torch.isnan(y).any().item()}",
+              flush=True)
+    xw, y = permute(x, kp), torch.empty(1, rows, device=DEVICE)
+    nbytes = packed[0][0].numel() * 4 + packed[0][1].numel() * 4
+    for warps, depth in variants:
+        us = graph_time_us([lambda p=packed[i % 4]: gemv(p[0], p[1], xw, y, 1, warps, depth) for i in range(8)])
+        print(f"{label} GEMV prototype warps={warps} depth={depth}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s",
+              flush=True)
+    return nbytes
+
+
 def _gpu_gemv(spec, stacks, layers):
     """T=1's four experts' w13 rows (GEMM1's bytes) as one GEMV: accuracy vs float64 at T = 1, 3, 8, and time
     against moekit's CUDA-core GEMM1 on the same bytes."""
@@ -627,21 +647,7 @@ def _gpu_gemv(spec, stacks, layers):
         data = w13.data[flat.long()].reshape(k * 2 * I, H // 2)
         sc = w13.scales[flat.long()].reshape(k * 2 * I, H // 32)
         packed.append((*prepack(data, sc), mxfp4.MXFP4Tensor(data, sc, (k * 2 * I, H))))
-    kp = packed[0][0].shape[1] * 8
-    for T in (1, 3, 8):
-        xt = torch.randn(T, H, device=DEVICE) * 2
-        ref = xt.half().double() @ mxfp4.dequantize(packed[0][2], torch.float64).T
-        y = torch.full((T, k * 2 * I), float("nan"), device=DEVICE)
-        w4_gemv_mma(packed[0][0], packed[0][1], permute_x(xt, kp), y, T)
-        torch.cuda.synchronize()
-        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-        print(f"GEMV T={T}: max |y - ref| / max |ref| = {err:.2e}  nan={torch.isnan(y).any().item()}", flush=True)
-    xw = permute_x(x, kp)
-    y = torch.empty(1, k * 2 * I, device=DEVICE)
-    nbytes = packed[0][0].numel() * 4 + packed[0][1].numel() * 4
-    for warps, depth in VARIANTS:
-        us = graph_time_us([lambda p=packed[i % 4]: w4_gemv_mma(p[0], p[1], xw, y, 1, warps, depth) for i in range(8)])
-        print(f"GEMV prototype warps={warps} depth={depth}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+    nbytes = _gemv_section("MXFP4", packed, permute_x, lambda *a: w4_gemv_mma(*a), mxfp4.dequantize, x, VARIANTS)
     cfg, _ = choose(1, E, k, 2 * I, H, x.device, x.dtype, layers[0][0].format)
     h = torch.empty(k, I, device=DEVICE, dtype=torch.bfloat16)
     us = graph_time_us([lambda w=layers[i % 4]: X._gemv1(x, w[0], None, h, flat, None, E, spec.activation, k,
@@ -801,22 +807,8 @@ def _gpu_gemv_nvfp4():
         sc = w13.linear_scales()[flat.long()].reshape(k * 2 * I, H // 16)
         packed.append((*prepack_nvfp4(data, sc), nvfp4.NVFP4Tensor(data, sc, torch.ones((), device=DEVICE),
                                                                    (k * 2 * I, H))))
-    kp = packed[0][0].shape[1] * 8
-    for T in (1, 3, 8):
-        xt = torch.randn(T, H, device=DEVICE) * 2
-        ref = xt.half().double() @ nvfp4.dequantize(packed[0][2], torch.float64).T
-        y = torch.full((T, k * 2 * I), float("nan"), device=DEVICE)
-        w4_gemv_nvfp4(packed[0][0], packed[0][1], permute_x_nvfp4(xt, kp), y, T)
-        torch.cuda.synchronize()
-        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-        print(f"NVFP4 GEMV T={T}: max |y - ref| / max |ref| = {err:.2e}  nan={torch.isnan(y).any().item()}", flush=True)
-    xw = permute_x_nvfp4(x, kp)
-    y = torch.empty(1, k * 2 * I, device=DEVICE)
-    nbytes = packed[0][0].numel() * 4 + packed[0][1].numel() * 4
-    for warps, depth in ((1, 0), (1, 1), (2, 1), (4, 0), (4, 1)):
-        us = graph_time_us([lambda p=packed[i % 4]: w4_gemv_nvfp4(p[0], p[1], xw, y, 1, warps, depth)
-                            for i in range(8)])
-        print(f"NVFP4 GEMV prototype warps={warps} depth={depth}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+    nbytes = _gemv_section("NVFP4", packed, permute_x_nvfp4, lambda *a: w4_gemv_nvfp4(*a), nvfp4.dequantize, x,
+                           ((1, 0), (1, 1), (2, 1), (4, 0), (4, 1)))
     ops = [X.WeightOperand.of(w) for w in stacks]
     cfg, _ = choose(1, E, k, 2 * I, H, x.device, x.dtype, ops[0].format)
     h = torch.empty(k, I, device=DEVICE, dtype=torch.bfloat16)
@@ -896,18 +888,13 @@ def _dryrun():
     _gpu_check_and_time()
 
 
-def _emulate_nvfp4():
-    """The NVFP4 layouts' index math (prepack_nvfp4, permute_x_nvfp4, the fragment order, scale bytes) in torch."""
-    from moekit.formats import fp4, nvfp4
-    torch.manual_seed(0)
-    N, K, T = 16, 2048, 3
-    q = nvfp4.quantize(torch.randn(N, K))
-    words, scale_words = prepack_nvfp4(q.data, q.linear_scales())
-    kp = words.shape[1] * 8
-    x = torch.randn(T, K)
-    xf = permute_x_nvfp4(x, kp).view(torch.float16).double()
+def _emulated_gemv(words, xf, pair_scale, group_scale):
+    """What a GEMV prototype computes, from its prepacked words and permuted x (fp16 values, float64 [8, Kp]),
+    group by group in the fragment's K order: pair_scale(chunk, group, j) scales the codes (NVFP4),
+    group_scale(chunk, group) the group's partial (MXFP4); float64 [8, N]."""
+    from moekit.formats import fp4
+    N, kp = words.shape[0], words.shape[1] * 8
     values = fp4.decode(torch.arange(16, dtype=torch.uint8)).double()
-    sbytes = scale_words.view(torch.uint8).view(torch.float8_e4m3fn).double()
     y = torch.zeros(8, N, dtype=torch.float64)
     for ch in range(kp // CHUNK):
         for grp in range(4):
@@ -915,44 +902,36 @@ def _emulate_nvfp4():
             for c in range(4):
                 wd = words[:, ch * 16 + 4 * c + grp].long() & 0xFFFFFFFF
                 for j in range(4):
-                    scale = sbytes[:, ch * 8 + 2 * grp + j // 2]
                     for h in range(2):
                         kl = 16 * (j // 2) + 8 * (j % 2) + 2 * c + h
-                        a[:, kl] = values[(wd >> (4 * (j + 4 * h))) & 15] * scale
+                        a[:, kl] = values[(wd >> (4 * (j + 4 * h))) & 15] * pair_scale(ch, grp, j)
                         b[kl] = xf[:, ch * CHUNK + 2 * (grp * 16 + c * 4 + j) + h]
-            y += (a @ b).T
-    ref = x.half().double() @ (nvfp4.dequantize(q, torch.float64) * q.global_scale.double()).T
-    print(f"NVFP4 emulated kernel vs float64: max rel err {((y[:T] - ref).abs().max() / ref.abs().max()).item():.1e}")
+            y += (a @ b).T * group_scale(ch, grp)
+    return y
 
 
 def _emulate():
-    """CPU: the kernel's index math in torch (prepacked words, permuted x, the fragment's K order, the scale
-    bytes) against float64 -- the layouts only move work between threads, so this is what the GPU computes."""
-    from moekit.formats import fp4, mxfp4
+    """CPU: the prototypes' index math (prepacked words, permuted x, the fragment's K order, the scale bytes)
+    in torch against float64 -- the layouts only move work between threads, so this is what the GPU computes."""
+    from moekit.formats import mxfp4, nvfp4
     torch.manual_seed(0)
-    N, K, T = 16, 2880, 3
-    q = mxfp4.quantize(torch.randn(N, K))
+    T = 3
+    x = torch.randn(T, 2880)
+    q = mxfp4.quantize(torch.randn(16, 2880))
     words, scale_words = prepack(q.data, q.scales)
-    kp = words.shape[1] * 8
-    x = torch.randn(T, K)
-    xf = permute_x(x, kp).view(torch.float16).double()
-    values = fp4.decode(torch.arange(16, dtype=torch.uint8)).double()
-    y = torch.zeros(8, N, dtype=torch.float64)
-    for ch in range(kp // CHUNK):
-        for grp in range(4):
-            a, b = torch.zeros(N, 32, dtype=torch.float64), torch.zeros(32, 8, dtype=torch.float64)
-            for c in range(4):
-                wd = words[:, ch * 16 + 4 * c + grp].long() & 0xFFFFFFFF
-                for j in range(4):
-                    for h in range(2):
-                        kl = 16 * (j // 2) + 8 * (j % 2) + 2 * c + h
-                        a[:, kl] = values[(wd >> (4 * (j + 4 * h))) & 15]
-                        b[kl] = xf[:, ch * CHUNK + 2 * (grp * 16 + c * 4 + j) + h]
-            s = (scale_words[:, ch].long() & 0xFFFFFFFF) >> (8 * grp) & 255
-            y += (a @ b).T * torch.pow(2.0, (s - 127).double())
+    exps = scale_words.view(torch.uint8).double()
+    y = _emulated_gemv(words, permute_x(x, words.shape[1] * 8).view(torch.float16).double(), lambda *a: 1.0,
+                       lambda ch, grp: torch.pow(2.0, exps[:, 4 * ch + grp] - 127))
     ref = x.half().double() @ mxfp4.dequantize(q, torch.float64).T
-    print(f"emulated kernel vs float64: max rel err {((y[:T] - ref).abs().max() / ref.abs().max()).item():.1e}")
-    _emulate_nvfp4()
+    print(f"MXFP4: emulated kernel vs float64: max rel err {((y[:T] - ref).abs().max() / ref.abs().max()).item():.1e}")
+    x = torch.randn(T, 2048)
+    q = nvfp4.quantize(torch.randn(16, 2048))
+    words, scale_words = prepack_nvfp4(q.data, q.linear_scales())
+    sf = scale_words.view(torch.uint8).view(torch.float8_e4m3fn).double()
+    y = _emulated_gemv(words, permute_x_nvfp4(x, words.shape[1] * 8).view(torch.float16).double(),
+                       lambda ch, grp, j: sf[:, ch * 8 + 2 * grp + j // 2], lambda *a: 1.0)
+    ref = x.half().double() @ (nvfp4.dequantize(q, torch.float64) * q.global_scale.double()).T
+    print(f"NVFP4: emulated kernel vs float64: max rel err {((y[:T] - ref).abs().max() / ref.abs().max()).item():.1e}")
 
 
 if __name__ == "__main__":
