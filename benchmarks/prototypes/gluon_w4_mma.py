@@ -31,6 +31,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from moekit.kernels.moe_gemm import SWIGLU_ALPHA, SWIGLU_LIMIT
+
 CHUNK = 128  # K per loop step: 4 scale groups, 16 words per row
 VARIANTS = ((1, 0), (1, 1), (2, 1), (4, 0), (4, 1), (4, 2))  # (warps, prefetch depth)
 DEVICE = "cuda"  # `dryrun` runs the GPU script's sections on the CPU with the kernels emulated in torch
@@ -217,13 +219,13 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
     acc_u = gl.zeros([BN, 8], gl.float32, mma)
     zero = gl.zeros([BN, 8], gl.float32, mma)
     # loads DEPTH chunks ahead of the math (see w4_gemv_mma_kernel)
-    ga, gsa, ua, usa, xa = _gemm1_loads(0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok)
     if DEPTH == 0:
         for k0 in range(0, K, 128):
             ga, gsa, ua, usa, xa = _gemm1_loads(k0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok)
             acc_g = _chunk(acc_g, zero, ga, gsa, xa, 1.0, BN, a_layout, b_layout)
             acc_u = _chunk(acc_u, zero, ua, usa, xa, 1.0, BN, a_layout, b_layout)
     elif DEPTH == 1:
+        ga, gsa, ua, usa, xa = _gemm1_loads(0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok)
         for k0 in range(0, K, 128):
             gb, gsb, ub, usb, xb = _gemm1_loads(gl.minimum(k0 + 128, K - 128), wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs,
                                                 x_ptrs, x_ok)
@@ -231,6 +233,7 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
             acc_u = _chunk(acc_u, zero, ua, usa, xa, 1.0, BN, a_layout, b_layout)
             ga, gsa, ua, usa, xa = gb, gsb, ub, usb, xb
     else:
+        ga, gsa, ua, usa, xa = _gemm1_loads(0, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs, x_ok)
         gb, gsb, ub, usb, xb = _gemm1_loads(gl.minimum(128, K - 128), wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, x_ptrs,
                                             x_ok)
         for k0 in range(0, K, 128):
@@ -245,9 +248,9 @@ def w4_gemm1_mma_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, st
         gate += gl.load(b_ptr + e * stride_be + gate2).to(gl.float32)
         up += gl.load(b_ptr + e * stride_be + gate2 + up_offset).to(gl.float32)
     if SWIGLU:
-        g = gl.minimum(gate, 7.0)
-        u = gl.minimum(gl.maximum(up, -7.0), 7.0)
-        act = (u + 1.0) * g / (1.0 + gl.exp(-1.702 * g))
+        g = gl.minimum(gate, SWIGLU_LIMIT)
+        u = gl.minimum(gl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+        act = (u + 1.0) * g / (1.0 + gl.exp(-SWIGLU_ALPHA * g))
     else:
         act = gate / (1.0 + gl.exp(-gate)) * up
     if H_PERMUTED:  # GEMM2's B operand as it loads it: fp16, each 8-block in permute_x's order
@@ -295,20 +298,22 @@ def w4_gemm2_mma_kernel(h_ptr, stride_hm, w_ptr, stride_we, stride_wn, s_ptr, st
     # slots' ends (a slot's router weight rides on its groups' scales); past the last step they re-read it.
     chunks = K // 128
     steps = top_k * chunks
-    wa, sa, ha, fa = _gemm2_step(0, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows, s_ptr,
-                                 stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
     if DEPTH == 0:
         for it in range(0, steps):
             wa, sa, ha, fa = _gemm2_step(it, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows,
                                          s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
             acc = _chunk(acc, zero, wa, sa, ha, fa, BN, a_layout, b_layout)
     elif DEPTH == 1:
+        wa, sa, ha, fa = _gemm2_step(0, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows,
+                                     s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
         for it in range(0, steps):
             wb, sb, hb, fb = _gemm2_step(it + 1, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we,
                                          w_rows, s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
             acc = _chunk(acc, zero, wa, sa, ha, fa, BN, a_layout, b_layout)
             wa, sa, ha, fa = wb, sb, hb, fb
     else:
+        wa, sa, ha, fa = _gemm2_step(0, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows,
+                                     s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
         wb, sb, hb, fb = _gemm2_step(1, t, top_k, chunks, steps, ids_ptr, weights_ptr, w_ptr, stride_we, w_rows,
                                      s_ptr, stride_se, s_rows, h_ptr, stride_hm, h_cols, h_ok)
         for it in range(0, steps):
@@ -408,12 +413,17 @@ def w4_gemv_nvfp4_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_sn,
              mask=(out_rows < N)[:, None] & (out_tok < T)[None, :])
 
 
+def _nvfp4_physical(chunk, q, c, j, h):
+    """Physical K of the code (and x) the kernel takes for pair j, half h, lane c, 32-chunk q of a 128-chunk:
+    the fragment's logical order 16 (j // 2) + 8 (j % 2) + 2c + h inside its 32-chunk."""
+    return (CHUNK * chunk + 32 * q + 16 * (j // 2) + 8 * (j % 2) + 2 * c + h).reshape(-1)
+
+
 def _nvfp4_order(k_padded: int, device=None) -> torch.Tensor:
     """Physical code index of each (chunk, word 4c + q, nibble n) slot: [Kp] (codes in prepacked order)."""
     chunk, c, q, n = torch.meshgrid(torch.arange(k_padded // CHUNK), torch.arange(4), torch.arange(4), torch.arange(8),
                                     indexing="ij")
-    j, h = n % 4, n // 4
-    return (CHUNK * chunk + 32 * q + 16 * (j // 2) + 8 * (j % 2) + 2 * c + h).reshape(-1).to(device)
+    return _nvfp4_physical(chunk, q, c, n % 4, n // 4).to(device)
 
 
 def prepack_nvfp4(data: torch.Tensor, scales: torch.Tensor):
@@ -442,7 +452,7 @@ def _nvfp4_x_order(k_padded: int, device=None) -> torch.Tensor:
     """Physical K of each fp16 slot (chunk, q, c, j, h) of permute_x_nvfp4's rows: [Kp]."""
     chunk, q, c, j, h = torch.meshgrid(torch.arange(k_padded // CHUNK), torch.arange(4), torch.arange(4),
                                        torch.arange(4), torch.arange(2), indexing="ij")
-    return (CHUNK * chunk + 32 * q + 16 * (j // 2) + 8 * (j % 2) + 2 * c + h).reshape(-1).to(device)
+    return _nvfp4_physical(chunk, q, c, j, h).to(device)
 
 
 def w4_gemv_nvfp4(words, scale_words, xw, y, T, warps=4, depth=1):
