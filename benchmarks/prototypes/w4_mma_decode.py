@@ -661,7 +661,7 @@ def _check_and_time(preset, fmt):
         best = min(ts, key=ts.get)
         print(f"TIME {preset} {fmt} T={T}: moekit {t_m:.1f} us; tensor-core best {best} {ts[best]:.1f} us "
               f"({t_m / ts[best]:.2f}x); all " + " ".join(f"{v}:{t:.1f}" for v, t in ts.items()), flush=True)
-    del layers
+    layers.clear()
     torch.cuda.empty_cache()
 
 
