@@ -9,8 +9,8 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
 
 A config is ``table``, ``table+OPT+OPT...`` (the table's config with options in both GEMMs) or
 ``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m[,OPT...]``.
-OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``stagesN`` (pipeline stages), e.g.
-``table+half+stages3``.
+OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``stagesN`` (pipeline stages), ``packed`` /
+``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), e.g. ``table+half+stages3``.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ from moekit.tune import random_weights
 
 
 def _option(word: str) -> dict:
-    """One GemmConfig option: tma, half (half_tails), stagesN (num_stages)."""
+    """One GemmConfig option: tma, half (half_tails), stagesN (num_stages), packed / unpacked."""
     if word in ("tma", "half"):
         return {{"tma": "tma", "half": "half_tails"}[word]: True}
     if word.startswith("stages"):
         return {"num_stages": int(word.removeprefix("stages"))}
-    raise ValueError(f"unknown config option {word!r} (tma, half, stagesN)")
+    if word in ("packed", "unpacked"):
+        return {"packed": word == "packed"}
+    raise ValueError(f"unknown config option {word!r} (tma, half, stagesN, packed, unpacked)")
 
 
 def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:

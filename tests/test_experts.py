@@ -539,10 +539,32 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
                 TOL[torch.float32])
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("packed,why", [
+    (None, "16-bit activations: fp16x2 products on the prepared activations (the default)"),
+    (False, "fp32 products on the same activations"),
+])
+def test_four_bit_decode_with_16_bit_activations(fmt, packed, why):
+    # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; fp16 (the interpreter's bf16 dots are
+    # wrong, and the CUDA-core kernels take fp16 and bf16 alike)
+    E, H, I, T, k = 7, 160, 96, 5, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
+    tw, tid = _routes(T, E, k)
+    b13, b2 = b13.half(), b2.half()
+    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32), per_pair=True, gemv=True)
+    out = _poisoned((T, H), torch.float16)
+    fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
+    check_close(why, out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2), TOL[torch.float16])
+
+
 _GPU_4BIT_CONFIGS = {
     "heuristic": None,
     "tensor-core per pair": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64), per_pair=True),
     "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True),
+    "CUDA-core, fp32 products": ExpertsConfig(16, GemmConfig(16, 512, packed=False), GemmConfig(32, 256),
+                                              per_pair=True, gemv=True),
     "CUDA-core, 4 slots together": ExpertsConfig(16, GemmConfig(4, 256, slots=4), GemmConfig(4, 512, slots=4),
                                                  per_pair=True, gemv=True),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),

@@ -159,3 +159,97 @@ def test_gemv_group_sums_for_every_scale(device, fmt, why):
     # fp32's subnormal spacing (2^-149) under the smallest scales
     bound = (w.abs() * x.double().abs()).reshape(32, 256 // group, group).amax(-1) * 2.0 ** -20 + 2.0 ** -144
     assert torch.all((got - expect).abs()[~nan] <= bound[~nan]), why
+
+
+@triton.jit
+def _gemv_group_sums_fp16x2(w_ptr, s_ptr, x_ptr, e_ptr, out_ptr, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
+    # the same group sums from the packed decode: fp16x2 products on activations prepared by scaled_fp16
+    rows = tl.arange(0, 32)
+    GROUPS: tl.constexpr = 256 // (32 if FORMAT == 1 else 16)
+    w, s = moe_gemv._load_chunk(w_ptr, s_ptr, rows, rows < 32, 0, 256, 32, 1, GROUPS, FORMAT, 256)
+    pairs, factor = moe_gemv._load_x_fp16(x_ptr, e_ptr, 0, 256, FORMAT, 256)
+    part = moe_gemv._chunk_sums_fp16x2(w, s, pairs, factor, FORMAT, HALVES_ASM)
+    tl.store(out_ptr + rows[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :], part)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,why", [
+    ("mxfp4", "every E8M0 scale 0..255 once (2^-127 .. 2^127, NaN), activation groups 2^-100 .. 2^-20"),
+    ("nvfp4", "every E4M3 scale byte twice, NaN codes included, activation groups 2^-100 .. 2^-20"),
+])
+def test_packed_group_sums_for_every_scale(device, fmt, why):
+    """fp16x2 products and fp16 sums inside a group: within 2^-9 of the group's sum of |terms| (32 roundings of
+    2^-11 at most), whatever the scale and the activations' magnitude; sums below fp32's normal range (2^-126)
+    may flush to zero (a scale and an activation exponent both near 2^-127 multiply out of fp32)."""
+    from moekit._experts_triton import scaled_fp16
+    from moekit.formats import mxfp4, nvfp4
+
+    if not _triton.can_launch(torch.device(device)):
+        pytest.skip("no Triton launch here")
+    g = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (32, 128), generator=g, dtype=torch.int32).to(torch.uint8)
+    # each 32-group of activations at its own magnitude: the exponent bytes carry it, not the fp16 values (groups
+    # below 2^-112 are held with fewer bits: test_scaled_fp16_activations)
+    x = ((torch.rand(256, generator=g) * 2 - 1) * 2.0 ** torch.linspace(-40, 40, 8).repeat_interleave(32)
+         * 2.0 ** -60).to(torch.bfloat16)
+    if fmt == "mxfp4":
+        scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(32, 8)
+        w = mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (32, 256)), torch.float64)
+        group = 32
+    else:
+        scales = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(32, 16)
+        t = nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.ones(()), (32, 256))
+        w = nvfp4.dequantize(t, torch.float64) * 2.0 ** 60  # the activations' 2^-60 back: sums inside fp32
+        group = 16
+    pairs, exps = scaled_fp16(x.reshape(1, 256).to(device))
+    terms = (w * x.double()).reshape(32, 256 // group, group)
+    expect = terms.sum(-1)
+    out = torch.full((32, 256 // group), float("nan"), device=device)
+    _gemv_group_sums_fp16x2[(1,)](packed.view(torch.int32).to(device), scales.to(device), pairs.view(torch.int32),
+                                  exps, out, FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda")
+    got = out.cpu().double()
+    if fmt == "nvfp4":
+        got = got * 2.0 ** 60
+    nan = torch.isnan(expect)
+    assert torch.equal(torch.isnan(got), nan), why
+    finite = ~nan & torch.isfinite(expect) & (terms.abs().sum(-1) < 2.0 ** 127)
+    bound = terms.abs().sum(-1) * 2.0 ** -9 + 2.0 ** -126
+    assert torch.all((got - expect).abs()[finite] <= bound[finite]), why
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("K,dtype,why", [
+    (256, torch.bfloat16, "whole groups; bf16 values held exactly"),
+    (80, torch.float16, "K ends mid-program: 96 slots, the last 16 zeros"),
+    (40, torch.float32, "fp32 rounds to fp16's 11 bits under its group's exponent"),
+])
+def test_scaled_fp16_activations(device, K, dtype, why):
+    from moekit._experts_triton import scaled_fp16
+
+    if not _triton.can_launch(torch.device(device)):
+        pytest.skip("no Triton launch here")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, K + 1, generator=g)[:, 1:] * 2.0 ** torch.randint(-60, 60, (5, K), generator=g)
+    x[1] = 0.0  # all-zero rows: every group's exponent is the smallest
+    x[2, :8] = float("inf")
+    x[3, 3] = float("nan")
+    x = x.to(dtype)
+    pairs, exps = scaled_fp16(x.to(device))
+    kp = -(-K // 32) * 32
+    assert pairs.shape == (5, kp) and exps.shape == (5, kp // 32), why
+    slot = torch.arange(kp)
+    k = (slot & -8) + (slot & 7) // 2 + 4 * (slot & 1)
+    wide = torch.zeros(5, kp + 8, dtype=torch.float64)
+    wide[:, :K] = x.double()
+    values = wide[:, k]  # x in the pair order, zeros past K
+    amax = values.reshape(5, -1, 32).abs().nan_to_num(0.0).amax(-1)
+    back = pairs.cpu().double() * torch.pow(2.0, exps.cpu().double() - 127).repeat_interleave(32, 1)
+    assert torch.equal(torch.isnan(back), torch.isnan(values)), why
+    ok = ~torch.isnan(values)
+    group_max = amax.repeat_interleave(32, 1)
+    tol = 0.0 if dtype == torch.bfloat16 else 2.0 ** -11  # fp16's rounding of anything finer than bf16
+    # exact (or rounded at fp16's 11 bits) down to 2^-24 of the group's largest, fp16's subnormal floor below
+    err = (back - values).abs()[ok]
+    bound = (values.abs() * tol + group_max * 2.0 ** -38)[ok]
+    assert torch.all((err <= bound) | torch.isinf(values[ok])), why
+    assert torch.equal(back[1], torch.zeros(kp, dtype=torch.float64)), why

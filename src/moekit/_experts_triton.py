@@ -285,8 +285,14 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
     step, up_off = _gate_up(activation, inter)
     slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
+    packed = cfg.packed is not False and w.format in ("mxfp4", "nvfp4") and x.dtype != torch.float32
+    if packed:
+        pairs, exps = scaled_fp16(x)
+        x_args = (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
+    else:
+        x_args = (x, x.stride(0), x.stride(1), x, 0)
     return gemv1_act_kernel[(programs,)](
-        x, x.stride(0), x.stride(1),
+        *x_args,
         *w.gemv_args(),
         *_bias_args(b13, x),
         h, h.stride(0),
@@ -294,9 +300,29 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
-        HALVES_ASM=not _triton.interpreting(), PDL=pdl, SLOTS=slots,
+        HALVES_ASM=not _triton.interpreting(), PDL=pdl, SLOTS=slots, PACKED=packed,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
+
+
+def scaled_fp16(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (fp16 [rows, Kp] in pair order, uint8 exponents [rows, Kp / 32]) with Kp = K rounded up to 32:
+    slot s of a row holds x[(s & -8) + (s & 7) // 2 + 4 (s & 1)] * 2^(127 - u), u its group's byte (see
+    kernels/scaled_fp16.py); the packed 4-bit decode's operand."""
+    from .kernels.scaled_fp16 import scaled_fp16_kernel
+
+    rows, k = x2d.shape
+    kp = _triton.cdiv(k, 32) * 32
+    pairs = torch.empty(rows, kp, dtype=torch.float16, device=x2d.device)
+    exps = torch.empty(rows, kp // 32, dtype=torch.uint8, device=x2d.device)
+    if rows:
+        scaled_fp16_kernel[(rows, _triton.cdiv(kp, SCALED_FP16_BLOCK))](
+            x2d, x2d.stride(0), x2d.stride(1), pairs, pairs.stride(0), exps, exps.stride(0), k,
+            BLOCK=SCALED_FP16_BLOCK, num_warps=4)
+    return pairs, exps
 
 
 def _gemv_slots(cfg: GemmConfig, top_k: int, default: int) -> int:

@@ -264,6 +264,13 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
                 info |= {"gemv_pdl_call_us": pdl_us}
                 if pdl_us < gemv_us:
                     gemv_cfg, gemv_us = replace(gemv_cfg, pdl=True), pdl_us
+        if weight_format in ("mxfp4", "nvfp4"):  # GEMM1's fp16x2 products (the default) against fp32 ones
+            fp32_cfg = replace(gemv_cfg, gemm1=replace(gemv_cfg.gemm1, packed=False))
+            fp32_us = problem.whole_call_us(fp32_cfg)
+            print(f"  T={num_tokens} CUDA-core with fp32 products in GEMM1 {fp32_us:.1f} us", flush=True)
+            info |= {"gemv_fp32_products_call_us": fp32_us}
+            if fp32_us < gemv_us:
+                gemv_cfg, gemv_us = fp32_cfg, fp32_us
         print(f"  T={num_tokens} whole call: best so far {best_us:.1f} us, CUDA-core {gemv_us:.1f} us {g1} {g2}",
               flush=True)
         info |= {"gemv_call_us": gemv_us}

@@ -130,8 +130,131 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_x_fp16(x_row, e_row, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One chunk of activations prepared by scaled_fp16.py: int32 fp16 pairs [groups, words, 4] (pair j of a
+    word: its nibbles j and j + 4) and each group's factor 2^(u - 127) [groups] (zeros past K)."""
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = GROUP // 8
+    g = k0 // GROUP + tl.arange(0, GROUPS)
+    g_ok = g < K // GROUP
+    kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    pairs = tl.load(x_row + kw[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=g_ok[:, None, None], other=0)
+    u = tl.load(e_row + g * GROUP // 32, mask=g_ok, other=0).to(tl.int32)
+    return pairs, (u << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hfma2(a, b, c, HALVES_ASM: tl.constexpr):
+    """a * b + c on int32 fp16 pairs (one rounding per half)."""
+    if HALVES_ASM:
+        r = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:  # the interpreter runs no PTX: the same halves through fp32 (exact products, one final rounding)
+        r = _pack2(_half(a, 0) * _half(b, 0) + _half(c, 0), _half(a, 16) * _half(b, 16) + _half(c, 16))
+    return r
+
+
+@triton.jit
+def _pack2(lo, hi):
+    """int32 fp16 pair of two fp32 values, each rounded to fp16."""
+    return (lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
+        hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _half(bits, shift: tl.constexpr):
+    """fp32 value of the fp16 at bit ``shift`` (0 or 16) of int32 ``bits``."""
+    return (bits >> shift).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _hadd2(a, b, HALVES_ASM: tl.constexpr):
+    """a + b on int32 fp16 pairs."""
+    if HALVES_ASM:
+        r = tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                      pack=1)
+    else:
+        r = _pack2(_half(a, 0) + _half(b, 0), _half(a, 16) + _half(b, 16))
+    return r
+
+
+@triton.jit
+def _pair_sum(bits, HALVES_ASM: tl.constexpr):
+    """fp32 sum of the two halves of int32 fp16 pairs."""
+    if HALVES_ASM:
+        s = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+            "add.f32 $0, a, b; }", "=r,r", [bits], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = _half(bits, 0) + _half(bits, 16)
+    return s
+
+
+@triton.jit
+def _chunk_sums_fp16x2(w, s, pairs, factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
+    """_chunk_sums on packed operands: [.., groups] group sums of a loaded 4-bit chunk (words [.., groups, words])
+    with the prepared activations (_load_x_fp16). Each nibble pair (j, j + 4) of a word is one fp16x2 (code *
+    2^-14, exact) multiplied into an fp16x2 accumulator with its activation pair: a word's eight products in four
+    fp16x2 FMAs, a group's words added in fp16x2, and only the group's sum widened to fp32. The activations' group
+    largest sits in [2^14, 2^15) and a code * 2^-14 below 6 * 2^-14: a group's partial sums stay below 2^10."""
+    p0, p1, p2, p3 = _take4(pairs)  # [groups, words] each
+    if len(w.shape) == 4:  # a leading slot axis on the weights (GEMM1's slots; GEMM2's slot tiles)
+        p0, p1, p2, p3 = p0[None, None, :, :], p1[None, None, :, :], p2[None, None, :, :], p3[None, None, :, :]
+        factor = factor[None, None, :]
+    else:
+        p0, p1, p2, p3, factor = p0[None, :, :], p1[None, :, :], p2[None, :, :], p3[None, :, :], factor[None, :]
+    acc = _hfma2(w << 9 & 0x0E000E00 | w << 12 & -0x7FFF8000, p0, tl.zeros_like(w), HALVES_ASM)
+    acc = _hfma2(w << 5 & 0x0E000E00 | w << 8 & -0x7FFF8000, p1, acc, HALVES_ASM)
+    acc = _hfma2(w << 1 & 0x0E000E00 | w << 4 & -0x7FFF8000, p2, acc, HALVES_ASM)
+    acc = _hfma2(w >> 3 & 0x0E000E00 | w & -0x7FFF8000, p3, acc, HALVES_ASM)
+    if acc.shape[-1] == 4:  # MXFP4: a group's four words
+        a0, a1, a2, a3 = _take4(acc)
+        acc = _hadd2(_hadd2(a0, a1, HALVES_ASM), _hadd2(a2, a3, HALVES_ASM), HALVES_ASM)
+    else:  # NVFP4: two
+        a0, a1 = tl.split(acc)
+        acc = _hadd2(a0, a1, HALVES_ASM)
+    total = _pair_sum(acc, HALVES_ASM)
+    if FORMAT == MXFP4:
+        part = (total * FP16_E2M1_UNIT) * (_e8m0_values(s) * factor)
+    else:
+        part = total * (_e4m3_values(s.to(tl.int32)) * (FP16_E2M1_UNIT * factor))
+    return part
+
+
+@triton.jit
+def _take4(t):
+    """The four slices of ``t`` along its last dimension (size 4), in order."""
+    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # last index 2a + b: split takes b
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _load_act(x_row, e_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+    """(activations, per-group factors) of one chunk: _load_x_fp16 when PACKED, else (_load_x, unused 1.0)."""
+    if PACKED:
+        xv, xf = _load_x_fp16(x_row, e_row, k0, K, FORMAT, BLOCK_K)
+    else:
+        xv = _load_x(x_row, k0, K, stride_xk, True, FORMAT, BLOCK_K)
+        xf = 1.0
+    return xv, xf
+
+
+@triton.jit
+def _act_sums(w, s, xv, xf, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr, PACKED: tl.constexpr):
+    if PACKED:
+        part = _chunk_sums_fp16x2(w, s, xv, xf, FORMAT, HALVES_ASM)
+    else:
+        part = _chunk_sums(w, s, xv, FORMAT, HALVES_ASM)
+    return part
+
+
+@triton.jit
 def gemv1_act_kernel(
-    x_ptr, stride_xm, stride_xk,  # x [T, H]
+    x_ptr, stride_xm, stride_xk,  # x [T, H]; PACKED: int32 fp16 pairs [T, Hp/2] (scaled_fp16.py)
+    xe_ptr, stride_xem,  # PACKED: the pairs' exponent bytes [T, Hp/32]
     w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit: int32 words [E, 2I, H/8])
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
@@ -143,6 +266,7 @@ def gemv1_act_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
     SLOTS: tl.constexpr = 1,  # pairs per program: slots [g * SLOTS, (g + 1) * SLOTS) of one token
+    PACKED: tl.constexpr = False,  # 4-bit: products as fp16x2 FMAs on the prepared activations
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -173,17 +297,18 @@ def gemv1_act_kernel(
         # flight. The SLOTS experts share the token's activation chunk (loaded and converted once).
         wg, sg = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
         wu, su = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
-        xv = _load_x(x_row, 0, K, stride_xk, True, FORMAT, BLOCK_K)
+        e_row = xe_ptr + t.to(tl.int64) * stride_xem
+        xv, xf = _load_act(x_row, e_row, 0, K, stride_xk, FORMAT, BLOCK_K, PACKED)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K
             wg_next, sg_next = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
             wu_next, su_next = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
-            xv_next = _load_x(x_row, k1, K, stride_xk, True, FORMAT, BLOCK_K)
-            acc_gate += _chunk_sums(wg, sg, xv, FORMAT, HALVES_ASM)
-            acc_up += _chunk_sums(wu, su, xv, FORMAT, HALVES_ASM)
-            wg, sg, wu, su, xv = wg_next, sg_next, wu_next, su_next, xv_next
+            xv_next, xf_next = _load_act(x_row, e_row, k1, K, stride_xk, FORMAT, BLOCK_K, PACKED)
+            acc_gate += _act_sums(wg, sg, xv, xf, FORMAT, HALVES_ASM, PACKED)
+            acc_up += _act_sums(wu, su, xv, xf, FORMAT, HALVES_ASM, PACKED)
+            wg, sg, wu, su, xv, xf = wg_next, sg_next, wu_next, su_next, xv_next, xf_next
         gate = tl.sum(acc_gate, axis=2)
         up = tl.sum(acc_up, axis=2)
         if FORMAT == NVFP4:  # the per-expert global scale divides out once

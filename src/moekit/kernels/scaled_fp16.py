@@ -1,0 +1,40 @@
+"""Activations as fp16 pairs with a power-of-two exponent per 32 values: the operand of the packed
+(fp16x2) 4-bit decode in moe_gemv.py.
+
+Each 8-block of a row is stored as [0, 4, 1, 5, 2, 6, 3, 7], so the int32 pair j of a word holds
+the activations of nibbles j and j + 4 -- the two codes the decode builds as one fp16x2. A group's
+largest magnitude lands in [2^14, 2^15) before the conversion: fp16's 11 bits hold bf16's 8 bits
+exactly for every value within 2^-23 of it, and no value overflows; the exponent byte u gives the
+group's values back as fp16 * 2^(u - 127). u is clamped to 1..253 (both 2^(u - 127) and its inverse
+normal fp32): a group whose largest magnitude is below 2^-112 keeps fp16's subnormal spacing times
+2^-126 instead of 11 bits (activations that small are zeros to any layer).
+"""
+
+import triton
+import triton.language as tl
+
+FP16_HEADROOM = tl.constexpr(14)
+GROUP = tl.constexpr(32)
+
+
+@triton.jit
+def scaled_fp16_kernel(
+    x_ptr, stride_xt, stride_xk,  # [T, K], any float dtype and strides
+    out_ptr, stride_ot,  # fp16 [T, Kp] (Kp = K rounded up to 32), pair order; zeros past K
+    exp_ptr, stride_et,  # uint8 [T, Kp / 32]
+    K, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    k = (slot & -8) + ((slot & 7) >> 1) + 4 * (slot & 1)  # the activation each slot holds
+    v = tl.load(x_ptr + t * stride_xt + k.to(tl.int64) * stride_xk, mask=k < K, other=0.0).to(tl.float32)
+    grouped = tl.reshape(v, [BLOCK // GROUP, GROUP])
+    amax = tl.max(tl.abs(grouped), axis=1)
+    # u from the exponent field of amax, clamped so that 2^(u - 127) and 2^(127 - u) are normal fp32
+    u = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 255) - FP16_HEADROOM, 1), 253)
+    scaled = grouped * ((254 - u) << 23).to(tl.float32, bitcast=True)[:, None]
+    groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+    n_groups = tl.cdiv(K, GROUP)
+    tl.store(out_ptr + t * stride_ot + tl.reshape(slot, [BLOCK // GROUP, GROUP]), scaled.to(tl.float16),
+             mask=(groups < n_groups)[:, None])
+    tl.store(exp_ptr + t * stride_et + groups, u.to(tl.uint8), mask=groups < n_groups)
