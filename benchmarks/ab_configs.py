@@ -10,7 +10,8 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
 A config is ``table``, ``table+OPT+OPT...`` (the table's config with options in both GEMMs) or
 ``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m[,OPT...]``.
 OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``stagesN`` (pipeline stages), ``packed`` /
-``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), e.g. ``table+half+stages3``.
+``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), ``split`` (ExpertsConfig.split_slots:
+the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:
         return None
     if text.startswith("table+"):  # the table's config with options set in both GEMMs
         opts = {}
-        for word in text.split("+")[1:]:
+        words = text.split("+")[1:]
+        for word in (w for w in words if w != "split"):
             opts |= _option(word)
+        table = replace(table, split_slots=table.split_slots or "split" in words)
         return replace(table, gemm1=replace(table.gemm1, **opts), gemm2=replace(table.gemm2, **opts))
     block_m, g1, g2 = text.split(":")
 

@@ -87,6 +87,8 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
      "CUDA-core, two slots per GEMM1 program and GEMM2 step: k = 3 leaves the second group's second slot empty"),
     (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, slots=0), per_pair=True, gemv=True),
      "CUDA-core GEMM2, a loop per slot for dense weights"),
+    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), per_pair=True, gemv=True, split_slots=True),
+     "CUDA-core GEMM2 per pair into fp32 rows, the slots summed by the combine"),
 ])
 def test_every_block_shape(config, why):
     _run_case("triton", torch.float32, 40, 6, 48, 40, 3, "swiglu_oai", True, why, config=config)
@@ -173,10 +175,16 @@ def _check_expert_map_and_invalid_ids(T, cfg: ExpertsConfig, why: str):
     check_close(why, out, ref, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("gemv,slots", [(False, None), (True, None), (True, 4)])  # 4: every slot in one step
+@pytest.mark.parametrize("gemv,slots,split", [
+    (False, None, False),
+    (True, None, False),
+    (True, 4, False),  # every slot in one step
+    (True, None, True),  # GEMM2 per pair, then the combine: skipped pairs must write zeros there
+])
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots):
-    cfg = ExpertsConfig(16, replace(_TILE, slots=slots), replace(_TILE, slots=slots), per_pair=True, gemv=gemv)
+def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots, split):
+    cfg = ExpertsConfig(16, replace(_TILE, slots=slots), replace(_TILE, slots=slots), per_pair=True, gemv=gemv,
+                        split_slots=split)
     _check_expert_map_and_invalid_ids(T, cfg, "per pair")
 
 
@@ -540,11 +548,12 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("packed,why", [
-    (None, "16-bit activations: fp16x2 products on the prepared activations (the default)"),
-    (False, "fp32 products on the same activations"),
+@pytest.mark.parametrize("packed,split,why", [
+    (None, False, "16-bit activations: fp16x2 products on the prepared activations (the default)"),
+    (False, False, "fp32 products on the same activations"),
+    (None, True, "GEMM2 per pair, the slots summed by the combine"),
 ])
-def test_four_bit_decode_with_16_bit_activations(fmt, packed, why):
+def test_four_bit_decode_with_16_bit_activations(fmt, packed, split, why):
     # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; fp16 (the interpreter's bf16 dots are
     # wrong, and the CUDA-core kernels take fp16 and bf16 alike)
     E, H, I, T, k = 7, 160, 96, 5, 3
@@ -553,7 +562,8 @@ def test_four_bit_decode_with_16_bit_activations(fmt, packed, why):
     x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
     tw, tid = _routes(T, E, k)
     b13, b2 = b13.half(), b2.half()
-    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32), per_pair=True, gemv=True)
+    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32), per_pair=True, gemv=True,
+                        split_slots=split)
     out = _poisoned((T, H), torch.float16)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
     check_close(why, out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2), TOL[torch.float16])
@@ -565,6 +575,8 @@ _GPU_4BIT_CONFIGS = {
     "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True),
     "CUDA-core, fp32 products": ExpertsConfig(16, GemmConfig(16, 512, packed=False), GemmConfig(32, 256),
                                               per_pair=True, gemv=True),
+    "CUDA-core, GEMM2 per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True,
+                                               split_slots=True),
     "CUDA-core, 4 slots together": ExpertsConfig(16, GemmConfig(4, 256, slots=4), GemmConfig(4, 512, slots=4),
                                                  per_pair=True, gemv=True),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),

@@ -444,7 +444,13 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         if config.gemv and not fp8:
             pdl = config.pdl and _triton.dependent_launches(x.device)
             _gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl)
-            _gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl)
+            if not config.split_slots:
+                _gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl)
+                return
+            # each pair as a token of one slot (zeros for pairs not computed here), then the slots summed in order
+            y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+            _gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl)
+            _combine(y, ids, out, top_k)
             return
         emap = expert_map if expert_map is not None else ids
         _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
@@ -461,8 +467,14 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
            ROWS_ALIGNED, num_pairs, top_k, 0, x_scales=xs, h_scales=hs)
     _gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,
            hs)
+    _combine(y, pair_expert, out, top_k)
+
+
+def _combine(y, pair_expert, out, top_k) -> None:
+    """out[t] = sum over slots j in order of y[t * k + j] (pairs whose pair_expert is -1 skipped)."""
     from .kernels.moe_gemm import combine_kernel
 
+    num_tokens, hidden = out.shape
     combine_kernel[(num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H))](
         y, pair_expert, out, out.stride(0), hidden, top_k, BLOCK_H=COMBINE_BLOCK_H, num_warps=4)
 

@@ -70,6 +70,10 @@ class ExpertsConfig:
     """With gemv: GEMM2 is launched as GEMM1's programmatic dependent (Hopper and later; ignored
     elsewhere): its programs start while GEMM1's last ones run, load their first weights, and wait
     for GEMM1's grid before reading its output."""
+    split_slots: bool = False
+    """With gemv: GEMM2 runs one program per (pair, BLOCK_N columns) instead of per token, each slot's
+    weighted output into an fp32 [T*k, H] buffer that the combine kernel sums in slot order: k times
+    GEMM2's programs and a serial loop over one slot's K instead of all k, for one more launch."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,7 +81,7 @@ class ExpertsConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ExpertsConfig":
         return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]), d.get("per_pair", False),
-                   d.get("gemv", False), d.get("pdl", False))
+                   d.get("gemv", False), d.get("pdl", False), d.get("split_slots", False))
 
 
 def token_bucket(num_tokens: int) -> int:
