@@ -271,6 +271,12 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
             info |= {"gemv_fp32_products_call_us": fp32_us}
             if fp32_us < gemv_us:
                 gemv_cfg, gemv_us = fp32_cfg, fp32_us
+        if spec.top_k > 1:  # GEMM2 per pair, then the combine
+            split_us = problem.whole_call_us(replace(gemv_cfg, split_slots=True))
+            print(f"  T={num_tokens} CUDA-core with GEMM2 per pair {split_us:.1f} us", flush=True)
+            info |= {"gemv_split_slots_call_us": split_us}
+            if split_us < gemv_us:
+                gemv_cfg, gemv_us = replace(gemv_cfg, split_slots=True), split_us
         print(f"  T={num_tokens} whole call: best so far {best_us:.1f} us, CUDA-core {gemv_us:.1f} us {g1} {g2}",
               flush=True)
         info |= {"gemv_call_us": gemv_us}
