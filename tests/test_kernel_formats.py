@@ -124,6 +124,19 @@ def _gemv_group_sums(w_ptr, s_ptr, x_ptr, out_ptr, FORMAT: tl.constexpr, HALVES_
     tl.store(out_ptr + rows[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :], part)
 
 
+def _every_scale(fmt, packed):
+    """32 rows x 256 codes of ``packed`` bytes under every scale byte (MXFP4 0..255 once, NVFP4's E4M3 bytes twice):
+    (scale bytes, the float64 weights, the group size)."""
+    from moekit.formats import mxfp4, nvfp4
+
+    if fmt == "mxfp4":
+        scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(32, 8)
+        return scales, mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (32, 256)), torch.float64), 32
+    scales = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(32, 16)
+    t = nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.ones(()), (32, 256))
+    return scales, nvfp4.dequantize(t, torch.float64), 16
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt,why", [
     ("mxfp4", "every E8M0 scale 0..255 once: 2^-127 (subnormal), 2^114..2^127 (whose product with the fp16 "
@@ -131,23 +144,13 @@ def _gemv_group_sums(w_ptr, s_ptr, x_ptr, out_ptr, FORMAT: tl.constexpr, HALVES_
     ("nvfp4", "every E4M3 scale byte twice, NaN codes included"),
 ])
 def test_gemv_group_sums_for_every_scale(device, fmt, why):
-    from moekit.formats import mxfp4, nvfp4
-
     if not _triton.can_launch(torch.device(device)):
         pytest.skip("no Triton launch here")
     g = torch.Generator().manual_seed(7)
     packed = torch.randint(0, 256, (32, 128), generator=g, dtype=torch.int32).to(torch.uint8)
     # activations small enough that a group sum times 2^127 stays inside fp32
     x = (torch.rand(256, generator=g) * 2 - 1) * 2.0 ** -8
-    if fmt == "mxfp4":
-        scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(32, 8)
-        w = mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (32, 256)), torch.float64)
-        group = 32
-    else:
-        scales = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(32, 16)
-        t = nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.ones(()), (32, 256))
-        w = nvfp4.dequantize(t, torch.float64)
-        group = 16
+    scales, w, group = _every_scale(fmt, packed)
     expect = (w * x.double()).reshape(32, 256 // group, group).sum(-1)
     out = torch.full((32, 256 // group), float("nan"), device=device)
     _gemv_group_sums[(1,)](packed.view(torch.int32).to(device), scales.to(device), x.to(device), out,
@@ -182,7 +185,6 @@ def test_packed_group_sums_for_every_scale(device, fmt, why):
     2^-11 at most), whatever the scale and the activations' magnitude; sums below fp32's normal range (2^-126)
     may flush to zero (a scale and an activation exponent both near 2^-127 multiply out of fp32)."""
     from moekit._experts_triton import scaled_fp16
-    from moekit.formats import mxfp4, nvfp4
 
     if not _triton.can_launch(torch.device(device)):
         pytest.skip("no Triton launch here")
@@ -192,15 +194,9 @@ def test_packed_group_sums_for_every_scale(device, fmt, why):
     # below 2^-112 are held with fewer bits: test_scaled_fp16_activations)
     x = ((torch.rand(256, generator=g) * 2 - 1) * 2.0 ** torch.linspace(-40, 40, 8).repeat_interleave(32)
          * 2.0 ** -60).to(torch.bfloat16)
-    if fmt == "mxfp4":
-        scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(32, 8)
-        w = mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (32, 256)), torch.float64)
-        group = 32
-    else:
-        scales = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(32, 16)
-        t = nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.ones(()), (32, 256))
-        w = nvfp4.dequantize(t, torch.float64) * 2.0 ** 60  # the activations' 2^-60 back: sums inside fp32
-        group = 16
+    scales, w, group = _every_scale(fmt, packed)
+    if fmt == "nvfp4":
+        w = w * 2.0 ** 60  # the activations' 2^-60 back: NVFP4's scales are too small to keep the sums inside fp32
     pairs, exps = scaled_fp16(x.reshape(1, 256).to(device))
     terms = (w * x.double()).reshape(32, 256 // group, group)
     expect = terms.sum(-1)

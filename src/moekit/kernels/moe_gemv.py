@@ -18,6 +18,16 @@ FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14
 
 
 @triton.jit
+def _groups(k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The 4-bit scale groups of the K chunk at k0: (group indices [groups], which lie inside K, their int32
+    words' indices [groups, words per group])."""
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    WORDS: tl.constexpr = GROUP // 8  # int32 words (8 nibbles each) per scale group
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    return g, g < K // GROUP, g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+
+
+@triton.jit
 def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """(weights, scales) of one K chunk as loaded: dense [BLOCK_N, BLOCK_K] (scales unused); 4-bit
@@ -29,14 +39,9 @@ def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FO
                     mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         s = n_ok
     else:
-        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
-        WORDS: tl.constexpr = GROUP // 8  # int32 words (8 nibbles each) per scale group
-        g = k0 // GROUP + tl.arange(0, GROUPS)
-        g_ok = g < K // GROUP
-        kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-        # Rows start on whole groups (the host guarantees stride_wn % WORDS == 0): one vector load each.
-        off = tl.multiple_of(rows[:, None, None] * stride_wn, [1, 1, WORDS]) + kw[None, :, :]
+        g, g_ok, kw = _groups(k0, K, FORMAT, BLOCK_K)
+        # Rows start on whole groups (the host guarantees stride_wn % words == 0): one vector load each.
+        off = tl.multiple_of(rows[:, None, None] * stride_wn, [1, 1, kw.shape[1]]) + kw[None, :, :]
         w = tl.load(w_e + off, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
         s = tl.load(s_e + rows[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
     return w, s
@@ -134,11 +139,7 @@ def _load_x_fp16(x_row, e_row, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexp
     """One chunk of activations prepared by scaled_fp16.py: int32 fp16 pairs [groups, words, 4] (pair j of a
     word: its nibbles j and j + 4) and each group's factor 2^(u - 127) [groups] (zeros past K)."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    WORDS: tl.constexpr = GROUP // 8
-    g = k0 // GROUP + tl.arange(0, GROUPS)
-    g_ok = g < K // GROUP
-    kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    g, g_ok, kw = _groups(k0, K, FORMAT, BLOCK_K)
     pairs = tl.load(x_row + kw[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=g_ok[:, None, None], other=0)
     u = tl.load(e_row + g * GROUP // 32, mask=g_ok, other=0).to(tl.int32)
     return pairs, (u << 23).to(tl.float32, bitcast=True)
@@ -335,14 +336,9 @@ def _load_slots_chunk(w_ptr, s_ptr, w_rows, s_rows, ok, k0, K, stride_wk, FORMAT
                     mask=ok[:, :, None] & (offs_k < K)[None, None, :], other=0.0)
         s = ok
     else:
-        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
-        WORDS: tl.constexpr = GROUP // 8
-        g = k0 // GROUP + tl.arange(0, GROUPS)
-        g_ok = g < K // GROUP
-        kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+        g, g_ok, kw = _groups(k0, K, FORMAT, BLOCK_K)
         # expert and row strides are whole groups (WeightOperand.gemv_args): one vector load per group
-        off = tl.multiple_of(w_rows[:, :, None, None], [1, 1, 1, WORDS]) + kw[None, None, :, :]
+        off = tl.multiple_of(w_rows[:, :, None, None], [1, 1, 1, kw.shape[1]]) + kw[None, None, :, :]
         w = tl.load(w_ptr + off, mask=ok[:, :, None, None] & g_ok[None, None, :, None], other=0)
         s = tl.load(s_ptr + s_rows[:, :, None] + g[None, None, :], mask=ok[:, :, None] & g_ok[None, None, :],
                     other=0)
