@@ -75,18 +75,23 @@ def _load_slots_x(x_rows, k0, K, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
+def _pair_bits(mag, sign):
+    """int32 fp16 pair of two E2M1 codes whose magnitude bits sit at 9..11 of each 16-bit half of
+    ``mag`` and whose sign bits sit at bit 15 of each half of ``sign``: each half an fp16 of 2^-14 of
+    its code's value (code 1 is the fp16 subnormal 2^-15, exactly)."""
+    return (mag & 0x0E000E00) | (sign & -0x7FFF8000)  # masks 0x0E000E00, 0x80008000
+
+
+@triton.jit
 def _halves(mag, sign, HALVES_ASM: tl.constexpr):
-    """fp32 values, times 2^-14, of the two E2M1 codes whose magnitude bits sit at 9..11 of each
-    16-bit half of ``mag`` and whose sign bits sit at bit 15 of each half of ``sign``: together an
-    fp16 of 2^-14 of the code's value (code 1 is the fp16 subnormal 2^-15, exactly)."""
-    bits = (mag & 0x0E000E00) | (sign & -0x7FFF8000)  # masks 0x0E000E00, 0x80008000
+    """fp32 values of the two halves of _pair_bits(mag, sign): 2^-14 of each code's value."""
+    bits = _pair_bits(mag, sign)
     if HALVES_ASM:  # ptxas reads each half in place (HADD2.F32 .H0 / .H1): no extraction
         low, high = tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
             "=r,=r,r", [bits], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     else:  # the interpreter runs no PTX
-        low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        low, high = _half(bits, 0), _half(bits, 16)
     return low, high
 
 
@@ -125,12 +130,19 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
         lo, hi = _halves(w >> 3, w, HALVES_ASM)
         acc = lo * tl.expand_dims(x3l, -3) + acc
         acc = hi * tl.expand_dims(x3h, -3) + acc
-        if FORMAT == MXFP4:
-            # The 2^14 first, then 2^(s - 127): one factor 2^(s - 113) would overflow fp32 for s > 240
-            # (codes up to 254 are valid scales); one more multiply per group of 32 codes.
-            part = (tl.sum(acc, axis=-1) * FP16_E2M1_UNIT) * _e8m0_values(s)
-        else:
-            part = tl.sum(acc, axis=-1) * (_e4m3_values(s.to(tl.int32)) * FP16_E2M1_UNIT)
+        part = _scaled_group_sums(tl.sum(acc, axis=-1), s, 1.0, FORMAT)
+    return part
+
+
+@triton.jit
+def _scaled_group_sums(sums, s, factor, FORMAT: tl.constexpr):
+    """Group sums of codes * 2^-14 (times activations) brought to their values: times 2^14, the group's
+    scale (MXFP4 E8M0 / NVFP4 E4M3 bytes ``s``) and ``factor``. MXFP4 multiplies the 2^14 first, then
+    2^(s - 127): one factor 2^(s - 113) would overflow fp32 for s > 240 (codes up to 254 are valid scales)."""
+    if FORMAT == MXFP4:
+        part = (sums * FP16_E2M1_UNIT) * (_e8m0_values(s) * factor)
+    else:
+        part = sums * (_e4m3_values(s.to(tl.int32)) * (FP16_E2M1_UNIT * factor))
     return part
 
 
@@ -205,22 +217,17 @@ def _chunk_sums_fp16x2(w, s, pairs, factor, FORMAT: tl.constexpr, HALVES_ASM: tl
         factor = factor[None, None, :]
     else:
         p0, p1, p2, p3, factor = p0[None, :, :], p1[None, :, :], p2[None, :, :], p3[None, :, :], factor[None, :]
-    acc = _hfma2(w << 9 & 0x0E000E00 | w << 12 & -0x7FFF8000, p0, tl.zeros_like(w), HALVES_ASM)
-    acc = _hfma2(w << 5 & 0x0E000E00 | w << 8 & -0x7FFF8000, p1, acc, HALVES_ASM)
-    acc = _hfma2(w << 1 & 0x0E000E00 | w << 4 & -0x7FFF8000, p2, acc, HALVES_ASM)
-    acc = _hfma2(w >> 3 & 0x0E000E00 | w & -0x7FFF8000, p3, acc, HALVES_ASM)
+    acc = _hfma2(_pair_bits(w << 9, w << 12), p0, tl.zeros_like(w), HALVES_ASM)  # the shifts of _chunk_sums
+    acc = _hfma2(_pair_bits(w << 5, w << 8), p1, acc, HALVES_ASM)
+    acc = _hfma2(_pair_bits(w << 1, w << 4), p2, acc, HALVES_ASM)
+    acc = _hfma2(_pair_bits(w >> 3, w), p3, acc, HALVES_ASM)
     if acc.shape[-1] == 4:  # MXFP4: a group's four words
         a0, a1, a2, a3 = _take4(acc)
         acc = _hadd2(_hadd2(a0, a1, HALVES_ASM), _hadd2(a2, a3, HALVES_ASM), HALVES_ASM)
     else:  # NVFP4: two
         a0, a1 = tl.split(acc)
         acc = _hadd2(a0, a1, HALVES_ASM)
-    total = _pair_sum(acc, HALVES_ASM)
-    if FORMAT == MXFP4:
-        part = (total * FP16_E2M1_UNIT) * (_e8m0_values(s) * factor)
-    else:
-        part = total * (_e4m3_values(s.to(tl.int32)) * (FP16_E2M1_UNIT * factor))
-    return part
+    return _scaled_group_sums(_pair_sum(acc, HALVES_ASM), s, factor, FORMAT)
 
 
 @triton.jit
