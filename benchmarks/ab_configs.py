@@ -104,6 +104,21 @@ def main(argv=None) -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "preset": args.preset, "weights": args.weights}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(meta, rows))
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """The A/B as a table: us per call and each config's time against the table config's at that T."""
+    lines = [f"# Config A/B: {meta['preset']}, {meta['weights']} weights ({meta['gpu']}, {meta['date']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}. Whole fused_experts calls, CUDA-graph replay over two "
+             "layers, every config in the same run; rel diff: output against the table config's.", "",
+             "| T | config | us | / table | rel diff vs table |", "|---|---|---|---|---|"]
+    table_us = {r["T"]: r["us"] for r in rows if r["config"] == "table"}
+    for r in rows:
+        diff = r["rel_diff_vs_table"]
+        lines.append(f"| {r['T']} | {r['config']} | {r['us']:.1f} | {r['us'] / table_us[r['T']]:.3f} | "
+                     f"{diff if isinstance(diff, str) else f'{diff:.2e}'} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
