@@ -548,12 +548,13 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("packed,split,why", [
-    (None, False, "16-bit activations: fp16x2 products on the prepared activations (the default)"),
-    (False, False, "fp32 products on the same activations"),
-    (None, True, "GEMM2 per pair, the slots summed by the combine"),
+@pytest.mark.parametrize("packed,packed2,split,why", [
+    (None, None, False, "16-bit activations: fp16x2 products on the prepared activations (the default)"),
+    (False, None, False, "fp32 products on the same activations"),
+    (None, None, True, "GEMM2 per pair, the slots summed by the combine"),
+    (None, True, False, "GEMM2's fp16x2 products too, on h prepared the same way"),
 ])
-def test_four_bit_decode_with_16_bit_activations(fmt, packed, split, why):
+def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, why):
     # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; fp16 (the interpreter's bf16 dots are
     # wrong, and the CUDA-core kernels take fp16 and bf16 alike)
     E, H, I, T, k = 7, 160, 96, 5, 3
@@ -562,8 +563,8 @@ def test_four_bit_decode_with_16_bit_activations(fmt, packed, split, why):
     x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
     tw, tid = _routes(T, E, k)
     b13, b2 = b13.half(), b2.half()
-    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32), per_pair=True, gemv=True,
-                        split_slots=split)
+    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32, packed=packed2), per_pair=True,
+                        gemv=True, split_slots=split)
     out = _poisoned((T, H), torch.float16)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
     check_close(why, out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2), TOL[torch.float16])

@@ -336,8 +336,16 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
     from .kernels.moe_gemv import gemv2_tokens_kernel
 
     hidden, inter = w.shape[1], w.shape[2]
+    slots = _gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0)
+    # h's fp16x2 products only on request for now, and in the loop per slot
+    packed = cfg.packed is True and w.format in ("mxfp4", "nvfp4") and h.dtype != torch.float32 and slots == 0
+    if packed:
+        pairs, exps = scaled_fp16(h)
+        h_args = (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))
+    else:
+        h_args = (h, h.stride(0), h, 0)
     return gemv2_tokens_kernel[(out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)](
-        h, h.stride(0),
+        *h_args,
         *w.gemv_args(),
         *_bias_args(b2, h),
         weights, ids, expert_map if expert_map is not None else ids,
@@ -345,7 +353,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
-        SLOTS=_gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0), PDL=pdl, launch_pdl=pdl,
+        SLOTS=slots, PDL=pdl, PACKED=packed, launch_pdl=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

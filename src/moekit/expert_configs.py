@@ -43,9 +43,10 @@ class GemmConfig:
     chunk shared (None: 1). GEMM2: slots read per step of one loop over (group of slots, K chunk),
     or 0 for a loop per slot (None: the weight format's default, dense 1, 4-bit 0). Ignored elsewhere."""
     packed: bool | None = None
-    """On the CUDA cores with 4-bit weights and 16-bit activations (GEMM1): the products as fp16x2 FMAs, a
-    group's sum widened to fp32 once, on activations prepared as fp16 with an exponent per 32 (one more
-    launch; None: on). fp32 activations keep fp32 products. Ignored elsewhere."""
+    """On the CUDA cores with 4-bit weights and 16-bit activations: the products as fp16x2 FMAs, a group's
+    sum widened to fp32 once, on activations prepared as fp16 with an exponent per 32 (one more launch).
+    GEMM1: None is on; GEMM2 (its loop per slot, on GEMM1's output): only True. fp32 activations keep fp32
+    products. Ignored elsewhere."""
 
     def __post_init__(self) -> None:
         if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):

@@ -429,7 +429,8 @@ def _flat_slots(t, top_k, offs_n, n_ok, h_ptr, stride_hm, w_ptr, stride_we, stri
 
 @triton.jit
 def gemv2_tokens_kernel(
-    h_ptr, stride_hm,  # activations [T*k, I] from gemv1_act_kernel
+    h_ptr, stride_hm,  # activations [T*k, I] from gemv1_act_kernel; PACKED: int32 fp16 pairs [T*k, Ip/2]
+    he_ptr, stride_hem,  # PACKED: the pairs' exponent bytes [T*k, Ip/32] (scaled_fp16.py)
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit: int32 words [E, H, I/8])
     s_ptr, stride_se, stride_sn, gs_ptr,
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
@@ -440,6 +441,7 @@ def gemv2_tokens_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     SLOTS: tl.constexpr = 1,  # one loop over (group of SLOTS slots, K chunk); 0: a loop per slot
     PDL: tl.constexpr = False,  # launched as GEMM1's programmatic dependent: wait for its grid before reading h
+    PACKED: tl.constexpr = False,  # 4-bit, a loop per slot: fp16x2 products on h prepared by scaled_fp16.py
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -463,13 +465,14 @@ def gemv2_tokens_kernel(
             if e >= 0:
                 acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
                 w, s = _load_chunk(w_e, s_e, rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
-                hv = _load_x(h_row, 0, K, 1, True, FORMAT, BLOCK_K)
+                he_row = he_ptr + pair.to(tl.int64) * stride_hem
+                hv, hf = _load_act(h_row, he_row, 0, K, 1, FORMAT, BLOCK_K, PACKED)
                 for k0 in range(0, K, BLOCK_K):
                     w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
                                                  stride_sn, FORMAT, BLOCK_K)
-                    hv_next = _load_x(h_row, k0 + BLOCK_K, K, 1, True, FORMAT, BLOCK_K)
-                    acc += _chunk_sums(w, s, hv, FORMAT, HALVES_ASM)
-                    w, s, hv = w_next, s_next, hv_next
+                    hv_next, hf_next = _load_act(h_row, he_row, k0 + BLOCK_K, K, 1, FORMAT, BLOCK_K, PACKED)
+                    acc += _act_sums(w, s, hv, hf, FORMAT, HALVES_ASM, PACKED)
+                    w, s, hv, hf = w_next, s_next, hv_next, hf_next
                 y = tl.sum(acc, axis=1)
                 if FORMAT == NVFP4:
                     y = y / tl.load(gs_ptr + e)
