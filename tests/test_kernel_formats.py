@@ -170,7 +170,7 @@ def _gemv_group_sums_fp16x2(w_ptr, s_ptr, x_ptr, e_ptr, out_ptr, FORMAT: tl.cons
     rows = tl.arange(0, 32)
     GROUPS: tl.constexpr = 256 // (32 if FORMAT == 1 else 16)
     w, s = moe_gemv._load_chunk(w_ptr, s_ptr, rows, rows < 32, 0, 256, 32, 1, GROUPS, FORMAT, 256)
-    pairs, factor = moe_gemv._load_x_fp16(x_ptr, e_ptr, 0, 256, FORMAT, 256)
+    pairs, factor = moe_gemv._load_x_fp16(x_ptr, e_ptr, 0, 256, w, FORMAT, 256)
     part = moe_gemv._chunk_sums_fp16x2(w, s, pairs, factor, FORMAT, HALVES_ASM)
     tl.store(out_ptr + rows[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :], part)
 
@@ -234,7 +234,8 @@ def test_scaled_fp16_activations(device, K, dtype, why):
     kp = -(-K // 32) * 32
     assert pairs.shape == (5, kp) and exps.shape == (5, kp // 32), why
     slot = torch.arange(kp)
-    k = (slot & -8) + (slot & 7) // 2 + 4 * (slot & 1)
+    pair = (slot % 32) // 2  # pair-major per 32-block: int32 pair 4j + w holds elements 8w + j and 8w + j + 4
+    k = (slot & -32) + 8 * (pair % 4) + pair // 4 + 4 * (slot & 1)
     wide = torch.zeros(5, kp + 8, dtype=torch.float64)
     wide[:, :K] = x.double()
     values = wide[:, k]  # x in the pair order, zeros past K

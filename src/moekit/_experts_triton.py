@@ -309,9 +309,9 @@ SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
 
 
 def scaled_fp16(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, K] -> (fp16 [rows, Kp] in pair order, uint8 exponents [rows, Kp / 32]) with Kp = K rounded up to 32:
-    slot s of a row holds x[(s & -8) + (s & 7) // 2 + 4 (s & 1)] * 2^(127 - u), u its group's byte (see
-    kernels/scaled_fp16.py); the packed 4-bit decode's operand."""
+    """x [rows, K] -> (fp16 [rows, Kp] pair-major per 32-block, uint8 exponents [rows, Kp / 32]) with Kp = K rounded
+    up to 32: slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 + 4 (s & 1)] * 2^(127 - u),
+    u its group's byte (see kernels/scaled_fp16.py); the packed 4-bit decode's operand."""
     from .kernels.scaled_fp16 import scaled_fp16_kernel
 
     rows, k = x2d.shape

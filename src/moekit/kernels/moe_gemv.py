@@ -43,8 +43,17 @@ def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FO
         # Rows start on whole groups (the host guarantees stride_wn % words == 0): one vector load each.
         off = tl.multiple_of(rows[:, None, None] * stride_wn, [1, 1, kw.shape[1]]) + kw[None, :, :]
         w = tl.load(w_e + off, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
-        s = tl.load(s_e + rows[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
+        s = tl.load(s_e + rows[:, None] * stride_sn + _opaque(g, K)[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
     return w, s
+
+
+@triton.jit
+def _opaque(g, K):
+    """``g`` behind a run-time select (K > 0; K = 0 masks every load): a scale pointer the compiler cannot see as
+    contiguous along the groups. Seen as contiguous, the scale bytes got a layout of their own (lanes along
+    the groups) and crossed into the group sums' layout through shared memory, four barriers every step; seen
+    as scattered, they are loaded in the layout of the weight words they scale."""
+    return tl.where(K > 0, g, 0)
 
 
 @triton.jit
@@ -147,14 +156,37 @@ def _scaled_group_sums(sums, s, factor, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _load_x_fp16(x_row, e_row, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One chunk of activations prepared by scaled_fp16.py: int32 fp16 pairs [groups, words, 4] (pair j of a
-    word: its nibbles j and j + 4) and each group's factor 2^(u - 127) [groups] (zeros past K)."""
+def _load_x_fp16(x_row, e_row, k0, K, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One chunk of activations prepared by scaled_fp16.py, in the layout of the weight words ``like`` ([..,
+    groups, words]) they meet: the four int32 fp16 pairs (p0, p1, p2, p3) (pair j of a word: its nibbles j and
+    j + 4), each of like's shape, and each group's factor 2^(u - 127) of like's shape less its last axis (zeros
+    past K). Pair j of a group's words is one contiguous vector (scaled_fp16's pair-major 32-blocks), so each
+    is loaded broadcast over like's leading axes straight into the words' layout: a rearrangement through shared
+    memory (stores, barriers, loads every step) would cost more than these L1-resident loads."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    WORDS: tl.constexpr = GROUP // 8
     g, g_ok, kw = _groups(k0, K, FORMAT, BLOCK_K)
-    pairs = tl.load(x_row + kw[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=g_ok[:, None, None], other=0)
-    u = tl.load(e_row + g * GROUP // 32, mask=g_ok, other=0).to(tl.int32)
-    return pairs, (u << 23).to(tl.float32, bitcast=True)
+    # pair 0 of word w of group g: the group's 32-block holds 16 pairs as [j][word]
+    first = (g // (32 // GROUP)) * 16 + (g % (32 // GROUP)) * WORDS
+    off = _lead_like(tl.multiple_of(first[:, None], [1, WORDS]) + tl.arange(0, WORDS)[None, :], like)
+    ok = _lead_like(g_ok[:, None], like)
+    p0 = tl.load(x_row + off, mask=ok, other=0)
+    p1 = tl.load(x_row + off + 4, mask=ok, other=0)
+    p2 = tl.load(x_row + off + 8, mask=ok, other=0)
+    p3 = tl.load(x_row + off + 12, mask=ok, other=0)
+    u = tl.load(e_row + _lead_like(g * GROUP // 32, like, 1), mask=_lead_like(g_ok, like, 1), other=0).to(tl.int32)
+    return (p0, p1, p2, p3), (u << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _lead_like(t, like, DROP: tl.constexpr = 0):
+    """``t`` broadcast to the shape of ``like`` less its last DROP axes, by leading axes of size 1."""
+    RANK: tl.constexpr = len(like.shape) - DROP
+    if RANK - len(t.shape) == 2:
+        t = t[None, None]
+    elif RANK - len(t.shape) == 1:
+        t = t[None]
+    return tl.broadcast_to(t, like.shape[:RANK])
 
 
 @triton.jit
@@ -207,16 +239,12 @@ def _pair_sum(bits, HALVES_ASM: tl.constexpr):
 @triton.jit
 def _chunk_sums_fp16x2(w, s, pairs, factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     """_chunk_sums on packed operands: [.., groups] group sums of a loaded 4-bit chunk (words [.., groups, words])
-    with the prepared activations (_load_x_fp16). Each nibble pair (j, j + 4) of a word is one fp16x2 (code *
-    2^-14, exact) multiplied into an fp16x2 accumulator with its activation pair: a word's eight products in four
-    fp16x2 FMAs, a group's words added in fp16x2, and only the group's sum widened to fp32. The activations' group
-    largest sits in [2^14, 2^15) and a code * 2^-14 below 6 * 2^-14: a group's partial sums stay below 2^10."""
-    p0, p1, p2, p3 = _take4(pairs)  # [groups, words] each
-    if len(w.shape) == 4:  # a leading slot axis on the weights (GEMM1's slots; GEMM2's slot tiles)
-        p0, p1, p2, p3 = p0[None, None, :, :], p1[None, None, :, :], p2[None, None, :, :], p3[None, None, :, :]
-        factor = factor[None, None, :]
-    else:
-        p0, p1, p2, p3, factor = p0[None, :, :], p1[None, :, :], p2[None, :, :], p3[None, :, :], factor[None, :]
+    with the prepared activations (_load_x_fp16: four pair tensors of w's shape, factors of s's). Each nibble pair
+    (j, j + 4) of a word is one fp16x2 (code * 2^-14, exact) multiplied into an fp16x2 accumulator with its
+    activation pair: a word's eight products in four fp16x2 FMAs, a group's words added in fp16x2, and only the
+    group's sum widened to fp32. The activations' group largest sits in [2^14, 2^15) and a code * 2^-14 below
+    6 * 2^-14: a group's partial sums stay below 2^10."""
+    p0, p1, p2, p3 = pairs
     acc = _hfma2(_pair_bits(w << 9, w << 12), p0, tl.zeros_like(w), HALVES_ASM)  # the shifts of _chunk_sums
     acc = _hfma2(_pair_bits(w << 5, w << 8), p1, acc, HALVES_ASM)
     acc = _hfma2(_pair_bits(w << 1, w << 4), p2, acc, HALVES_ASM)
@@ -240,10 +268,12 @@ def _take4(t):
 
 
 @triton.jit
-def _load_act(x_row, e_row, k0, K, stride_xk, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
-    """(activations, per-group factors) of one chunk: _load_x_fp16 when PACKED, else (_load_x, unused 1.0)."""
+def _load_act(x_row, e_row, k0, K, stride_xk, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+              PACKED: tl.constexpr):
+    """(activations, per-group factors) of one chunk: _load_x_fp16 (in the layout of the weight words ``like``)
+    when PACKED, else (_load_x, unused 1.0)."""
     if PACKED:
-        xv, xf = _load_x_fp16(x_row, e_row, k0, K, FORMAT, BLOCK_K)
+        xv, xf = _load_x_fp16(x_row, e_row, k0, K, like, FORMAT, BLOCK_K)
     else:
         xv = _load_x(x_row, k0, K, stride_xk, True, FORMAT, BLOCK_K)
         xf = 1.0
@@ -306,14 +336,14 @@ def gemv1_act_kernel(
         wg, sg = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
         wu, su = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
         e_row = xe_ptr + t.to(tl.int64) * stride_xem
-        xv, xf = _load_act(x_row, e_row, 0, K, stride_xk, FORMAT, BLOCK_K, PACKED)
+        xv, xf = _load_act(x_row, e_row, 0, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K
             wg_next, sg_next = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
             wu_next, su_next = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
-            xv_next, xf_next = _load_act(x_row, e_row, k1, K, stride_xk, FORMAT, BLOCK_K, PACKED)
+            xv_next, xf_next = _load_act(x_row, e_row, k1, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED)
             acc_gate += _act_sums(wg, sg, xv, xf, FORMAT, HALVES_ASM, PACKED)
             acc_up += _act_sums(wu, su, xv, xf, FORMAT, HALVES_ASM, PACKED)
             wg, sg, wu, su, xv, xf = wg_next, sg_next, wu_next, su_next, xv_next, xf_next
@@ -347,7 +377,7 @@ def _load_slots_chunk(w_ptr, s_ptr, w_rows, s_rows, ok, k0, K, stride_wk, FORMAT
         # expert and row strides are whole groups (WeightOperand.gemv_args): one vector load per group
         off = tl.multiple_of(w_rows[:, :, None, None], [1, 1, 1, kw.shape[1]]) + kw[None, None, :, :]
         w = tl.load(w_ptr + off, mask=ok[:, :, None, None] & g_ok[None, None, :, None], other=0)
-        s = tl.load(s_ptr + s_rows[:, :, None] + g[None, None, :], mask=ok[:, :, None] & g_ok[None, None, :],
+        s = tl.load(s_ptr + s_rows[:, :, None] + _opaque(g, K)[None, None, :], mask=ok[:, :, None] & g_ok[None, None, :],
                     other=0)
     return w, s
 
@@ -466,11 +496,11 @@ def gemv2_tokens_kernel(
                 acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
                 w, s = _load_chunk(w_e, s_e, rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
                 he_row = he_ptr + pair.to(tl.int64) * stride_hem
-                hv, hf = _load_act(h_row, he_row, 0, K, 1, FORMAT, BLOCK_K, PACKED)
+                hv, hf = _load_act(h_row, he_row, 0, K, 1, w, FORMAT, BLOCK_K, PACKED)
                 for k0 in range(0, K, BLOCK_K):
                     w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
                                                  stride_sn, FORMAT, BLOCK_K)
-                    hv_next, hf_next = _load_act(h_row, he_row, k0 + BLOCK_K, K, 1, FORMAT, BLOCK_K, PACKED)
+                    hv_next, hf_next = _load_act(h_row, he_row, k0 + BLOCK_K, K, 1, w, FORMAT, BLOCK_K, PACKED)
                     acc += _act_sums(w, s, hv, hf, FORMAT, HALVES_ASM, PACKED)
                     w, s, hv, hf = w_next, s_next, hv_next, hf_next
                 y = tl.sum(acc, axis=1)

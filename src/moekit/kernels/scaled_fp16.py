@@ -1,8 +1,10 @@
 """Activations as fp16 pairs with a power-of-two exponent per 32 values: the operand of the packed
 (fp16x2) 4-bit decode in moe_gemv.py.
 
-Each 8-block of a row is stored as [0, 4, 1, 5, 2, 6, 3, 7], so the int32 pair j of a word holds
-the activations of nibbles j and j + 4 -- the two codes the decode builds as one fp16x2. A group's
+Each 32-block of a row is stored pair-major: its 16 int32 pairs as [j][word], pair j of word w holding
+the activations 8w + j and 8w + j + 4 -- nibbles j and j + 4 of that word, the two codes the decode builds
+as one fp16x2. So pair j of a scale group's words is one contiguous vector, loaded in the weight words' own
+layout (no rearrangement through shared memory). A group's
 largest magnitude lands in [2^14, 2^15) before the conversion: fp16's 11 bits hold bf16's 8 bits
 exactly for every value within 2^-23 of it, and no value overflows; the exponent byte u gives the
 group's values back as fp16 * 2^(u - 127). u is clamped to 1..253 (both 2^(u - 127) and its inverse
@@ -20,13 +22,14 @@ GROUP = tl.constexpr(32)
 @triton.jit
 def scaled_fp16_kernel(
     x_ptr, stride_xt, stride_xk,  # [T, K], any float dtype and strides
-    out_ptr, stride_ot,  # fp16 [T, Kp] (Kp = K rounded up to 32), pair order; zeros past K
+    out_ptr, stride_ot,  # fp16 [T, Kp] (Kp = K rounded up to 32), pair-major per 32-block; zeros past K
     exp_ptr, stride_et,  # uint8 [T, Kp / 32]
     K, BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    k = (slot & -8) + ((slot & 7) >> 1) + 4 * (slot & 1)  # the activation each slot holds
+    pair = (slot & 31) >> 1  # int32 pair 4j + w of the slot's 32-block
+    k = (slot & -32) + 8 * (pair & 3) + (pair >> 2) + 4 * (slot & 1)  # the activation each slot holds
     v = tl.load(x_ptr + t * stride_xt + k.to(tl.int64) * stride_xk, mask=k < K, other=0.0).to(tl.float32)
     grouped = tl.reshape(v, [BLOCK // GROUP, GROUP])
     amax = tl.max(tl.abs(grouped), axis=1)
