@@ -170,7 +170,7 @@ def _gemv_group_sums_fp16x2(w_ptr, s_ptr, x_ptr, e_ptr, out_ptr, FORMAT: tl.cons
     rows = tl.arange(0, 32)
     GROUPS: tl.constexpr = 256 // (32 if FORMAT == 1 else 16)
     w, s = moe_gemv._load_chunk(w_ptr, s_ptr, rows, rows < 32, 0, 256, 32, 1, GROUPS, FORMAT, 256)
-    pairs, factor = moe_gemv._load_x_fp16(x_ptr, e_ptr, 0, 256, w, FORMAT, 256)
+    pairs, factor = moe_gemv._load_x_fp16(x_ptr, e_ptr, 0, w, FORMAT, 256)
     part = moe_gemv._chunk_sums_fp16x2(w, s, pairs, factor, FORMAT, HALVES_ASM)
     tl.store(out_ptr + rows[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :], part)
 
@@ -214,12 +214,13 @@ def test_packed_group_sums_for_every_scale(device, fmt, why):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("K,dtype,why", [
-    (256, torch.bfloat16, "whole groups; bf16 values held exactly"),
-    (80, torch.float16, "K ends mid-program: 96 slots, the last 16 zeros"),
-    (40, torch.float32, "fp32 rounds to fp16's 11 bits under its group's exponent"),
+@pytest.mark.parametrize("K,multiple,dtype,why", [
+    (256, 32, torch.bfloat16, "whole groups; bf16 values held exactly"),
+    (80, 32, torch.float16, "K ends mid-program: 96 slots, the last 16 zeros"),
+    (40, 32, torch.float32, "fp32 rounds to fp16's 11 bits under its group's exponent"),
+    (80, 512, torch.bfloat16, "padded to a decode chunk: 432 zeros past K, every padding group's byte written"),
 ])
-def test_scaled_fp16_activations(device, K, dtype, why):
+def test_scaled_fp16_activations(device, K, multiple, dtype, why):
     from moekit._experts_triton import scaled_fp16
 
     if not _triton.can_launch(torch.device(device)):
@@ -230,9 +231,10 @@ def test_scaled_fp16_activations(device, K, dtype, why):
     x[2, :8] = float("inf")
     x[3, 3] = float("nan")
     x = x.to(dtype)
-    pairs, exps = scaled_fp16(x.to(device))
-    kp = -(-K // 32) * 32
+    pairs, exps = scaled_fp16(x.to(device), multiple)
+    kp = -(-K // multiple) * multiple
     assert pairs.shape == (5, kp) and exps.shape == (5, kp // 32), why
+    assert torch.all(exps.cpu()[:, -(-K // 32):] == 1), why  # padding groups: finite factors for unmasked readers
     slot = torch.arange(kp)
     pair = (slot % 32) // 2  # pair-major per 32-block: int32 pair 4j + w holds elements 8w + j and 8w + j + 4
     k = (slot & -32) + 8 * (pair % 4) + pair // 4 + 4 * (slot & 1)

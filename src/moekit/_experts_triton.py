@@ -287,7 +287,7 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
     packed = cfg.packed is not False and w.format in ("mxfp4", "nvfp4") and x.dtype != torch.float32
     if packed:
-        pairs, exps = scaled_fp16(x)
+        pairs, exps = scaled_fp16(x, w.gemv_block_k(cfg.block_k))  # whole chunks: the kernel's loads need no mask
         x_args = (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
     else:
         x_args = (x, x.stride(0), x.stride(1), x, 0)
@@ -308,19 +308,23 @@ def _gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation,
 SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
 
 
-def scaled_fp16(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_fp16(x2d: torch.Tensor, multiple: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, K] -> (fp16 [rows, Kp] pair-major per 32-block, uint8 exponents [rows, Kp / 32]) with Kp = K rounded
-    up to 32: slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 + 4 (s & 1)] * 2^(127 - u),
-    u its group's byte (see kernels/scaled_fp16.py); the packed 4-bit decode's operand."""
+    up to ``multiple`` (a multiple of 32; the decode kernels pass their K chunk, so that they read whole chunks
+    without masks): slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 + 4 (s & 1)] *
+    2^(127 - u), u its group's byte (see kernels/scaled_fp16.py); zeros (and u = 1) past K. The packed 4-bit
+    decode's operand."""
     from .kernels.scaled_fp16 import scaled_fp16_kernel
 
+    if multiple % 32:
+        raise ValueError(f"scaled_fp16: multiple must be a multiple of 32, got {multiple}")
     rows, k = x2d.shape
-    kp = _triton.cdiv(k, 32) * 32
+    kp = _triton.cdiv(k, multiple) * multiple
     pairs = torch.empty(rows, kp, dtype=torch.float16, device=x2d.device)
     exps = torch.empty(rows, kp // 32, dtype=torch.uint8, device=x2d.device)
     if rows:
         scaled_fp16_kernel[(rows, _triton.cdiv(kp, SCALED_FP16_BLOCK))](
-            x2d, x2d.stride(0), x2d.stride(1), pairs, pairs.stride(0), exps, exps.stride(0), k,
+            x2d, x2d.stride(0), x2d.stride(1), pairs, pairs.stride(0), exps, exps.stride(0), k, kp,
             BLOCK=SCALED_FP16_BLOCK, num_warps=4)
     return pairs, exps
 
@@ -340,7 +344,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
     # h's fp16x2 products only on request for now, and in the loop per slot
     packed = cfg.packed is True and w.format in ("mxfp4", "nvfp4") and h.dtype != torch.float32 and slots == 0
     if packed:
-        pairs, exps = scaled_fp16(h)
+        pairs, exps = scaled_fp16(h, w.gemv_block_k(cfg.block_k))
         h_args = (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))
     else:
         h_args = (h, h.stride(0), h, 0)

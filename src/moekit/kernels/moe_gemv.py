@@ -156,25 +156,25 @@ def _scaled_group_sums(sums, s, factor, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _load_x_fp16(x_row, e_row, k0, K, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_x_fp16(x_row, e_row, k0, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """One chunk of activations prepared by scaled_fp16.py, in the layout of the weight words ``like`` ([..,
     groups, words]) they meet: the four int32 fp16 pairs (p0, p1, p2, p3) (pair j of a word: its nibbles j and
-    j + 4), each of like's shape, and each group's factor 2^(u - 127) of like's shape less its last axis (zeros
-    past K). Pair j of a group's words is one contiguous vector (scaled_fp16's pair-major 32-blocks), so each
-    is loaded broadcast over like's leading axes straight into the words' layout: a rearrangement through shared
-    memory (stores, barriers, loads every step) would cost more than these L1-resident loads."""
+    j + 4), each of like's shape, and each group's factor 2^(u - 127), of like's shape less its last axis. Pair j of a group's words is one contiguous
+    vector (scaled_fp16's pair-major 32-blocks), loaded broadcast over like's leading axes straight into the
+    words' layout: a rearrangement through shared memory (stores, barriers, loads every step) would cost more
+    than these L1-resident loads. The prepared rows hold whole chunks (zeros and finite factors past K), so
+    nothing is masked: the weights past K, masked, meet zeros."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     WORDS: tl.constexpr = GROUP // 8
-    g, g_ok, kw = _groups(k0, K, FORMAT, BLOCK_K)
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     # pair 0 of word w of group g: the group's 32-block holds 16 pairs as [j][word]
     first = (g // (32 // GROUP)) * 16 + (g % (32 // GROUP)) * WORDS
     off = _lead_like(tl.multiple_of(first[:, None], [1, WORDS]) + tl.arange(0, WORDS)[None, :], like)
-    ok = _lead_like(g_ok[:, None], like)
-    p0 = tl.load(x_row + off, mask=ok, other=0)
-    p1 = tl.load(x_row + off + 4, mask=ok, other=0)
-    p2 = tl.load(x_row + off + 8, mask=ok, other=0)
-    p3 = tl.load(x_row + off + 12, mask=ok, other=0)
-    u = tl.load(e_row + _lead_like(g * GROUP // 32, like, 1), mask=_lead_like(g_ok, like, 1), other=0).to(tl.int32)
+    p0 = tl.load(x_row + off)
+    p1 = tl.load(x_row + off + 4)
+    p2 = tl.load(x_row + off + 8)
+    p3 = tl.load(x_row + off + 12)
+    u = tl.load(e_row + _lead_like(g * GROUP // 32, like, 1)).to(tl.int32)
     return (p0, p1, p2, p3), (u << 23).to(tl.float32, bitcast=True)
 
 
@@ -273,7 +273,7 @@ def _load_act(x_row, e_row, k0, K, stride_xk, like, FORMAT: tl.constexpr, BLOCK_
     """(activations, per-group factors) of one chunk: _load_x_fp16 (in the layout of the weight words ``like``)
     when PACKED, else (_load_x, unused 1.0)."""
     if PACKED:
-        xv, xf = _load_x_fp16(x_row, e_row, k0, K, like, FORMAT, BLOCK_K)
+        xv, xf = _load_x_fp16(x_row, e_row, k0, like, FORMAT, BLOCK_K)
     else:
         xv = _load_x(x_row, k0, K, stride_xk, True, FORMAT, BLOCK_K)
         xf = 1.0

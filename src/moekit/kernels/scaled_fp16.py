@@ -22,9 +22,9 @@ GROUP = tl.constexpr(32)
 @triton.jit
 def scaled_fp16_kernel(
     x_ptr, stride_xt, stride_xk,  # [T, K], any float dtype and strides
-    out_ptr, stride_ot,  # fp16 [T, Kp] (Kp = K rounded up to 32), pair-major per 32-block; zeros past K
+    out_ptr, stride_ot,  # fp16 [T, Kp] (Kp: K rounded up to a multiple of 32), pair-major per 32-block; zeros past K
     exp_ptr, stride_et,  # uint8 [T, Kp / 32]
-    K, BLOCK: tl.constexpr,
+    K, Kp, BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -37,7 +37,7 @@ def scaled_fp16_kernel(
     u = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 255) - FP16_HEADROOM, 1), 253)
     scaled = grouped * ((254 - u) << 23).to(tl.float32, bitcast=True)[:, None]
     groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
-    n_groups = tl.cdiv(K, GROUP)
+    n_groups = Kp // GROUP  # every group of the padded row, so a reader needs no mask
     tl.store(out_ptr + t * stride_ot + tl.reshape(slot, [BLOCK // GROUP, GROUP]), scaled.to(tl.float16),
              mask=(groups < n_groups)[:, None])
     tl.store(exp_ptr + t * stride_et + groups, u.to(tl.uint8), mask=groups < n_groups)
