@@ -106,19 +106,28 @@ def _and_k(mask, offs_k, K, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+def _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block-scale codes [BLOCK_N, BLOCK_K / group] of a 4-bit weight tile (the N rows ``rows``, K chunk at k0),
+    zeros past N and K: the K loops load the next chunk's a step ahead. Single bytes are not copied
+    asynchronously by the software pipeline, so a scale load at use made every step wait for memory (a quarter
+    of the 4-bit prefill GEMM1's stall samples sat on it, session 12's profile)."""
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    return tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],
+                   other=0)
+
+
+@triton.jit
+def _w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
              DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
-    codes times their block scale (the NVFP4 global scale is divided out in the epilogue). The bytes
-    are K-contiguous."""
+    codes times their block scale (codes ``s`` from _w4_scales; the NVFP4 global scale is divided out in the
+    epilogue). The bytes are K-contiguous."""
     BLOCK_N: tl.constexpr = rows.shape[0]
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=_and_k(n_ok[:, None], kb, K // 2, 1, EVEN_K),
                      other=0)
-    sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    s = tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=_and_k(n_ok[:, None], sk, K // GROUP, 1, EVEN_K),
-                other=0)
     if DTYPE == tl.bfloat16:
         # Straight to bf16 bits: sign to bit 15, the three magnitude bits to bits 8:6 make the bf16
         # number code * 2^-126 (zero and 0.5 included, no select); times 2^126, then the scale (E4M3
@@ -147,13 +156,13 @@ def _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.const
 
 
 @triton.jit
-def _w4_dot(acc_t, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
+def _w4_dot(acc_t, a, w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr, EVEN_K: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
     decoded where the MMA wants them and never pass through shared memory as 16-bit values.
     (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
-    w = _w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K)
+    w = _w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K)
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
@@ -179,8 +188,8 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
         tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                                     mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0)).to(DTYPE)
     else:
-        tile = tl.trans(_w4_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE,
-                                 HALVES_ASM, EVEN_K))
+        s = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
+        tile = tl.trans(_w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, DTYPE, HALVES_ASM, EVEN_K))
     return tile
 
 
@@ -355,16 +364,22 @@ def _gemm1_rows(
         else:
             acc_gate = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:  # scale codes a step ahead (_w4_scales)
+            s_gate = _w4_scales(s_e, gate_rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
+            s_up = _w4_scales(s_e, up_rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
             a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk,
                         mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
-                acc_gate = _w4_dot(acc_gate, a, w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
+                s_gate_next = _w4_scales(s_e, gate_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                s_up_next = _w4_scales(s_e, up_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                acc_gate = _w4_dot(acc_gate, a, w_e, s_gate, gate_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
                                    DOT_PRECISION, HALVES_ASM, EVEN_K)
-                acc_up = _w4_dot(acc_up, a, w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
+                acc_up = _w4_dot(acc_up, a, w_e, s_up, up_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
                                  DOT_PRECISION, HALVES_ASM, EVEN_K)
+                s_gate, s_up = s_gate_next, s_up_next
             elif PAIRED:
                 w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn,
                                       FORMAT, BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
@@ -490,13 +505,17 @@ def _gemm2_rows(
             acc = tl.zeros([BLOCK_N, ROWS_M], dtype=tl.float32)
         else:
             acc = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:  # scale codes a step ahead (_w4_scales)
+            s_w = _w4_scales(s_e, rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :],
                         mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
-                acc = _w4_dot(acc, a, w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DOT_PRECISION,
+                s_next = _w4_scales(s_e, rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                acc = _w4_dot(acc, a, w_e, s_w, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, DOT_PRECISION,
                               HALVES_ASM, EVEN_K)
+                s_w = s_next
             else:
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
                                  EVEN_K=EVEN_K, w_desc=w_desc,
