@@ -10,7 +10,8 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
 A config is ``table``, ``table+OPT+OPT...`` (the table's config with options in both GEMMs) or
 ``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m[,OPT...]``.
 OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``stagesN`` (pipeline stages), ``packed`` /
-``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), ``split`` (ExpertsConfig.split_slots:
+``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), ``ahead`` / ``atuse`` (GemmConfig.scales_ahead
+of the tensor-core 4-bit GEMMs), ``split`` (ExpertsConfig.split_slots:
 the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``.
 """
 
@@ -42,7 +43,9 @@ def _option(word: str) -> dict:
         return {"num_stages": int(word.removeprefix("stages"))}
     if word in ("packed", "unpacked"):
         return {"packed": word == "packed"}
-    raise ValueError(f"unknown config option {word!r} (tma, half, stagesN, packed, unpacked)")
+    if word in ("ahead", "atuse"):
+        return {"scales_ahead": word == "ahead"}
+    raise ValueError(f"unknown config option {word!r} (tma, half, stagesN, packed, unpacked, ahead, atuse)")
 
 
 def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:

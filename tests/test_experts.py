@@ -909,6 +909,17 @@ def test_half_tail_blocks(fmt, act, counts):
     _check_counted_routes(counts, act, ExpertsConfig(32, half, half), fmt, "half tails")
 
 
+@pytest.mark.parametrize("fmt,ahead", [
+    ("mxfp4", False),  # MXFP4's default is ahead: the scale codes loaded at use
+    ("nvfp4", True),   # NVFP4's default is at use: loaded a step ahead
+    ("nvfp4", False),
+])
+def test_four_bit_scales_ahead_or_at_use(fmt, ahead):
+    # K = 64 over 32-wide steps: two steps, the prefetch past the last one masked; experts of 40, 20, 16, 0, 17 rows
+    g = GemmConfig(16, 32, scales_ahead=ahead)
+    _check_counted_routes(_HALF_TAIL_COUNTS, "silu_and_mul", ExpertsConfig(32, g, g), fmt, f"scales ahead={ahead}")
+
+
 def _check_gpu_row_blocks(block_m, g1: GemmConfig, g2: GemmConfig, why: str, empty=()):
     """bf16 on the GPU, 37 experts whose counts cover every remainder class of the row block (0,
     below, at and above half), the experts in ``empty`` without pairs."""

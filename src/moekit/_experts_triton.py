@@ -198,6 +198,13 @@ def _half_tails(cfg: GemmConfig, mode: int, block_m: int) -> bool:
     return cfg.half_tails and mode == ROWS_ALIGNED and block_m >= 32
 
 
+def _scales_ahead(cfg: GemmConfig, w: WeightOperand) -> bool:
+    """GemmConfig.scales_ahead as launched (4-bit weights only)."""
+    if w.format not in ("mxfp4", "nvfp4"):
+        return False
+    return w.format == "mxfp4" if cfg.scales_ahead is None else cfg.scales_ahead
+
+
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
@@ -224,7 +231,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_AHEAD=_scales_ahead(cfg, w), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -250,7 +257,7 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
         EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, mode, block_m),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_AHEAD=_scales_ahead(cfg, w), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -47,6 +47,11 @@ class GemmConfig:
     sum widened to fp32 once, on activations prepared as fp16 with an exponent per 32 (one more launch).
     GEMM1: None is on; GEMM2 (its loop per slot, on GEMM1's output): only True. fp32 activations keep fp32
     products. Ignored elsewhere."""
+    scales_ahead: bool | None = None
+    """Tensor-core GEMMs with 4-bit weights: each K step's block-scale codes loaded one step ahead (single
+    bytes, which the software pipeline does not copy asynchronously). None: on for MXFP4, off for NVFP4, as
+    measured on the H200 (session 12: gpt-oss MXFP4 T=256..4096 7-14% faster; qwen3 NVFP4 T=256/1024 16-24%
+    slower, T=4096 4% faster). Ignored elsewhere."""
 
     def __post_init__(self) -> None:
         if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):

@@ -334,6 +334,7 @@ def _gemm1_rows(
     EVEN_K: tl.constexpr = False,  # K % BLOCK_K == 0
     W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
+    SCALES_AHEAD: tl.constexpr = False,  # 4-bit: each step's scale codes loaded a step ahead (_w4_scales)
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -364,7 +365,7 @@ def _gemm1_rows(
         else:
             acc_gate = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
-        if FORMAT == MXFP4 or FORMAT == NVFP4:  # scale codes a step ahead (_w4_scales)
+        if SCALES_AHEAD:
             s_gate = _w4_scales(s_e, gate_rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
             s_up = _w4_scales(s_e, up_rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
@@ -373,8 +374,13 @@ def _gemm1_rows(
             a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk,
                         mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
-                s_gate_next = _w4_scales(s_e, gate_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
-                s_up_next = _w4_scales(s_e, up_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                if SCALES_AHEAD:
+                    s_gate_next = _w4_scales(s_e, gate_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                    s_up_next = _w4_scales(s_e, up_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                else:
+                    s_gate_next = _w4_scales(s_e, gate_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
+                    s_up_next = _w4_scales(s_e, up_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
+                    s_gate, s_up = s_gate_next, s_up_next
                 acc_gate = _w4_dot(acc_gate, a, w_e, s_gate, gate_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
                                    DOT_PRECISION, HALVES_ASM, EVEN_K)
                 acc_up = _w4_dot(acc_up, a, w_e, s_up, up_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
@@ -448,6 +454,7 @@ def gemm1_act_kernel(
     W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
+    SCALES_AHEAD: tl.constexpr = False,  # 4-bit: scale codes a step ahead
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
@@ -461,7 +468,7 @@ def gemm1_act_kernel(
                     stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
                     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
                     up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
+                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
@@ -469,7 +476,7 @@ def gemm1_act_kernel(
                     hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, top_k,
                     rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step, up_offset, HAS_BIAS, ROWS,
                     HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED,
-                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED)
+                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD)
 
 
 @triton.jit
@@ -491,6 +498,7 @@ def _gemm2_rows(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
+    SCALES_AHEAD: tl.constexpr = False,  # 4-bit: each step's scale codes loaded a step ahead (_w4_scales)
 ):
     """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -505,14 +513,18 @@ def _gemm2_rows(
             acc = tl.zeros([BLOCK_N, ROWS_M], dtype=tl.float32)
         else:
             acc = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
-        if FORMAT == MXFP4 or FORMAT == NVFP4:  # scale codes a step ahead (_w4_scales)
+        if SCALES_AHEAD:
             s_w = _w4_scales(s_e, rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :],
                         mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
-                s_next = _w4_scales(s_e, rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                if SCALES_AHEAD:
+                    s_next = _w4_scales(s_e, rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+                else:
+                    s_next = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
+                    s_w = s_next
                 acc = _w4_dot(acc, a, w_e, s_w, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, DOT_PRECISION,
                               HALVES_ASM, EVEN_K)
                 s_w = s_next
@@ -562,6 +574,7 @@ def gemm2_kernel(
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
+    SCALES_AHEAD: tl.constexpr = False,  # 4-bit: scale codes a step ahead
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     # half tail blocks: as in gemm1_act_kernel
@@ -572,14 +585,14 @@ def gemm2_kernel(
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
                     stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
                     num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
+                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD)
     else:
         _gemm2_rows(BLOCK_M, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
                     stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
                     num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA)
+                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD)
 
 
 @triton.jit
