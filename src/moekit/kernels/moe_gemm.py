@@ -108,9 +108,9 @@ def _and_k(mask, offs_k, K, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
 @triton.jit
 def _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block-scale codes [BLOCK_N, BLOCK_K / group] of a 4-bit weight tile (the N rows ``rows``, K chunk at k0),
-    zeros past N and K: the K loops load the next chunk's a step ahead. Single bytes are not copied
-    asynchronously by the software pipeline, so a scale load at use made every step wait for memory (a quarter
-    of the 4-bit prefill GEMM1's stall samples sat on it, session 12's profile)."""
+    zeros past N and K. Single bytes are not copied asynchronously by the software pipeline, so loaded at use
+    they make every K step wait for memory (a quarter of the MXFP4 prefill GEMM1's stall samples, session 12's
+    profile); with SCALES_AHEAD (GemmConfig.scales_ahead) the K loops load the next step's a step ahead."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     return tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],

@@ -43,7 +43,8 @@ def _load_chunk(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FO
         # Rows start on whole groups (the host guarantees stride_wn % words == 0): one vector load each.
         off = tl.multiple_of(rows[:, None, None] * stride_wn, [1, 1, kw.shape[1]]) + kw[None, :, :]
         w = tl.load(w_e + off, mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
-        s = tl.load(s_e + rows[:, None] * stride_sn + _opaque(g, K)[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
+        s = tl.load(s_e + rows[:, None] * stride_sn + _opaque(g, K)[None, :], mask=n_ok[:, None] & g_ok[None, :],
+                    other=0)
     return w, s
 
 
@@ -159,11 +160,11 @@ def _scaled_group_sums(sums, s, factor, FORMAT: tl.constexpr):
 def _load_x_fp16(x_row, e_row, k0, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """One chunk of activations prepared by scaled_fp16.py, in the layout of the weight words ``like`` ([..,
     groups, words]) they meet: the four int32 fp16 pairs (p0, p1, p2, p3) (pair j of a word: its nibbles j and
-    j + 4), each of like's shape, and each group's factor 2^(u - 127), of like's shape less its last axis. Pair j of a group's words is one contiguous
-    vector (scaled_fp16's pair-major 32-blocks), loaded broadcast over like's leading axes straight into the
-    words' layout: a rearrangement through shared memory (stores, barriers, loads every step) would cost more
-    than these L1-resident loads. The prepared rows hold whole chunks (zeros and finite factors past K), so
-    nothing is masked: the weights past K, masked, meet zeros."""
+    j + 4), each of like's shape, and each group's factor 2^(u - 127), of like's shape less its last axis. Pair j
+    of a group's words is one contiguous vector (scaled_fp16's pair-major 32-blocks), loaded broadcast over like's
+    leading axes straight into the words' layout: a rearrangement through shared memory (stores, barriers, loads
+    every step) would cost more than these L1-resident loads. The prepared rows hold whole chunks (zeros and
+    finite factors past K), so nothing is masked: the weights past K, masked, meet zeros."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     WORDS: tl.constexpr = GROUP // 8
     g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
@@ -377,8 +378,8 @@ def _load_slots_chunk(w_ptr, s_ptr, w_rows, s_rows, ok, k0, K, stride_wk, FORMAT
         # expert and row strides are whole groups (WeightOperand.gemv_args): one vector load per group
         off = tl.multiple_of(w_rows[:, :, None, None], [1, 1, 1, kw.shape[1]]) + kw[None, None, :, :]
         w = tl.load(w_ptr + off, mask=ok[:, :, None, None] & g_ok[None, None, :, None], other=0)
-        s = tl.load(s_ptr + s_rows[:, :, None] + _opaque(g, K)[None, None, :], mask=ok[:, :, None] & g_ok[None, None, :],
-                    other=0)
+        s = tl.load(s_ptr + s_rows[:, :, None] + _opaque(g, K)[None, None, :],
+                    mask=ok[:, :, None] & g_ok[None, None, :], other=0)
     return w, s
 
 
