@@ -170,7 +170,7 @@ def _gemv_group_sums_fp16x2(w_ptr, s_ptr, x_ptr, e_ptr, out_ptr, FORMAT: tl.cons
     rows = tl.arange(0, 32)
     GROUPS: tl.constexpr = 256 // (32 if FORMAT == 1 else 16)
     w, s = moe_gemv._load_chunk(w_ptr, s_ptr, rows, rows < 32, 0, 256, 32, 1, GROUPS, FORMAT, 256)
-    pairs, factor = moe_gemv._load_x_fp16(x_ptr, e_ptr, 0, w, FORMAT, 256)
+    pairs, factor = moe_gemv._load_x_fp16(x_ptr, e_ptr, 0, 256, w, FORMAT, 256)
     part = moe_gemv._chunk_sums_fp16x2(w, s, pairs, factor, FORMAT, HALVES_ASM)
     tl.store(out_ptr + rows[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :], part)
 

@@ -157,16 +157,18 @@ def _scaled_group_sums(sums, s, factor, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _load_x_fp16(x_row, e_row, k0, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_x_fp16(x_row, e_row, k0, K, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """One chunk of activations prepared by scaled_fp16.py, in the layout of the weight words ``like`` ([..,
     groups, words]) they meet: the four int32 fp16 pairs (p0, p1, p2, p3) (pair j of a word: its nibbles j and
     j + 4), each of like's shape, and each group's factor 2^(u - 127), of like's shape less its last axis. Pair j
     of a group's words is one contiguous vector (scaled_fp16's pair-major 32-blocks), loaded broadcast over like's
     leading axes straight into the words' layout: a rearrangement through shared memory (stores, barriers, loads
     every step) would cost more than these L1-resident loads. The prepared rows hold whole chunks (zeros and
-    finite factors past K), so nothing is masked: the weights past K, masked, meet zeros."""
+    finite factors past K), so nothing is masked: the weights past K, masked, meet zeros. The K loops prefetch one
+    chunk past the last; that read stays on the last chunk (its values go unused), inside the rows."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     WORDS: tl.constexpr = GROUP // 8
+    k0 = tl.minimum(k0, tl.maximum(K - 1, 0) // BLOCK_K * BLOCK_K)
     g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     # pair 0 of word w of group g: the group's 32-block holds 16 pairs as [j][word]
     first = (g // (32 // GROUP)) * 16 + (g % (32 // GROUP)) * WORDS
@@ -274,7 +276,7 @@ def _load_act(x_row, e_row, k0, K, stride_xk, like, FORMAT: tl.constexpr, BLOCK_
     """(activations, per-group factors) of one chunk: _load_x_fp16 (in the layout of the weight words ``like``)
     when PACKED, else (_load_x, unused 1.0)."""
     if PACKED:
-        xv, xf = _load_x_fp16(x_row, e_row, k0, like, FORMAT, BLOCK_K)
+        xv, xf = _load_x_fp16(x_row, e_row, k0, K, like, FORMAT, BLOCK_K)
     else:
         xv = _load_x(x_row, k0, K, stride_xk, True, FORMAT, BLOCK_K)
         xf = 1.0
