@@ -646,6 +646,8 @@ def test_four_bit_weights_bad_input():
     _bad(lambda: fused_experts(x, q13, w2, tw, tid), TypeError, "w13 and w2 must share one format")
     _bad(lambda: fused_experts(x, q13, "w2", tw, tid), TypeError, "expert weights must be torch.Tensor")
     _bad(lambda: fused_experts(x[:, :32], q13, mxfp4.quantize(w2), tw, tid), ValueError, "x must have hidden size H=64")
+    empty13, empty2 = mxfp4.quantize(torch.randn(4, 64, 0)), mxfp4.quantize(torch.randn(4, 0, 32))   # H = 0
+    _bad(lambda: fused_experts(x[:, :0], empty13, empty2, tw, tid), ValueError, "4-bit w13 must have H > 0")
 
 
 # --------------------------------------------------------------------------- NVFP4 W4A4 emulation

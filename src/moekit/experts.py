@@ -88,6 +88,8 @@ def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
     E, two_i, H = w13.shape
     if two_i % 2 or two_i == 0:
         raise ValueError(f"w13 must be [E, 2I, H] with 2I even and > 0, got {tuple(w13.shape)}")
+    if fmt != "dense" and H == 0:  # no scale groups to read (dense weights with H = 0 give zero rows)
+        raise ValueError(f"4-bit w13 must have H > 0 (its scale groups run along H), got {tuple(w13.shape)}")
     if x.shape[-1] != H:
         raise ValueError(f"x must have hidden size H={H} (from w13 [E, 2I, H]) in its last dim, got {tuple(x.shape)}")
     if tuple(w2.shape) != (E, H, two_i // 2):
