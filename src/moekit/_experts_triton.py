@@ -318,15 +318,15 @@ SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
 def scaled_fp16(x2d: torch.Tensor, multiple: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, K] -> (fp16 [rows, Kp] pair-major per 32-block, uint8 exponents [rows, Kp / 32]) with Kp = K rounded
     up to ``multiple`` (a multiple of 32, at least one; the decode kernels pass their K chunk, so that they read
-    whole chunks without masks): slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 + 4 (s & 1)] *
-    2^(127 - u), u its group's byte (see kernels/scaled_fp16.py); zeros (and u = 1) past K. The packed 4-bit
-    decode's operand."""
+    whole chunks without masks): slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 +
+    4 (s & 1)] * 2^(127 - u), u its group's byte (see kernels/scaled_fp16.py); zeros (and u = 1) past K. The
+    packed 4-bit decode's operand."""
     from .kernels.scaled_fp16 import scaled_fp16_kernel
 
     if multiple <= 0 or multiple % 32:
         raise ValueError(f"scaled_fp16: multiple must be a multiple of 32, got {multiple}")
     rows, k = x2d.shape
-    kp = max(_triton.cdiv(k, multiple), 1) * multiple  # K = 0 still gets a chunk: the kernels' first read stays inside
+    kp = max(_triton.cdiv(k, multiple), 1) * multiple  # K = 0 gets a chunk too: the kernels' first read stays inside
     pairs = torch.empty(rows, kp, dtype=torch.float16, device=x2d.device)
     exps = torch.empty(rows, kp // 32, dtype=torch.uint8, device=x2d.device)
     if rows:
