@@ -78,6 +78,7 @@ TMA_TUNE_MIN_BLOCK_M = 64  # tensor-core bound row blocks also try TMA weight bo
 TMA_TUNE_TOP = 3  # ... on their fastest few configs
 HALF_TAILS_TUNE_MIN_BLOCK_M = 64  # row blocks that pad each expert by tens of rows also try half tail blocks ...
 HALF_TAILS_TUNE_TOP = 2  # ... on their fastest configs (TMA ones included)
+SCALES_AHEAD_TUNE_TOP = 3  # 4-bit tensor-core GEMMs: their fastest few again with scales_ahead the other way
 MAX_SPILL_BYTES = 16  # as tests/sm90_compile.py: past this, a config is kept only if no spill is inside a loop
 
 
@@ -181,6 +182,9 @@ class _Problem:
         if not (gemv or per_pair) and block_m >= HALF_TAILS_TUNE_MIN_BLOCK_M:
             for _, cfg in sorted(results, key=lambda r: r[0])[:HALF_TAILS_TUNE_TOP]:  # ... and half tail blocks
                 measure(replace(cfg, half_tails=True))
+        if not (gemv or per_pair) and fmt in ("mxfp4", "nvfp4"):  # the format's default measured per bucket
+            for _, cfg in sorted(results, key=lambda r: r[0])[:SCALES_AHEAD_TUNE_TOP]:
+                measure(replace(cfg, scales_ahead=fmt != "mxfp4"))
         us, cfg = min(results, key=lambda r: r[0])
         return cfg, us
 
@@ -271,6 +275,13 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
             info |= {"gemv_fp32_products_call_us": fp32_us}
             if fp32_us < gemv_us:
                 gemv_cfg, gemv_us = fp32_cfg, fp32_us
+        if weight_format in ("mxfp4", "nvfp4") and gemv_cfg.gemm2.slots in (None, 0):  # GEMM2's fp16x2 products
+            packed2_cfg = replace(gemv_cfg, gemm2=replace(gemv_cfg.gemm2, packed=True))
+            packed2_us = problem.whole_call_us(packed2_cfg)
+            print(f"  T={num_tokens} CUDA-core with fp16x2 products in GEMM2 {packed2_us:.1f} us", flush=True)
+            info |= {"gemv_packed_gemm2_call_us": packed2_us}
+            if packed2_us < gemv_us:
+                gemv_cfg, gemv_us = packed2_cfg, packed2_us
         if spec.top_k > 1:  # GEMM2 per pair, then the combine
             split_us = problem.whole_call_us(replace(gemv_cfg, split_slots=True))
             print(f"  T={num_tokens} CUDA-core with GEMM2 per pair {split_us:.1f} us", flush=True)
