@@ -268,26 +268,22 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
                 info |= {"gemv_pdl_call_us": pdl_us}
                 if pdl_us < gemv_us:
                     gemv_cfg, gemv_us = replace(gemv_cfg, pdl=True), pdl_us
+        variants = []  # (what, change of the current pick, info key): whole calls, each kept if faster
         if weight_format in ("mxfp4", "nvfp4"):  # GEMM1's fp16x2 products (the default) against fp32 ones
-            fp32_cfg = replace(gemv_cfg, gemm1=replace(gemv_cfg.gemm1, packed=False))
-            fp32_us = problem.whole_call_us(fp32_cfg)
-            print(f"  T={num_tokens} CUDA-core with fp32 products in GEMM1 {fp32_us:.1f} us", flush=True)
-            info |= {"gemv_fp32_products_call_us": fp32_us}
-            if fp32_us < gemv_us:
-                gemv_cfg, gemv_us = fp32_cfg, fp32_us
+            variants.append(("fp32 products in GEMM1", lambda c: replace(c, gemm1=replace(c.gemm1, packed=False)),
+                             "gemv_fp32_products_call_us"))
         if weight_format in ("mxfp4", "nvfp4") and gemv_cfg.gemm2.slots in (None, 0):  # GEMM2's fp16x2 products
-            packed2_cfg = replace(gemv_cfg, gemm2=replace(gemv_cfg.gemm2, packed=True))
-            packed2_us = problem.whole_call_us(packed2_cfg)
-            print(f"  T={num_tokens} CUDA-core with fp16x2 products in GEMM2 {packed2_us:.1f} us", flush=True)
-            info |= {"gemv_packed_gemm2_call_us": packed2_us}
-            if packed2_us < gemv_us:
-                gemv_cfg, gemv_us = packed2_cfg, packed2_us
+            variants.append(("fp16x2 products in GEMM2", lambda c: replace(c, gemm2=replace(c.gemm2, packed=True)),
+                             "gemv_packed_gemm2_call_us"))
         if spec.top_k > 1:  # GEMM2 per pair, then the combine
-            split_us = problem.whole_call_us(replace(gemv_cfg, split_slots=True))
-            print(f"  T={num_tokens} CUDA-core with GEMM2 per pair {split_us:.1f} us", flush=True)
-            info |= {"gemv_split_slots_call_us": split_us}
-            if split_us < gemv_us:
-                gemv_cfg, gemv_us = replace(gemv_cfg, split_slots=True), split_us
+            variants.append(("GEMM2 per pair", lambda c: replace(c, split_slots=True), "gemv_split_slots_call_us"))
+        for what, change, key in variants:
+            cfg = change(gemv_cfg)
+            us = problem.whole_call_us(cfg)
+            print(f"  T={num_tokens} CUDA-core with {what} {us:.1f} us", flush=True)
+            info |= {key: us}
+            if us < gemv_us:
+                gemv_cfg, gemv_us = cfg, us
         print(f"  T={num_tokens} whole call: best so far {best_us:.1f} us, CUDA-core {gemv_us:.1f} us {g1} {g2}",
               flush=True)
         info |= {"gemv_call_us": gemv_us}
