@@ -118,6 +118,33 @@ def _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _w4_first_scales(s_e, rows, n_ok, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALES_AHEAD: tl.constexpr):
+    """What a K loop carries into its first _w4_step_scales: the first step's codes with SCALES_AHEAD, else
+    zeros the loop never reads."""
+    if SCALES_AHEAD:
+        s = _w4_scales(s_e, rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
+    else:
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+        s = tl.zeros([rows.shape[0], BLOCK_K // GROUP], dtype=tl.uint8)
+    return s
+
+
+@triton.jit
+def _w4_step_scales(carried, s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SCALES_AHEAD: tl.constexpr):
+    """(the scale codes of the K step at k0, what the loop carries to the next step): with SCALES_AHEAD the
+    codes loaded one step earlier and the next step's, loaded now; else this step's, loaded at use."""
+    if SCALES_AHEAD:
+        now = carried
+        nxt = _w4_scales(s_e, rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
+    else:
+        now = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
+        nxt = now
+    return now, nxt
+
+
+@triton.jit
 def _w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
              DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
@@ -365,27 +392,22 @@ def _gemm1_rows(
         else:
             acc_gate = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
-        if SCALES_AHEAD:
-            s_gate = _w4_scales(s_e, gate_rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
-            s_up = _w4_scales(s_e, up_rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:
+            s_gate = _w4_first_scales(s_e, gate_rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
+            s_up = _w4_first_scales(s_e, up_rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
             a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk,
                         mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
-                if SCALES_AHEAD:
-                    s_gate_next = _w4_scales(s_e, gate_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
-                    s_up_next = _w4_scales(s_e, up_rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
-                else:
-                    s_gate_next = _w4_scales(s_e, gate_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
-                    s_up_next = _w4_scales(s_e, up_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
-                    s_gate, s_up = s_gate_next, s_up_next
-                acc_gate = _w4_dot(acc_gate, a, w_e, s_gate, gate_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
+                sg, s_gate = _w4_step_scales(s_gate, s_e, gate_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K,
+                                             SCALES_AHEAD)
+                su, s_up = _w4_step_scales(s_up, s_e, up_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
+                acc_gate = _w4_dot(acc_gate, a, w_e, sg, gate_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
                                    DOT_PRECISION, HALVES_ASM, EVEN_K)
-                acc_up = _w4_dot(acc_up, a, w_e, s_up, up_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
+                acc_up = _w4_dot(acc_up, a, w_e, su, up_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
                                  DOT_PRECISION, HALVES_ASM, EVEN_K)
-                s_gate, s_up = s_gate_next, s_up_next
             elif PAIRED:
                 w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn,
                                       FORMAT, BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
@@ -513,21 +535,16 @@ def _gemm2_rows(
             acc = tl.zeros([BLOCK_N, ROWS_M], dtype=tl.float32)
         else:
             acc = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
-        if SCALES_AHEAD:
-            s_w = _w4_scales(s_e, rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
+        if FORMAT == MXFP4 or FORMAT == NVFP4:
+            s_w = _w4_first_scales(s_e, rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :],
                         mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
-                if SCALES_AHEAD:
-                    s_next = _w4_scales(s_e, rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
-                else:
-                    s_next = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
-                    s_w = s_next
-                acc = _w4_dot(acc, a, w_e, s_w, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, DOT_PRECISION,
+                s_now, s_w = _w4_step_scales(s_w, s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
+                acc = _w4_dot(acc, a, w_e, s_now, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, DOT_PRECISION,
                               HALVES_ASM, EVEN_K)
-                s_w = s_next
             else:
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
                                  EVEN_K=EVEN_K, w_desc=w_desc,
