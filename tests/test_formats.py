@@ -105,6 +105,15 @@ def test_nvfp4_all_zero_tensor_and_bad_input():
         nvfp4.quantize(torch.zeros(2, 24))
 
 
+def test_nvfp4_empty_tensors_quantize_and_round_trip():
+    # empty last dim (K = 0), empty rows, and an [E, 0, K] weight per expert: nothing to scale, global scale 1
+    for shape, scale_dims in [((3, 0), 0), ((0, 32), 0), ((2, 0, 16), 1)]:
+        t = nvfp4.quantize(torch.randn(shape), scale_dims=scale_dims)
+        assert t.data.shape == (*shape[:-1], shape[-1] // 2) and t.scales.shape == (*shape[:-1], shape[-1] // 16)
+        assert (t.global_scale == 1.0).all() and t.global_scale.shape == shape[:scale_dims]
+        assert nvfp4.dequantize(t).shape == shape
+
+
 def test_swizzle_matches_the_formula_and_zeroes_padding():
     rows, cols = 130, 6                                               # padded to 256 x 8
     scales = (torch.rand(rows, cols) * 100 + 1).to(torch.float8_e4m3fn)

@@ -48,8 +48,11 @@ def _expand(gs: torch.Tensor, ndim: int) -> torch.Tensor:
 
 def default_global_scale(x: torch.Tensor, scale_dims: int = 0) -> torch.Tensor:
     """448 * 6 / amax over all but the first ``scale_dims`` dims (1 for per-expert [E, N, K]);
-    an all-zero tensor (or expert) gets 1.0 (its scales and codes are all zero anyway)."""
-    amax = x.abs().float().reshape(*x.shape[:scale_dims], -1).amax(dim=-1)
+    an all-zero or empty tensor (or expert) gets 1.0 (its scales and codes are all zero anyway)."""
+    flat = x.abs().float().reshape(*x.shape[:scale_dims], -1)
+    if flat.shape[-1] == 0:  # torch's amax refuses an empty reduction; an empty tensor holds no zeros to scale
+        return torch.ones(flat.shape[:-1], dtype=torch.float32, device=x.device)
+    amax = flat.amax(dim=-1)
     return torch.where(amax > 0, E4M3_MAX * fp4.MAX / amax, torch.ones_like(amax))
 
 
