@@ -76,8 +76,8 @@ def test_bf16_scale_decoders_are_exact_for_every_byte():
 @triton.jit
 def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr):
     rows = tl.arange(0, 16).to(tl.int64)
-    s = moe_gemm._w4_scales(s_ptr, rows, rows < 16, 0, 128, 128 // (32 if FORMAT == 1 else 16), FORMAT, 128)
-    tile = moe_gemm._w4_tile(w_ptr, s, rows, rows < 16, 0, 128, 64, FORMAT, 128, DTYPE, HALVES_ASM)
+    tile = moe_gemm._w4_tile(w_ptr, s_ptr, None, rows, rows < 16, 0, 128, 64, 128 // (32 if FORMAT == 1 else 16),
+                             FORMAT, 128, DTYPE, HALVES_ASM)
     tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], tile)
 
 

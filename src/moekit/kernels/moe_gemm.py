@@ -106,14 +106,16 @@ def _and_k(mask, offs_k, K, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr = False):
     """Block-scale codes [BLOCK_N, BLOCK_K / group] of a 4-bit weight tile (the N rows ``rows``, K chunk at k0),
-    zeros past N and K. Single bytes are not copied asynchronously by the software pipeline, so loaded at use
-    they make every K step wait for memory (a quarter of the MXFP4 prefill GEMM1's stall samples, session 12's
-    profile); with SCALES_AHEAD (GemmConfig.scales_ahead) the K loops load the next step's a step ahead."""
+    zeros past N and K (EVEN_K: the chunk is inside K). Single bytes are not copied asynchronously by the
+    software pipeline, so loaded at use they make every K step wait for memory (a quarter of the MXFP4 prefill
+    GEMM1's stall samples, session 12's profile); with SCALES_AHEAD (GemmConfig.scales_ahead) the K loops load
+    the next step's a step ahead."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     sk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    return tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=n_ok[:, None] & (sk < K // GROUP)[None, :],
+    return tl.load(s_e + rows[:, None] * stride_sn + sk[None, :], mask=_and_k(n_ok[:, None], sk, K // GROUP, 1, EVEN_K),
                    other=0)
 
 
@@ -121,7 +123,7 @@ def _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K:
 def _w4_first_scales(s_e, rows, n_ok, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
                      SCALES_AHEAD: tl.constexpr):
     """What a K loop carries into its first _w4_step_scales: the first step's codes with SCALES_AHEAD, else
-    zeros the loop never reads."""
+    zeros nothing reads (the compiler drops them)."""
     if SCALES_AHEAD:
         s = _w4_scales(s_e, rows, n_ok, 0, K, stride_sn, FORMAT, BLOCK_K)
     else:
@@ -134,27 +136,32 @@ def _w4_first_scales(s_e, rows, n_ok, K, stride_sn, FORMAT: tl.constexpr, BLOCK_
 def _w4_step_scales(carried, s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
                     SCALES_AHEAD: tl.constexpr):
     """(the scale codes of the K step at k0, what the loop carries to the next step): with SCALES_AHEAD the
-    codes loaded one step earlier and the next step's, loaded now; else this step's, loaded at use."""
+    codes loaded one step earlier and the next step's, loaded now (the next chunk may be past K: masked);
+    else the unread zeros twice, as _w4_tile then loads the codes at use, after the weight bytes. (Loaded here
+    instead, ahead of both tiles' bytes, they cost qwen3 NVFP4 T=256 22%: session 13.)"""
     if SCALES_AHEAD:
         now = carried
         nxt = _w4_scales(s_e, rows, n_ok, k0 + BLOCK_K, K, stride_sn, FORMAT, BLOCK_K)
     else:
-        now = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
-        nxt = now
+        now = carried
+        nxt = carried
     return now, nxt
 
 
 @triton.jit
-def _w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-             DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+def _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+             DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+             SCALES_GIVEN: tl.constexpr = False):
     """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
-    codes times their block scale (codes ``s`` from _w4_scales; the NVFP4 global scale is divided out in the
-    epilogue). The bytes are K-contiguous."""
+    codes times their block scale (codes ``s`` from _w4_scales with SCALES_GIVEN, else loaded here; the NVFP4
+    global scale is divided out in the epilogue). The bytes are K-contiguous."""
     BLOCK_N: tl.constexpr = rows.shape[0]
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=_and_k(n_ok[:, None], kb, K // 2, 1, EVEN_K),
                      other=0)
+    if not SCALES_GIVEN:
+        s = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, EVEN_K)
     if DTYPE == tl.bfloat16:
         # Straight to bf16 bits: sign to bit 15, the three magnitude bits to bits 8:6 make the bf16
         # number code * 2^-126 (zero and 0.5 included, no select); times 2^126, then the scale (E4M3
@@ -183,13 +190,15 @@ def _w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT: tl.constexpr, BLOCK_K
 
 
 @triton.jit
-def _w4_dot(acc_t, a, w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr, EVEN_K: tl.constexpr):
+def _w4_dot(acc_t, a, w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr, EVEN_K: tl.constexpr,
+            SCALES_GIVEN: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
     decoded where the MMA wants them and never pass through shared memory as 16-bit values.
     (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
-    w = _w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K)
+    w = _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K,
+                 SCALES_GIVEN)
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
@@ -215,8 +224,8 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
         tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                                     mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0)).to(DTYPE)
     else:
-        s = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K)
-        tile = tl.trans(_w4_tile(w_e, s, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, DTYPE, HALVES_ASM, EVEN_K))
+        tile = tl.trans(_w4_tile(w_e, s_e, None, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE,
+                                 HALVES_ASM, EVEN_K))
     return tile
 
 
@@ -404,10 +413,10 @@ def _gemm1_rows(
                 sg, s_gate = _w4_step_scales(s_gate, s_e, gate_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K,
                                              SCALES_AHEAD)
                 su, s_up = _w4_step_scales(s_up, s_e, up_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
-                acc_gate = _w4_dot(acc_gate, a, w_e, sg, gate_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
-                                   DOT_PRECISION, HALVES_ASM, EVEN_K)
-                acc_up = _w4_dot(acc_up, a, w_e, su, up_rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K,
-                                 DOT_PRECISION, HALVES_ASM, EVEN_K)
+                acc_gate = _w4_dot(acc_gate, a, w_e, s_e, sg, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT,
+                                   BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD)
+                acc_up = _w4_dot(acc_up, a, w_e, s_e, su, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT,
+                                 BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD)
             elif PAIRED:
                 w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn,
                                       FORMAT, BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
@@ -543,8 +552,8 @@ def _gemm2_rows(
                         mask=_and_k(row_ok[:, None], offs_k, K, 1, EVEN_K), other=0.0)
             if FORMAT == MXFP4 or FORMAT == NVFP4:
                 s_now, s_w = _w4_step_scales(s_w, s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
-                acc = _w4_dot(acc, a, w_e, s_now, rows, n_ok, k0, K, stride_wn, FORMAT, BLOCK_K, DOT_PRECISION,
-                              HALVES_ASM, EVEN_K)
+                acc = _w4_dot(acc, a, w_e, s_e, s_now, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
+                              DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD)
             else:
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
                                  EVEN_K=EVEN_K, w_desc=w_desc,
