@@ -604,6 +604,35 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
     check_close(f"{why} ({mode})", out, ref, TOL[torch.bfloat16])
 
 
+def _byte_offset_copy(q):
+    """The same 4-bit weight with its codes one byte into their storage (rows no longer on whole int32 words)."""
+    store = torch.empty(*q.data.shape[:-1], q.data.shape[-1] + 1, dtype=torch.uint8, device=q.data.device)
+    store[..., 1:] = q.data
+    return replace(q, data=store[..., 1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("config", [ExpertsConfig(32, GemmConfig(32, 64), GemmConfig(32, 64)), None],
+                         ids=["aligned 32-row blocks", "table or heuristic"])
+def test_gpu_four_bit_word_decode_equals_byte_decode(fmt, config):
+    # the tensor-core GEMMs decode whole int32 words of codes where rows start on words, bytes elsewhere: the same
+    # tile values (NVFP4's words carry 2^-8, undone in the epilogue), so the same bits; prime E, 129 tokens, k = 3
+    E, H, I, T, k = 5, 160, 96, 129, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, True, "cuda")
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    tw, tid = _routes(T, E, k, "cuda")
+    outs = []
+    for a13, a2 in ((q13, q2), (_byte_offset_copy(q13), _byte_offset_copy(q2))):
+        out = _poisoned((T, H), torch.bfloat16, "cuda")
+        fused_experts(x, a13, a2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, config=config)
+        outs.append(out)
+    check_close("words", outs[0], reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
+                TOL[torch.bfloat16])
+    assert torch.equal(outs[0], outs[1]), "word and byte decodes differ"
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_four_bit_every_token_on_one_expert(fmt):
     # one expert's row blocks only (three of them, the last partial); the other experts get none

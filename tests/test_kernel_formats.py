@@ -74,10 +74,11 @@ def test_bf16_scale_decoders_are_exact_for_every_byte():
 
 
 @triton.jit
-def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr):
+def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr,
+                 WORDS: tl.constexpr = False):
     rows = tl.arange(0, 16).to(tl.int64)
     tile = moe_gemm._w4_tile(w_ptr, s_ptr, None, rows, rows < 16, 0, 128, 64, 128 // (32 if FORMAT == 1 else 16),
-                             FORMAT, 128, DTYPE, HALVES_ASM)
+                             FORMAT, 128, DTYPE, HALVES_ASM, WORDS=WORDS)
     tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], tile)
 
 
@@ -87,12 +88,16 @@ def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexp
     ("mxfp4", torch.bfloat16, "the bf16-bits decode with E8M0 scales (exact for every exponent)"),
     ("nvfp4", torch.float32, "the fp32 decode (interpreter, fp32 activations)"),
     ("mxfp4", torch.float16, "the fp32 decode rounded to fp16"),
+    ("nvfp4", "words", "the bf16 decode a word of 8 codes at a time, one multiply (tile = weight * 2^-8)"),
+    ("mxfp4", "words", "the bf16 decode a word of 8 codes at a time, two multiplies"),
 ])
 def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dtype, why):
     from moekit.formats import mxfp4, nvfp4
 
     if not _triton.can_launch(torch.device(device)):
         pytest.skip("no Triton launch here")
+    words = dtype == "words"
+    dtype = torch.bfloat16 if words else dtype
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the interpreter's bf16 arithmetic on bit-built values is not faithful (subnormals flushed, "
                     "products wrong); the kernels never take this path there")
@@ -109,7 +114,9 @@ def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dty
     out = torch.full((16, 128), float("nan"), dtype=dtype, device=device)
     tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
     _w4_tile_all[(1,)](packed.to(device), scales.to(device), out, FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype,
-                       HALVES_ASM=device == "cuda")
+                       HALVES_ASM=device == "cuda", WORDS=words)
+    if words and fmt == "nvfp4":
+        expect = expect / moe_gemm.W4_WORDS_NVFP4_SHIFT.value
     assert torch.equal(out.cpu().double(), expect.to(dtype).double()), why
 
 

@@ -205,6 +205,14 @@ def _scales_ahead(cfg: GemmConfig, w: WeightOperand) -> bool:
     return w.format == "mxfp4" if cfg.scales_ahead is None else cfg.scales_ahead
 
 
+def _w4_words(w: WeightOperand, dtype: torch.dtype) -> bool:
+    """The tensor-core GEMMs decode 4-bit codes a word (8 codes) at a time: bf16 on the GPU (the decode's halves
+    move by PTX) with the codes of every row and expert starting on whole int32 words."""
+    d = w.data
+    return (w.format in ("mxfp4", "nvfp4") and dtype == torch.bfloat16 and not _triton.interpreting()
+            and d.data_ptr() % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0)
+
+
 def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
@@ -231,7 +239,8 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
-        SCALES_AHEAD=_scales_ahead(cfg, w), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=_w4_words(w, x3.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -257,7 +266,8 @@ def _gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, c
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
         EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, mode, block_m),
-        SCALES_AHEAD=_scales_ahead(cfg, w), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=_w4_words(w, h.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 

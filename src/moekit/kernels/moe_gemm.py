@@ -22,6 +22,8 @@ FP8_GROUP = tl.constexpr(128)  # activation groups along K; weight blocks are FP
 E4M3_MAX = tl.constexpr(448.0)
 TWO_POW_126 = tl.constexpr(8.507059173023462e37)
 TWO_POW_120 = tl.constexpr(1.329227995784916e36)
+TWO_POW_118 = tl.constexpr(2.0 ** 118)
+W4_WORDS_NVFP4_SHIFT = tl.constexpr(256.0)  # _w4_words_bf16's NVFP4 tiles are the weights times 2^-8
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -149,20 +151,68 @@ def _w4_step_scales(carried, s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.const
 
 
 @triton.jit
+def _w4_words_bf16(q, s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] bf16 tile of int32 words of 8 codes, q [BLOCK_N, BLOCK_K / 8], with scale codes s. Codes
+    i and i + 4 of a word sit 16 bits apart, so one mask and one multiply place both as _w4_tile's byte decode
+    places a byte's two (13 integer ops per 8 codes instead of 22); the word's values come out as (0, 4), (1, 5),
+    ... pairs and are put in order in registers. NVFP4 folds 2^126 into the scale: every E4M3 scale times 2^118
+    is a finite bf16 and every product is exact, so one multiply per pair remains, and the tile is the weight
+    times 2^-8 (W4_WORDS_NVFP4_SHIFT, undone in the epilogues). MXFP4 keeps both multiplies: 2^126 times
+    E8M0 scales above 2 overflows bf16."""
+    BLOCK_N: tl.constexpr = q.shape[0]
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    if FORMAT == MXFP4:
+        scale = _e8m0_bf16(s)
+        first = tl.full([BLOCK_N, BLOCK_K // 8], TWO_POW_126, tl.float32).to(tl.bfloat16)
+    else:
+        scale = _e4m3_bf16(s) * tl.full(s.shape, TWO_POW_118, tl.float32).to(tl.bfloat16)
+        first = None
+    per_word = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]),
+                          [BLOCK_N, BLOCK_K // 8])
+    q8 = q >> 8
+    x0 = _bf16_halves(((q & 0x000F000F) * 0x1040) & -0x7E3F7E40, first, per_word)  # codes 0 and 4 of each word
+    x1 = _bf16_halves(((q & 0x00F000F0) * 0x104) & -0x7E3F7E40, first, per_word)  # codes 1 and 5
+    x2 = _bf16_halves(((q8 & 0x000F000F) * 0x1040) & -0x7E3F7E40, first, per_word)  # 2 and 6
+    x3 = _bf16_halves(((q8 & 0x00F000F0) * 0x104) & -0x7E3F7E40, first, per_word)  # 3 and 7
+    z = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [N, K/8, half, i % 2, i // 2] for code 4 * half + i
+    return tl.reshape(tl.permute(z, (0, 1, 2, 4, 3)), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _bf16_halves(t, first, then):
+    """[..., 2] bf16: the halves of int32 bits t (each a code * 2^-126), times ``first`` (unless None), times
+    ``then``; both per word [N, K/8]."""
+    lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t], dtype=(tl.bfloat16, tl.bfloat16),
+                                       is_pure=True, pack=1)
+    v = tl.join(lo, hi)
+    if first is not None:
+        v = v * first[:, :, None]
+    return v * then[:, :, None]
+
+
+@triton.jit
 def _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
              DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-             SCALES_GIVEN: tl.constexpr = False):
+             SCALES_GIVEN: tl.constexpr = False, WORDS: tl.constexpr = False):
     """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
     codes times their block scale (codes ``s`` from _w4_scales with SCALES_GIVEN, else loaded here; the NVFP4
-    global scale is divided out in the epilogue). The bytes are K-contiguous."""
+    global scale is divided out in the epilogue). The bytes are K-contiguous. WORDS (bf16 on the GPU, rows and
+    experts starting on whole int32 words): _w4_words_bf16's decode."""
     BLOCK_N: tl.constexpr = rows.shape[0]
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :], mask=_and_k(n_ok[:, None], kb, K // 2, 1, EVEN_K),
-                     other=0)
+    if WORDS:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :],
+                        mask=_and_k(n_ok[:, None], kw, K // 8, 1, EVEN_K), other=0)
+    else:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :],
+                         mask=_and_k(n_ok[:, None], kb, K // 2, 1, EVEN_K), other=0)
     if not SCALES_GIVEN:
         s = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, EVEN_K)
-    if DTYPE == tl.bfloat16:
+    if WORDS:
+        tile = _w4_words_bf16(words, s, FORMAT, BLOCK_K)
+    elif DTYPE == tl.bfloat16:
         # Straight to bf16 bits: sign to bit 15, the three magnitude bits to bits 8:6 make the bf16
         # number code * 2^-126 (zero and 0.5 included, no select); times 2^126, then the scale (E4M3
         # and E8M0 are exact in bf16), both products exact, two codes per 32-bit multiply.
@@ -192,13 +242,13 @@ def _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.co
 @triton.jit
 def _w4_dot(acc_t, a, w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr, EVEN_K: tl.constexpr,
-            SCALES_GIVEN: tl.constexpr):
+            SCALES_GIVEN: tl.constexpr, WORDS: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
     decoded where the MMA wants them and never pass through shared memory as 16-bit values.
     (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
     w = _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K,
-                 SCALES_GIVEN)
+                 SCALES_GIVEN, WORDS)
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
@@ -371,6 +421,7 @@ def _gemm1_rows(
     W_TMA: tl.constexpr = False,  # weight tiles by TMA copies (w_desc)
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: each step's scale codes loaded a step ahead (_w4_scales)
+    W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -414,9 +465,9 @@ def _gemm1_rows(
                                              SCALES_AHEAD)
                 su, s_up = _w4_step_scales(s_up, s_e, up_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
                 acc_gate = _w4_dot(acc_gate, a, w_e, s_e, sg, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT,
-                                   BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD)
+                                   BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS)
                 acc_up = _w4_dot(acc_up, a, w_e, s_e, su, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT,
-                                 BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD)
+                                 BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS)
             elif PAIRED:
                 w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn,
                                       FORMAT, BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
@@ -443,6 +494,8 @@ def _gemm1_rows(
             acc_gate, acc_up = tl.split(tl.reshape(acc_pair, [ROWS_M, BLOCK_N, 2]))
         if FORMAT == NVFP4:
             gs = tl.load(gs_ptr + e)
+            if W4_WORDS:
+                gs = gs / W4_WORDS_NVFP4_SHIFT
             acc_gate = acc_gate / gs
             acc_up = acc_up / gs
         if FORMAT >= FP8 and not W_BLOCKED:  # one scale per output column (per-channel, or per-tensor with stride 0)
@@ -486,6 +539,7 @@ def gemm1_act_kernel(
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: scale codes a step ahead
+    W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
@@ -499,7 +553,7 @@ def gemm1_act_kernel(
                     stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
                     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
                     up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD)
+                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
@@ -507,7 +561,7 @@ def gemm1_act_kernel(
                     hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, top_k,
                     rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step, up_offset, HAS_BIAS, ROWS,
                     HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED,
-                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD)
+                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS)
 
 
 @triton.jit
@@ -530,6 +584,7 @@ def _gemm2_rows(
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: each step's scale codes loaded a step ahead (_w4_scales)
+    W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
 ):
     """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -553,7 +608,7 @@ def _gemm2_rows(
             if FORMAT == MXFP4 or FORMAT == NVFP4:
                 s_now, s_w = _w4_step_scales(s_w, s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
                 acc = _w4_dot(acc, a, w_e, s_e, s_now, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                              DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD)
+                              DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS)
             else:
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
                                  EVEN_K=EVEN_K, w_desc=w_desc,
@@ -567,7 +622,10 @@ def _gemm2_rows(
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             acc = tl.trans(acc)
         if FORMAT == NVFP4:
-            acc = acc / tl.load(gs_ptr + e)
+            gs = tl.load(gs_ptr + e)
+            if W4_WORDS:
+                gs = gs / W4_WORDS_NVFP4_SHIFT
+            acc = acc / gs
         if FORMAT >= FP8 and not W_BLOCKED:
             acc *= tl.load(s_e + rows * stride_sn, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
@@ -601,6 +659,7 @@ def gemm2_kernel(
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: scale codes a step ahead
+    W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     # half tail blocks: as in gemm1_act_kernel
@@ -611,14 +670,14 @@ def gemm2_kernel(
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
                     stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
                     num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD)
+                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS)
     else:
         _gemm2_rows(BLOCK_M, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
                     stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
                     num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD)
+                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS)
 
 
 @triton.jit
