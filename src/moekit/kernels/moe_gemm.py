@@ -245,7 +245,8 @@ def _w4_dot(acc_t, a, w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORM
             SCALES_GIVEN: tl.constexpr, WORDS: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
-    decoded where the MMA wants them and never pass through shared memory as 16-bit values.
+    decoded in registers; at the tuned configs the compiler then moves the decoded tile into the MMA's
+    register layout through shared memory (STS.128 + LDSM per step, offline sm_90 SASS).
     (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
     w = _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K,
                  SCALES_GIVEN, WORDS)
