@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from moekit import tune
 
 
@@ -14,3 +16,17 @@ def test_each_tuned_bucket_is_merged_at_once_and_keeps_the_other_entries(tmp_pat
     merged = json.loads(table.read_text())
     assert merged["gpu|bf16"]["E8_N64_K32"] == {"1": {"block_m": 16}, "64": {"block_m": 128}}
     assert merged["gpu|mxfp4"]["E8_N64_K32"]["1"] == {"block_m": 16, "gemv": True}
+
+
+def test_gemv2_packed_rule_the_kernel_and_the_tuner_share():
+    # GEMM2's fp16x2 products: only asked for, 4-bit weights, 16-bit h, and the loop per slot (slots 0 or unset)
+    from moekit._experts_triton import gemv2_packed
+    from moekit.expert_configs import GemmConfig
+
+    on = GemmConfig(16, 256, packed=True)
+    assert gemv2_packed(on, "mxfp4", torch.bfloat16, 4) and gemv2_packed(on, "nvfp4", torch.float16, 8)
+    assert gemv2_packed(GemmConfig(16, 256, packed=True, slots=0), "mxfp4", torch.bfloat16, 4)
+    assert not gemv2_packed(GemmConfig(16, 256), "mxfp4", torch.bfloat16, 4)  # not asked for
+    assert not gemv2_packed(GemmConfig(4, 256, packed=True, slots=2), "mxfp4", torch.bfloat16, 4)  # slots together
+    assert not gemv2_packed(on, "mxfp4", torch.float32, 4)  # fp32 h keeps fp32 products
+    assert not gemv2_packed(on, "dense", torch.bfloat16, 4)

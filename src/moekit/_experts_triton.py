@@ -351,6 +351,13 @@ def _gemv_slots(cfg: GemmConfig, top_k: int, default: int) -> int:
     return min(default if cfg.slots is None else cfg.slots, _triton.next_pow2(top_k))
 
 
+def gemv2_packed(cfg: GemmConfig, weight_format: str, h_dtype: torch.dtype, top_k: int) -> bool:
+    """Whether _gemv2_tokens runs fp16x2 products on prepared h: only on request (GemmConfig.packed), for 4-bit
+    weights and 16-bit h, and in the loop per slot."""
+    slots = _gemv_slots(cfg, top_k, 1 if weight_format in FLAT_SLOT_FORMATS else 0)
+    return cfg.packed is True and weight_format in ("mxfp4", "nvfp4") and h_dtype != torch.float32 and slots == 0
+
+
 def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
                   pdl: bool = False):
     """``pdl``: launched as the previous grid's (_gemv1's) programmatic dependent."""
@@ -358,8 +365,7 @@ def _gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global,
 
     hidden, inter = w.shape[1], w.shape[2]
     slots = _gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0)
-    # h's fp16x2 products only on request for now, and in the loop per slot
-    packed = cfg.packed is True and w.format in ("mxfp4", "nvfp4") and h.dtype != torch.float32 and slots == 0
+    packed = gemv2_packed(cfg, w.format, h.dtype, top_k)
     if packed:
         pairs, exps = scaled_fp16(h, w.gemv_block_k(cfg.block_k))
         h_args = (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))

@@ -272,7 +272,7 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
         if weight_format in ("mxfp4", "nvfp4"):  # GEMM1's fp16x2 products (the default) against fp32 ones
             variants.append(("fp32 products in GEMM1", lambda c: replace(c, gemm1=replace(c.gemm1, packed=False)),
                              "gemv_fp32_products_call_us"))
-        if weight_format in ("mxfp4", "nvfp4") and gemv_cfg.gemm2.slots in (None, 0):  # GEMM2's fp16x2 products
+        if ext.gemv2_packed(replace(gemv_cfg.gemm2, packed=True), weight_format, problem.x_in.dtype, spec.top_k):
             variants.append(("fp16x2 products in GEMM2", lambda c: replace(c, gemm2=replace(c.gemm2, packed=True)),
                              "gemv_packed_gemm2_call_us"))
         if spec.top_k > 1:  # GEMM2 per pair, then the combine
