@@ -12,7 +12,8 @@ A config is ``table``, ``table+OPT+OPT...`` (the table's config with options in 
 OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``stagesN`` (pipeline stages), ``packed`` /
 ``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), ``ahead`` / ``atuse`` (GemmConfig.scales_ahead
 of the tensor-core 4-bit GEMMs), ``split`` (ExpertsConfig.split_slots:
-the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``.
+the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``; ``g1.OPT`` / ``g2.OPT`` sets an
+option in one GEMM only, e.g. ``table+g2.stages3``.
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ def _option(word: str) -> dict:
 def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:
     if text == "table":
         return None
-    if text.startswith("table+"):  # the table's config with options set in both GEMMs
-        opts = {}
+    if text.startswith("table+"):  # the table's config with options set in both GEMMs (g1. / g2.: in one)
+        opts = {1: {}, 2: {}}
         words = text.split("+")[1:]
         for word in (w for w in words if w != "split"):
-            opts |= _option(word)
+            gemms, word = ((int(word[1]),), word[3:]) if word[:3] in ("g1.", "g2.") else ((1, 2), word)
+            for g in gemms:
+                opts[g] |= _option(word)
         table = replace(table, split_slots=table.split_slots or "split" in words)
-        return replace(table, gemm1=replace(table.gemm1, **opts), gemm2=replace(table.gemm2, **opts))
+        return replace(table, gemm1=replace(table.gemm1, **opts[1]), gemm2=replace(table.gemm2, **opts[2]))
     block_m, g1, g2 = text.split(":")
 
     def gemm(spec: str) -> GemmConfig:
