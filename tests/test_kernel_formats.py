@@ -121,6 +121,33 @@ def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dty
 
 
 @triton.jit
+def _word_bits_all(q_ptr, out_ptr):
+    offs = tl.arange(0, 256)
+    q = tl.load(q_ptr + offs)
+    q8 = q >> 8
+    for i in tl.static_range(4):
+        tl.store(out_ptr + i * 256 + offs, moe_gemm._w4_word_bits(q, q8, i))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_four_bit_word_bits_place_codes_as_the_byte_decode(device):
+    # the word decode's integer part (runs in the interpreter too): code i of a word in the low half of t_i and
+    # code i + 4 in its high half, with the bits the byte decode gives each code; every code in every slot
+    if not _triton.can_launch(torch.device(device)):
+        pytest.skip("no Triton launch here")
+    w, j = torch.arange(256)[:, None], torch.arange(8)[None, :]
+    codes = (w + 3 * j + (w // 16) * j) % 16               # code j of word w (bits 4j..4j+3): all 16 in each slot
+    words = (codes << (4 * torch.arange(8))).sum(dim=1).to(torch.int64)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    out = torch.full((4, 256), -1, dtype=torch.int32, device=device)
+    _word_bits_all[(1,)](words.to(device), out)
+    one = lambda c: ((c & 8) << 12) | ((c & 7) << 6)  # noqa: E731 - the byte decode's bits of one code
+    expect = torch.stack([one(codes[:, i]) | (one(codes[:, i + 4]) << 16) for i in range(4)])
+    expect = torch.where(expect >= 2 ** 31, expect - 2 ** 32, expect).to(torch.int32)
+    assert torch.equal(out.cpu(), expect)
+
+
+@triton.jit
 def _gemv_group_sums(w_ptr, s_ptr, x_ptr, out_ptr, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     # 32 rows x one 256-wide K chunk: the CUDA-core decode kernels' per-group sums, before their K loop adds them
     rows = tl.arange(0, 32)

@@ -170,12 +170,24 @@ def _w4_words_bf16(q, s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     per_word = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]),
                           [BLOCK_N, BLOCK_K // 8])
     q8 = q >> 8
-    x0 = _bf16_halves(((q & 0x000F000F) * 0x1040) & -0x7E3F7E40, first, per_word)  # codes 0 and 4 of each word
-    x1 = _bf16_halves(((q & 0x00F000F0) * 0x104) & -0x7E3F7E40, first, per_word)  # codes 1 and 5
-    x2 = _bf16_halves(((q8 & 0x000F000F) * 0x1040) & -0x7E3F7E40, first, per_word)  # 2 and 6
-    x3 = _bf16_halves(((q8 & 0x00F000F0) * 0x104) & -0x7E3F7E40, first, per_word)  # 3 and 7
+    x0 = _bf16_halves(_w4_word_bits(q, q8, 0), first, per_word)
+    x1 = _bf16_halves(_w4_word_bits(q, q8, 1), first, per_word)
+    x2 = _bf16_halves(_w4_word_bits(q, q8, 2), first, per_word)
+    x3 = _bf16_halves(_w4_word_bits(q, q8, 3), first, per_word)
     z = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [N, K/8, half, i % 2, i // 2] for code 4 * half + i
     return tl.reshape(tl.permute(z, (0, 1, 2, 4, 3)), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _w4_word_bits(q, q8, I: tl.constexpr):
+    """bf16 bit pairs from int32 words of 8 codes q (q8 = q >> 8): code I in the low half and code I + 4 in the
+    high half, each as code * 2^-126 (sign to bit 15, magnitude to bits 8..6, as _w4_tile's byte decode)."""
+    src = q if I < 2 else q8
+    if I % 2 == 0:
+        t = ((src & 0x000F000F) * 0x1040) & -0x7E3F7E40  # mask 0x81C081C0
+    else:
+        t = ((src & 0x00F000F0) * 0x104) & -0x7E3F7E40
+    return t
 
 
 @triton.jit
