@@ -191,6 +191,16 @@ def _w4_word_bits(q, q8, I: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_divisor(gs_ptr, e, W4_WORDS: tl.constexpr):
+    """What an NVFP4 GEMM's accumulator is divided by: expert e's global scale, over W4_WORDS_NVFP4_SHIFT where
+    _w4_words_bf16 built the tiles (exact: a power of two)."""
+    gs = tl.load(gs_ptr + e)
+    if W4_WORDS:
+        gs = gs / W4_WORDS_NVFP4_SHIFT
+    return gs
+
+
+@triton.jit
 def _bf16_halves(t, first, then):
     """[..., 2] bf16: the halves of int32 bits t (each a code * 2^-126), times ``first`` (unless None), times
     ``then``; both per word [N, K/8]."""
@@ -506,9 +516,7 @@ def _gemm1_rows(
         if PAIRED:
             acc_gate, acc_up = tl.split(tl.reshape(acc_pair, [ROWS_M, BLOCK_N, 2]))
         if FORMAT == NVFP4:
-            gs = tl.load(gs_ptr + e)
-            if W4_WORDS:
-                gs = gs / W4_WORDS_NVFP4_SHIFT
+            gs = _nvfp4_divisor(gs_ptr, e, W4_WORDS)
             acc_gate = acc_gate / gs
             acc_up = acc_up / gs
         if FORMAT >= FP8 and not W_BLOCKED:  # one scale per output column (per-channel, or per-tensor with stride 0)
@@ -635,10 +643,7 @@ def _gemm2_rows(
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             acc = tl.trans(acc)
         if FORMAT == NVFP4:
-            gs = tl.load(gs_ptr + e)
-            if W4_WORDS:
-                gs = gs / W4_WORDS_NVFP4_SHIFT
-            acc = acc / gs
+            acc = acc / _nvfp4_divisor(gs_ptr, e, W4_WORDS)
         if FORMAT >= FP8 and not W_BLOCKED:
             acc *= tl.load(s_e + rows * stride_sn, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
