@@ -137,13 +137,12 @@ def test_four_bit_word_bits_place_codes_as_the_byte_decode(device):
         pytest.skip("no Triton launch here")
     w, j = torch.arange(256)[:, None], torch.arange(8)[None, :]
     codes = (w + 3 * j + (w // 16) * j) % 16               # code j of word w (bits 4j..4j+3): all 16 in each slot
-    words = (codes << (4 * torch.arange(8))).sum(dim=1).to(torch.int64)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    int32 = lambda u: torch.where(u >= 2 ** 31, u - 2 ** 32, u).to(torch.int32)  # noqa: E731 - 32-bit patterns
+    words = int32((codes << (4 * torch.arange(8))).sum(dim=1))
     out = torch.full((4, 256), -1, dtype=torch.int32, device=device)
     _word_bits_all[(1,)](words.to(device), out)
     one = lambda c: ((c & 8) << 12) | ((c & 7) << 6)  # noqa: E731 - the byte decode's bits of one code
-    expect = torch.stack([one(codes[:, i]) | (one(codes[:, i + 4]) << 16) for i in range(4)])
-    expect = torch.where(expect >= 2 ** 31, expect - 2 ** 32, expect).to(torch.int32)
+    expect = int32(torch.stack([one(codes[:, i]) | (one(codes[:, i + 4]) << 16) for i in range(4)]))
     assert torch.equal(out.cpu(), expect)
 
 
