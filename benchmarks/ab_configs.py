@@ -13,7 +13,9 @@ OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``stagesN`` (pipel
 ``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), ``ahead`` / ``atuse`` (GemmConfig.scales_ahead
 of the tensor-core 4-bit GEMMs), ``split`` (ExpertsConfig.split_slots:
 the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``; ``g1.OPT`` / ``g2.OPT`` sets an
-option in one GEMM only, e.g. ``table+g2.stages3``.
+option in one GEMM only, e.g. ``table+g2.stages3``. ``table@N`` is the table's config for N tokens (its bucket's
+entry, or the heuristic where the bucket has none), timed at the run's T: e.g. a neighbouring bucket's entry
+where T's own bucket has none; options follow as above (``table@16+half``).
 """
 
 from __future__ import annotations
@@ -49,9 +51,14 @@ def _option(word: str) -> dict:
     raise ValueError(f"unknown config option {word!r} (tma, half, stagesN, packed, unpacked, ahead, atuse)")
 
 
-def parse_config(text: str, table: ExpertsConfig) -> ExpertsConfig | None:
+def parse_config(text: str, table: ExpertsConfig, at_tokens=None) -> ExpertsConfig | None:
+    """The config a --config word names; ``at_tokens(N)`` gives the table's config for N tokens (``table@N``)."""
     if text == "table":
         return None
+    if text.startswith("table@"):
+        head, _, rest = text.partition("+")
+        base = at_tokens(int(head.removeprefix("table@")))
+        return parse_config("table+" + rest, base) if rest else base
     if text.startswith("table+"):  # the table's config with options set in both GEMMs (g1. / g2.: in one)
         opts = {1: {}, 2: {}}
         words = text.split("+")[1:]
@@ -98,8 +105,12 @@ def main(argv=None) -> None:
         table, _ = expert_configs.choose(T, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
                                          spec.hidden_size, x.device, x.dtype, fmt)
         print(f"T={T} table: {table}", flush=True)
+
+        def at_tokens(n: int) -> ExpertsConfig:
+            return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
+                                         spec.hidden_size, x.device, x.dtype, fmt)[0]
         for text in ["table"] + [c for c in args.config if c != "table"]:
-            config = parse_config(text, table)
+            config = parse_config(text, table, at_tokens)
             try:
                 diff = ((call(*layers[0], config).float() - ref).norm() / ref.norm()).item()
                 us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2)  # per call
