@@ -1,7 +1,8 @@
 """A same-run A/B's log as results: JSON, markdown and the log itself under benchmarks/results/.
 
 The log is what a device call prints when it runs ab_configs.py for two source trees in turn, each line
-prefixed with ``ROUND TREE PRESET`` (TREE OLD or NEW, PRESET gpt-oss / qwen3 / deepseek), e.g.
+prefixed with ``ROUND TREE PRESET`` (TREE OLD or NEW, PRESET gpt-oss / qwen3 / deepseek, in its checkpoint format,
+or PRESET/WEIGHTS for another, e.g. gpt-oss/dense), e.g.
 
     1 OLD gpt-oss T=  4096 table      3210.5 us   diff vs table 0.0
 
@@ -22,14 +23,15 @@ from pathlib import Path
 PRESETS = {"gpt-oss": ("gpt-oss-120b", "mxfp4"), "qwen3": ("qwen3-30b-a3b", "nvfp4"),
            "deepseek": ("deepseek-v3", "fp8_block")}
 LINE = re.compile(r"(\d+) (OLD|NEW) (\S+) T=\s*(\d+) (\S+)\s+([\d.]+) us")
-KEY = ("round", "preset", "T", "config")
+KEY = ("round", "preset", "weights", "T", "config")
 
 
 def parse(log: Path) -> list[dict]:
     rows = []
     for line in log.read_text().splitlines():
         if m := LINE.match(line):
-            preset, weights = PRESETS[m.group(3)]
+            label, _, weights = m.group(3).partition("/")  # gpt-oss/dense: another format than the preset's own
+            preset, weights = PRESETS[label][0], weights or PRESETS[label][1]
             rows.append(dict(tree=m.group(2), round=int(m.group(1)), preset=preset, weights=weights,
                              T=int(m.group(4)), config=m.group(5), us=float(m.group(6))))
     return rows

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moekit import _experts_triton, expert_configs, layouts, reference
+from moekit import _experts_triton, expert_configs, layouts, presets, reference
 from moekit.expert_configs import ExpertsConfig, GemmConfig
 from moekit.experts import batched_experts, fused_experts
 from moekit.verify.metrics import Tolerance, check_close
@@ -275,6 +275,22 @@ def test_heuristic_regimes():
     prefill = expert_configs.heuristic(16384, 128, 4, 5760, 2880)
     assert decode.per_pair and not small.per_pair and small.block_m == 16 and prefill.block_m == 128
     assert expert_configs.token_bucket(3) == 4 and expert_configs.token_bucket(10**6) == 16384
+
+
+def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
+    assert expert_configs.nearest_tuned_bucket(8, [1, 4, 16, 64]) == 16        # the one above first
+    assert expert_configs.nearest_tuned_bucket(16384, [1, 1024, 4096]) == 4096  # none above: the largest below
+    assert expert_configs.nearest_tuned_bucket(8, []) is None                  # no entries: the heuristic
+    entry = ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 8), GemmConfig(64, 64, 4, 3, 8)).to_dict()
+    monkeypatch.setattr(expert_configs, "_table", lambda: {"K": {"S": {"4096": entry}}})
+    monkeypatch.setattr(expert_configs, "table_key", lambda *a: "K")
+    monkeypatch.setattr(expert_configs, "shape_key", lambda *a: "S")
+    expert_configs._choose.cache_clear()
+    try:
+        cfg, source = expert_configs.choose(9000, 128, 4, 5760, 2880, torch.device("cpu"), torch.bfloat16, "mxfp4")
+        assert cfg == ExpertsConfig.from_dict(entry) and "T<=4096, the nearest tuned bucket to T<=16384" in source
+    finally:
+        expert_configs._choose.cache_clear()
 
 
 def test_configs_round_trip_through_the_table_format():
@@ -602,6 +618,29 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
                   config=_GPU_4BIT_CONFIGS[mode])
     ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2)
     check_close(f"{why} ({mode})", out, ref, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,preset,T,why", [
+    ("mxfp4", "gpt-oss-120b", 2, "the T<=2 entry: T<=1's CUDA-core config at two tokens"),
+    ("mxfp4", "gpt-oss-120b", 32, "the T<=32 entry: T<=4's CUDA-core per-pair config at 32 tokens"),
+    ("mxfp4", "gpt-oss-120b", 129, "the T<=256 entry: T<=1024's tensor-core config at about 4 rows per expert"),
+    ("nvfp4", "qwen3-30b-a3b", 7, "the T<=8 entry: T<=16's CUDA-core config"),
+    ("nvfp4", "qwen3-30b-a3b", 513, "the T<=1024 entry at a bucket's lower end"),
+])
+def test_gpu_four_bit_table_entries_at_their_token_counts(fmt, preset, T, why):
+    # entries copied from a neighbouring bucket (results/ab_bucket_gaps_s14) serve token counts they were not tuned at
+    spec = presets.get(preset)
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, spec.activation == "swiglu_oai", "cuda")
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    tw, tid = _routes(T, E, k, "cuda")
+    _, source = expert_configs.choose(T, E, k, 2 * I, H, x.device, x.dtype, fmt)
+    out = _poisoned((T, H), torch.bfloat16, "cuda")
+    fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out)
+    ref = reference.fused_experts(x, d13, d2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2)
+    check_close(f"{why} ({source})", out, ref, TOL[torch.bfloat16])
 
 
 def _byte_offset_copy(q):
