@@ -281,6 +281,7 @@ def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
     assert expert_configs.nearest_tuned_bucket(8, [1, 4, 16, 64]) == 16        # the one above first
     assert expert_configs.nearest_tuned_bucket(16384, [1, 1024, 4096]) == 4096  # none above: the largest below
     assert expert_configs.nearest_tuned_bucket(8, []) is None                  # no entries: the heuristic
+    assert expert_configs.nearest_tuned_bucket(4, [256, 1024]) is None         # below every entry: the heuristic
     entry = ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 8), GemmConfig(64, 64, 4, 3, 8)).to_dict()
     monkeypatch.setattr(expert_configs, "_table", lambda: {"K": {"S": {"4096": entry}}})
     monkeypatch.setattr(expert_configs, "table_key", lambda *a: "K")

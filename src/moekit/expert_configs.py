@@ -177,13 +177,16 @@ def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int,
 
 
 def nearest_tuned_bucket(bucket: int, tuned: list[int]) -> int | None:
-    """The tuned bucket that serves a bucket without an entry: the smallest above it, else the largest below.
-    A neighbouring entry beat the heuristic in most of the gaps measured on the H200 (by up to 40% at
-    gpt-oss MXFP4 T=2048), and the one above won more often than the one below: its row blocks and
-    tiles suit more rows, which a bucket's upper end has (results/ab_bucket_gaps_s14)."""
+    """The tuned bucket that serves a bucket without an entry: between two tuned buckets the one above, past the
+    largest the largest; below the smallest none (the heuristic: no entry was measured in that regime, e.g. the
+    decode sizes of a table tuned from T=256 up). Between entries a neighbour beat the heuristic in most of the
+    gaps measured on the H200 (by up to 40% at gpt-oss MXFP4 T=2048), the one above more often than the one
+    below: its row blocks and tiles suit more rows, which a bucket's upper end has (results/ab_bucket_gaps_s14)."""
     above = [b for b in tuned if b > bucket]
     below = [b for b in tuned if b < bucket]
-    return min(above) if above else (max(below) if below else None)
+    if not below:
+        return None
+    return min(above) if above else max(below)
 
 
 def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
