@@ -30,3 +30,15 @@ def test_gemv2_packed_rule_the_kernel_and_the_tuner_share():
     assert not gemv2_packed(GemmConfig(4, 256, packed=True, slots=2), "mxfp4", torch.bfloat16, 4)  # slots together
     assert not gemv2_packed(on, "mxfp4", torch.float32, 4)  # fp32 h keeps fp32 products
     assert not gemv2_packed(on, "dense", torch.bfloat16, 4)
+
+
+def test_incumbents_are_the_shipped_entries_and_the_heuristic_once_each():
+    # a bucket's sweep must beat, in whole calls, every config that would serve the bucket without it
+    from moekit.expert_configs import ExpertsConfig, GemmConfig
+
+    a = ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 8), GemmConfig(64, 64, 4, 3, 8, half_tails=True))
+    b = ExpertsConfig(16, GemmConfig(16, 256), GemmConfig(16, 512), per_pair=True, gemv=True)
+    heur = ExpertsConfig(128, GemmConfig(128, 64, 8, 4, 8), GemmConfig(128, 64, 8, 4, 8))
+    entries = {"4": b.to_dict(), "1024": a.to_dict() | {"measured": {"gemm_us": 1.0}}, "4096": a.to_dict()}
+    assert tune.incumbents(entries, heur) == (b, a, heur)
+    assert tune.incumbents({}, heur) == (heur,)

@@ -227,9 +227,13 @@ GEMV_TUNE_MAX = 16  # ... and up to this many, the CUDA-core decode kernels
 
 
 MODES = ("aligned", "per_pair", "gemv")
+INCUMBENT_PER_PAIR_MAX = 64  # tokens up to which the table's per-pair entries are incumbents (results/ab_bucket_gaps_s14)
 
 
-def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MODES) -> tuple[ExpertsConfig, dict]:
+def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MODES,
+         incumbents: tuple[ExpertsConfig, ...] = ()) -> tuple[ExpertsConfig, dict]:
+    """The fastest config for ``num_tokens``: the sweep's pick, unless a whole call with one of ``incumbents``
+    (what the shipped table and the heuristic would serve, see :func:`incumbents`) is faster."""
     problem = _Problem(spec, num_tokens, weights)
     best = None
     info = {}
@@ -295,7 +299,34 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
         raise ValueError(f"no mode of {modes} applies at T={num_tokens}")
     heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
                                     spec.hidden_size, weight_format)
-    return best[1], info | {"heuristic": heur.to_dict()}
+    info |= {"heuristic": heur.to_dict()}
+    # per-pair entries (decode sizes) past a few dozen tokens only cost sweep time: they lost everywhere there
+    others = [c for c in dict.fromkeys(incumbents) if c != best[1] and (num_tokens <= INCUMBENT_PER_PAIR_MAX
+                                                                          or not c.per_pair)]
+    if others:
+        # The sweep ranks each mode's GEMMs alone; the incumbents are what would serve the bucket otherwise,
+        # so the pick must beat them in whole calls (session 14 found neighbouring buckets' entries up to 40%
+        # faster than both the heuristic and the sweep's own space at some token counts).
+        pick_us = problem.whole_call_us(best[1])
+        timed = [(pick_us, best[1], "sweep")]
+        for i, cfg in enumerate(others):
+            try:
+                timed.append((problem.whole_call_us(cfg), cfg, f"incumbent {i}"))
+            except Exception as exc:  # noqa: BLE001 - e.g. an entry for another mode that does not apply here
+                print(f"  T={num_tokens} incumbent {cfg} failed: {type(exc).__name__}", flush=True)
+                torch.cuda.synchronize()
+        us, cfg, what = min(timed, key=lambda t: t[0])
+        print(f"  T={num_tokens} whole call: sweep {pick_us:.1f} us, best of {len(others)} incumbents "
+              f"{min((t[0] for t in timed[1:]), default=float('nan')):.1f} us -> {what}", flush=True)
+        info |= {"sweep_call_us": pick_us, "kept": what, "call_us": us}
+        best = (us, cfg)
+    return best[1], info
+
+
+def incumbents(table_entries: dict, heuristic: ExpertsConfig) -> tuple[ExpertsConfig, ...]:
+    """The configs a bucket's sweep must beat: every entry the shipped table has for the shape (each a
+    neighbouring bucket's measured winner, or the bucket's own) and the heuristic."""
+    return tuple(dict.fromkeys([ExpertsConfig.from_dict(e) for e in table_entries.values()] + [heuristic]))
 
 
 def main(argv=None) -> None:
@@ -321,7 +352,10 @@ def main(argv=None) -> None:
         for T in args.tokens:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)
-            cfg, info = tune(spec, bucket, weights, args.format, args.modes)
+            shipped = expert_configs._table().get(key, {}).get(shape, {})
+            heur = expert_configs.heuristic(bucket, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
+                                            spec.hidden_size, args.format.split("_")[0])
+            cfg, info = tune(spec, bucket, weights, args.format, args.modes, incumbents(shipped, heur))
             entry = cfg.to_dict() | {"measured": info}
             table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = entry
             args.out.write_text(json.dumps(table, indent=1))  # keep partial results if interrupted
