@@ -655,10 +655,17 @@ def _byte_offset_copy(q):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("config", [ExpertsConfig(32, GemmConfig(32, 64), GemmConfig(32, 64)), None],
                          ids=["aligned 32-row blocks", "table or heuristic"])
-def test_gpu_four_bit_word_decode_equals_byte_decode(fmt, config):
+@pytest.mark.parametrize("T", [
+    1,    # one token: one row in one block
+    8,    # a row block's worth of pairs, k = 3 spreads them
+    127,  # one short of a power of two
+    128,  # a power of two
+    129,  # one past it: a tail block
+])
+def test_gpu_four_bit_word_decode_equals_byte_decode(fmt, config, T):
     # the tensor-core GEMMs decode whole int32 words of codes where rows start on words, bytes elsewhere: the same
-    # tile values (NVFP4's words carry 2^-8, undone in the epilogue), so the same bits; prime E, 129 tokens, k = 3
-    E, H, I, T, k = 5, 160, 96, 129, 3
+    # tile values (NVFP4's words carry 2^-8, undone in the epilogue), so the same bits; prime E, k = 3
+    E, H, I, k = 5, 160, 96, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, True, "cuda")
     q13, q2, d13, d2 = _quantized(fmt, w13, w2)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -671,6 +678,46 @@ def test_gpu_four_bit_word_decode_equals_byte_decode(fmt, config):
     check_close("words", outs[0], reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
                 TOL[torch.bfloat16])
     assert torch.equal(outs[0], outs[1]), "word and byte decodes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_four_bit_past_2_pow_31_bytes(fmt):
+    # a DeepSeek-V3-sized 4-bit stack: w13 holds 256 * 4096 * 3584 = 3.8e9 bytes of codes (7.5e9 weights); tokens
+    # on the last experts read past 2^31 bytes (int32 offsets, in bytes or in words, would wrap). Random codes and
+    # scales built in place (quantizing 15 GB of bf16 is not the point); the reference dequantizes only the experts
+    # the tokens use.
+    from moekit.formats import mxfp4, nvfp4
+
+    E, H, I, T, k = 256, 7168, 2048, 5, 8
+    used = T * k
+
+    def stack(n, kk):
+        data = torch.randint(0, 256, (E, n, kk // 2), device="cuda", dtype=torch.uint8)
+        if fmt == "mxfp4":  # E8M0 2^-7 .. 2^-5
+            return mxfp4.MXFP4Tensor(data, torch.randint(120, 123, (E, n, kk // 32), device="cuda",
+                                                         dtype=torch.uint8), (E, n, kk))
+        scales = torch.empty(E, n, kk // 16, device="cuda").uniform_(1, 4).to(torch.float8_e4m3fn)
+        return nvfp4.NVFP4Tensor(data, scales, torch.full((E,), 64.0, device="cuda"), (E, n, kk))
+
+    def last(t, n, kk):
+        if fmt == "mxfp4":
+            return mxfp4.dequantize(mxfp4.MXFP4Tensor(t.data[-used:], t.scales[-used:], (used, n, kk)), torch.float32)
+        return nvfp4.dequantize(nvfp4.NVFP4Tensor(t.data[-used:], t.scales[-used:], t.global_scale[-used:],
+                                                  (used, n, kk)), torch.float32)
+
+    q13, q2 = stack(2 * I, H), stack(H, I)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    tid = torch.arange(E - used, E, device="cuda", dtype=torch.int32).view(T, k)
+    tw = torch.softmax(torch.randn(T, k, device="cuda"), -1)
+    ref = reference.fused_experts(x, last(q13, 2 * I, H), last(q2, H, I), tw, tid - (E - used))
+    for cfg in (None,                                                     # the heuristic: CUDA-core decode
+                ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128)),  # tensor cores, the word decode
+                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(4, 512, 8, 1, slots=8), per_pair=True,
+                              gemv=True)):                                # eight experts' offsets in one step
+        out = _poisoned((T, H), torch.bfloat16, "cuda")
+        fused_experts(x, q13, q2, tw, tid, out=out, config=cfg)
+        check_close(f"4-bit past 2^31 bytes {cfg}", out, ref, TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
