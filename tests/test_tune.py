@@ -40,5 +40,6 @@ def test_incumbents_are_the_shipped_entries_and_the_heuristic_once_each():
     b = ExpertsConfig(16, GemmConfig(16, 256), GemmConfig(16, 512), per_pair=True, gemv=True)
     heur = ExpertsConfig(128, GemmConfig(128, 64, 8, 4, 8), GemmConfig(128, 64, 8, 4, 8))
     entries = {"4": b.to_dict(), "1024": a.to_dict() | {"measured": {"gemm_us": 1.0}}, "4096": a.to_dict()}
-    assert tune.incumbents(entries, heur) == (b, a, heur)
-    assert tune.incumbents({}, heur) == (heur,)
+    assert tune.incumbents(entries, heur) == {"table T<=4": b, "table T<=1024": a, "heuristic": heur}
+    assert tune.incumbents({"16": heur.to_dict()}, heur) == {"table T<=16": heur}
+    assert tune.incumbents({}, heur) == {"heuristic": heur}

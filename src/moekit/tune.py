@@ -231,7 +231,7 @@ INCUMBENT_PER_PAIR_MAX = 64  # tokens up to which the table's per-pair entries a
 
 
 def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MODES,
-         incumbents: tuple[ExpertsConfig, ...] = ()) -> tuple[ExpertsConfig, dict]:
+         incumbents: dict[str, ExpertsConfig] | None = None) -> tuple[ExpertsConfig, dict]:
     """The fastest config for ``num_tokens``: the sweep's pick, unless a whole call with one of ``incumbents``
     (what the shipped table and the heuristic would serve, see :func:`incumbents`) is faster."""
     problem = _Problem(spec, num_tokens, weights)
@@ -301,17 +301,17 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
                                     spec.hidden_size, weight_format)
     info |= {"heuristic": heur.to_dict()}
     # per-pair entries (decode sizes) past a few dozen tokens only cost sweep time: they lost everywhere there
-    others = [c for c in dict.fromkeys(incumbents) if c != best[1] and (num_tokens <= INCUMBENT_PER_PAIR_MAX
-                                                                          or not c.per_pair)]
+    others = {what: c for what, c in (incumbents or {}).items()
+              if c != best[1] and (num_tokens <= INCUMBENT_PER_PAIR_MAX or not c.per_pair)}
     if others:
         # The sweep ranks each mode's GEMMs alone; the incumbents are what would serve the bucket otherwise,
         # so the pick must beat them in whole calls (session 14 found neighbouring buckets' entries up to 40%
         # faster than both the heuristic and the sweep's own space at some token counts).
         pick_us = problem.whole_call_us(best[1])
         timed = [(pick_us, best[1], "sweep")]
-        for i, cfg in enumerate(others):
+        for what, cfg in others.items():
             try:
-                timed.append((problem.whole_call_us(cfg), cfg, f"incumbent {i}"))
+                timed.append((problem.whole_call_us(cfg), cfg, what))
             except Exception as exc:  # noqa: BLE001 - e.g. an entry for another mode that does not apply here
                 print(f"  T={num_tokens} incumbent {cfg} failed: {type(exc).__name__}", flush=True)
                 torch.cuda.synchronize()
@@ -323,10 +323,17 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
     return best[1], info
 
 
-def incumbents(table_entries: dict, heuristic: ExpertsConfig) -> tuple[ExpertsConfig, ...]:
-    """The configs a bucket's sweep must beat: every entry the shipped table has for the shape (each a
-    neighbouring bucket's measured winner, or the bucket's own) and the heuristic."""
-    return tuple(dict.fromkeys([ExpertsConfig.from_dict(e) for e in table_entries.values()] + [heuristic]))
+def incumbents(table_entries: dict, heuristic: ExpertsConfig) -> dict[str, ExpertsConfig]:
+    """The configs a bucket's sweep must beat, each once under the first name it has: every entry the shipped
+    table has for the shape ("table T<=N": a neighbouring bucket's measured winner, or the bucket's own) and
+    the heuristic."""
+    named = [(f"table T<={b}", ExpertsConfig.from_dict(e)) for b, e in sorted(table_entries.items(),
+                                                                             key=lambda t: int(t[0]))]
+    out: dict[str, ExpertsConfig] = {}
+    for what, cfg in named + [("heuristic", heuristic)]:
+        if cfg not in out.values():
+            out[what] = cfg
+    return out
 
 
 def main(argv=None) -> None:
