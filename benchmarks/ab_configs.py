@@ -91,6 +91,11 @@ def main(argv=None) -> None:
     spec = presets.get(args.preset)
     act_quant = "fp8_group" if args.weights.startswith("fp8") else None
     layers = random_weights(spec, layers=2, weight_format=args.weights)
+    fmt = args.weights.split("_")[0]
+
+    def at_tokens(n: int) -> ExpertsConfig:  # the table's config (or the heuristic) for n tokens
+        return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,
+                                     torch.device("cuda"), torch.bfloat16, fmt)[0]
     rows = []
     for T in args.tokens:
         x = torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -101,14 +106,8 @@ def main(argv=None) -> None:
                                  backend="triton", config=config)
 
         ref = call(*layers[0], None).float()
-        fmt = args.weights.split("_")[0]
-        table, _ = expert_configs.choose(T, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
-                                         spec.hidden_size, x.device, x.dtype, fmt)
+        table = at_tokens(T)
         print(f"T={T} table: {table}", flush=True)
-
-        def at_tokens(n: int) -> ExpertsConfig:
-            return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
-                                         spec.hidden_size, x.device, x.dtype, fmt)[0]
         for text in ["table"] + [c for c in args.config if c != "table"]:
             config = parse_config(text, table, at_tokens)
             try:

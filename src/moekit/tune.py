@@ -231,9 +231,9 @@ INCUMBENT_PER_PAIR_MAX = 64  # tokens up to which the table's per-pair entries a
 
 
 def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MODES,
-         incumbents: dict[str, ExpertsConfig] | None = None) -> tuple[ExpertsConfig, dict]:
-    """The fastest config for ``num_tokens``: the sweep's pick, unless a whole call with one of ``incumbents``
-    (what the shipped table and the heuristic would serve, see :func:`incumbents`) is faster."""
+         shipped: dict | None = None) -> tuple[ExpertsConfig, dict]:
+    """The fastest config for ``num_tokens``: the sweep's pick, unless ``shipped`` (the table's entries for the
+    shape, as JSON) is given and a whole call with one of them or with the heuristic is faster (:func:`incumbents`)."""
     problem = _Problem(spec, num_tokens, weights)
     best = None
     info = {}
@@ -297,11 +297,12 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
             best = (gemv_us, gemv_cfg)
     if best is None:
         raise ValueError(f"no mode of {modes} applies at T={num_tokens}")
+    # fp8_block / fp8_channel are the "fp8" family to the heuristic, as to expert_configs.choose
     heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
-                                    spec.hidden_size, weight_format)
+                                    spec.hidden_size, weight_format.split("_")[0])
     info |= {"heuristic": heur.to_dict()}
     # per-pair entries (decode sizes) past a few dozen tokens only cost sweep time: they lost everywhere there
-    others = {what: c for what, c in (incumbents or {}).items()
+    others = {what: c for what, c in (incumbents(shipped, heur) if shipped is not None else {}).items()
               if c != best[1] and (num_tokens <= INCUMBENT_PER_PAIR_MAX or not c.per_pair)}
     if others:
         # The sweep ranks each mode's GEMMs alone; the incumbents are what would serve the bucket otherwise,
@@ -360,9 +361,7 @@ def main(argv=None) -> None:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)
             shipped = expert_configs._table().get(key, {}).get(shape, {})
-            heur = expert_configs.heuristic(bucket, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
-                                            spec.hidden_size, args.format.split("_")[0])
-            cfg, info = tune(spec, bucket, weights, args.format, args.modes, incumbents(shipped, heur))
+            cfg, info = tune(spec, bucket, weights, args.format, args.modes, shipped)
             entry = cfg.to_dict() | {"measured": info}
             table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = entry
             args.out.write_text(json.dumps(table, indent=1))  # keep partial results if interrupted
