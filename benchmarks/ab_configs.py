@@ -15,7 +15,9 @@ of the tensor-core 4-bit GEMMs), ``split`` (ExpertsConfig.split_slots:
 the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``; ``g1.OPT`` / ``g2.OPT`` sets an
 option in one GEMM only, e.g. ``table+g2.stages3``. ``table@N`` is the table's config for N tokens (its bucket's
 entry, or the heuristic where the bucket has none), timed at the run's T: e.g. a neighbouring bucket's entry
-where T's own bucket has none; options follow as above (``table@16+half``).
+where T's own bucket has none; options follow as above (``table@16+half``). ``FILE.json@N`` is the entry for
+bucket N of a tuner output (``moekit.tune --out``), for this preset's shape and weight format: how a retune's
+picks, decode modes included, are A/B'd against the table before they are merged.
 """
 
 from __future__ import annotations
@@ -51,10 +53,25 @@ def _option(word: str) -> dict:
     raise ValueError(f"unknown config option {word!r} (tma, half, stagesN, packed, unpacked, ahead, atuse)")
 
 
-def parse_config(text: str, table: ExpertsConfig, at_tokens=None) -> ExpertsConfig | None:
-    """The config a --config word names; ``at_tokens(N)`` gives the table's config for N tokens (``table@N``)."""
+def tuned_entry(path: str, bucket: int, shape: str, weight_format: str) -> ExpertsConfig:
+    """Bucket ``bucket``'s entry for ``shape`` in a tuner output, under its key for ``weight_format`` (the table's
+    format family: dense, mxfp4, nvfp4, fp8)."""
+    tuned = json.loads(Path(path).read_text())
+    keys = [k for k in tuned if k.split("|")[3:] == ([] if weight_format == "dense" else [weight_format])
+            and shape in tuned[k]]
+    if len(keys) != 1 or str(bucket) not in tuned[keys[0]][shape]:
+        raise ValueError(f"{path}: no single entry for {shape}, {weight_format} weights, bucket {bucket}")
+    return ExpertsConfig.from_dict(tuned[keys[0]][shape][str(bucket)])
+
+
+def parse_config(text: str, table: ExpertsConfig, at_tokens=None, tuned=None) -> ExpertsConfig | None:
+    """The config a --config word names; ``at_tokens(N)`` gives the table's config for N tokens (``table@N``),
+    ``tuned(FILE, N)`` a tuner output's entry (``FILE.json@N``)."""
     if text == "table":
         return None
+    if ".json@" in text:
+        path, _, bucket = text.rpartition("@")
+        return tuned(path, int(bucket))
     if text.startswith("table@"):
         head, _, rest = text.partition("+")
         base = at_tokens(int(head.removeprefix("table@")))
@@ -96,6 +113,10 @@ def main(argv=None) -> None:
     def at_tokens(n: int) -> ExpertsConfig:  # the table's config (or the heuristic) for n tokens
         return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,
                                      torch.device("cuda"), torch.bfloat16, fmt)[0]
+    shape = expert_configs.shape_key(spec.num_experts, 2 * spec.intermediate_size, spec.hidden_size)
+
+    def tuned(path: str, bucket: int) -> ExpertsConfig:
+        return tuned_entry(path, bucket, shape, fmt)
     rows = []
     for T in args.tokens:
         x = torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -109,7 +130,7 @@ def main(argv=None) -> None:
         table = at_tokens(T)
         print(f"T={T} table: {table}", flush=True)
         for text in ["table"] + [c for c in args.config if c != "table"]:
-            config = parse_config(text, table, at_tokens)
+            config = parse_config(text, table, at_tokens, tuned)
             try:
                 diff = ((call(*layers[0], config).float() - ref).norm() / ref.norm()).item()
                 us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2)  # per call

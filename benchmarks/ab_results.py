@@ -39,10 +39,14 @@ def parse(log: Path) -> list[dict]:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     same = lambda a, b: all(a[k] == b[k] for k in KEY)  # noqa: E731
+    two_trees = any(r["tree"] == "OLD" for r in rows)
     lines = [f"# Same-run A/B: {meta['change']} ({meta['gpu']}, {meta['date']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}. {meta['method']}. OLD = {meta['old']}, NEW = "
-             f"{meta['new']}. us per call; the ratio is NEW / OLD in the same round.", "",
-             "| round | preset | weights | T | config | OLD us | NEW us | NEW / OLD |", "|---|---|---|---|---|---|---|---|"]
+             f"torch {meta['torch']}, triton {meta['triton']}. {meta['method']}" + (
+                 f"; OLD and NEW trees alternating in one device call (same machine, same process order). OLD = "
+                 f"{meta['old']}, NEW = {meta['new']}. us per call; the ratio is NEW / OLD in the same round." if two_trees
+                 else f". One tree: {meta['new']}. us per call."), ""]
+    if two_trees:
+        lines += ["| round | preset | weights | T | config | OLD us | NEW us | NEW / OLD |", "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["tree"] == "OLD"):
         n = next((x for x in rows if x["tree"] == "NEW" and same(x, r)), None)
         if n:
@@ -50,7 +54,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          f"{r['us']:.1f} | {n['us']:.1f} | {n['us'] / r['us']:.3f} |")
     alone = [r for r in rows if not any(x is not r and same(x, r) for x in rows)]
     if alone:
-        lines += ["", "Timed in one tree only (configs compared within that tree's same run):", "",
+        lines += [""] * two_trees + ["Timed in one tree only (configs compared within that tree's same run):", "",
                   "| round | tree | preset | weights | T | config | us |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['round']} | {r['tree']} | {r['preset']} | {r['weights']} | {r['T']} | {r['config']} | "
                   f"{r['us']:.1f} |" for r in alone]
@@ -62,7 +66,7 @@ def main(argv=None) -> None:
     p.add_argument("log", type=Path)
     p.add_argument("name", help="results/<name>.{json,md,txt}")
     p.add_argument("--change", required=True)
-    p.add_argument("--old", required=True, help="the OLD tree (commit and what it is)")
+    p.add_argument("--old", default="-", help="the OLD tree (commit and what it is); none where the log has one tree")
     p.add_argument("--new", required=True)
     p.add_argument("--gpu", default="NVIDIA H200")
     p.add_argument("--date", required=True)
@@ -71,8 +75,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     meta = dict(gpu=args.gpu, date=args.date, torch=args.torch, triton=args.triton,
-                method="benchmarks/ab_configs.py, whole fused_experts calls, CUDA-graph replay over two layers; OLD "
-                       "and NEW trees alternating in one device call (same machine, same process order)",
+                method="benchmarks/ab_configs.py, whole fused_experts calls, CUDA-graph replay over two layers",
                 change=args.change, old=args.old, new=args.new, source=f"results/{args.name}.txt (the run's log)")
     rows = parse(args.log)
     (args.out / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

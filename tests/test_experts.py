@@ -623,14 +623,20 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,preset,T,why", [
-    ("mxfp4", "gpt-oss-120b", 2, "the T<=2 entry: T<=1's CUDA-core config at two tokens"),
-    ("mxfp4", "gpt-oss-120b", 32, "the T<=32 entry: T<=4's CUDA-core per-pair config at 32 tokens"),
+    ("mxfp4", "gpt-oss-120b", 2, "the T<=2 entry: its own CUDA-core config (session 15's retune)"),
+    ("mxfp4", "gpt-oss-120b", 3, "the T<=4 entry at an odd token count"),
+    ("mxfp4", "gpt-oss-120b", 7, "the T<=8 entry: T<=4's CUDA-core config at 7 tokens"),
+    ("mxfp4", "gpt-oss-120b", 16, "the T<=16 entry: session 12's T<=4 config (packed GEMM2) at 16 tokens"),
+    ("mxfp4", "gpt-oss-120b", 32, "the T<=32 entry: session 12's T<=4 CUDA-core config at 32 tokens"),
     ("mxfp4", "gpt-oss-120b", 129, "the T<=256 entry: T<=1024's tensor-core config at about 4 rows per expert"),
-    ("nvfp4", "qwen3-30b-a3b", 7, "the T<=8 entry: T<=16's CUDA-core config"),
+    ("nvfp4", "qwen3-30b-a3b", 2, "the T<=2 entry: two slots per CUDA-core program"),
+    ("nvfp4", "qwen3-30b-a3b", 7, "the T<=8 entry: CUDA-core GEMM2 as GEMM1's dependent launch"),
+    ("nvfp4", "qwen3-30b-a3b", 9, "the T<=16 entry: T<=32's 16-row tensor-core config at 9 tokens"),
     ("nvfp4", "qwen3-30b-a3b", 513, "the T<=1024 entry at a bucket's lower end"),
 ])
 def test_gpu_four_bit_table_entries_at_their_token_counts(fmt, preset, T, why):
-    # entries copied from a neighbouring bucket (results/ab_bucket_gaps_s14) serve token counts they were not tuned at
+    # entries copied from a neighbouring bucket (results/ab_bucket_gaps_s14, ab_decode_retune_s15) serve token counts
+    # they were not tuned at
     spec = presets.get(preset)
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
     w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, spec.activation == "swiglu_oai", "cuda")

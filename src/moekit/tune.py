@@ -319,7 +319,8 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
         us, cfg, what = min(timed, key=lambda t: t[0])
         print(f"  T={num_tokens} whole call: sweep {pick_us:.1f} us, best of {len(others)} incumbents "
               f"{min((t[0] for t in timed[1:]), default=float('nan')):.1f} us -> {what}", flush=True)
-        info |= {"sweep_call_us": pick_us, "kept": what, "call_us": us}
+        info |= {"sweep_call_us": pick_us, "incumbents_call_us": {w: t for t, _, w in timed[1:]}, "kept": what,
+                 "call_us": us}
         best = (us, cfg)
     return best[1], info
 
