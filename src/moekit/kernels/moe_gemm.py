@@ -201,12 +201,22 @@ def _nvfp4_divisor(gs_ptr, e, W4_WORDS: tl.constexpr):
 
 
 @triton.jit
+def _bf16_pair(t, HALVES_ASM: tl.constexpr = True):
+    """[..., 2] bf16: the two 16-bit halves of int32 bits t as they are (the MMA operand wants exactly this pair)."""
+    if HALVES_ASM:
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:  # the interpreter runs no PTX
+        lo = (t & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = ((t >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
 def _bf16_halves(t, first, then):
     """[..., 2] bf16: the halves of int32 bits t (each a code * 2^-126), times ``first`` (unless None), times
     ``then``; both per word [N, K/8]."""
-    lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t], dtype=(tl.bfloat16, tl.bfloat16),
-                                       is_pure=True, pack=1)
-    v = tl.join(lo, hi)
+    v = _bf16_pair(t)
     if first is not None:
         v = v * first[:, :, None]
     return v * then[:, :, None]
@@ -242,13 +252,7 @@ def _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.co
         # land on disjoint bits; the mask keeps each code's sign (bit 15 / 31) and magnitude (8..6 / 24..22).
         b = packed.to(tl.int32)
         t = ((b & 0xF) * 0x1040 + (b & 0xF0) * 0x01040000) & -0x7E3F7E40  # mask 0x81C081C0
-        if HALVES_ASM:  # the two halves as they are (the MMA operand wants exactly this pair)
-            lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-        else:  # the interpreter runs no PTX
-            lo = (t & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            hi = ((t >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // GROUP, GROUP])
+        v = tl.reshape(_bf16_pair(t, HALVES_ASM), [BLOCK_N, BLOCK_K // GROUP, GROUP])
         # The scales go straight to bf16 bits too (each thread decodes one per 16 or 32 of its weights).
         scale = _e8m0_bf16(s) if FORMAT == MXFP4 else _e4m3_bf16(s)
         two_126 = tl.full(scale.shape, TWO_POW_126, tl.float32).to(tl.bfloat16)  # the interpreter has no bf16 constants
