@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -164,6 +165,13 @@ def _gen(device):
     return _GEN[device]
 
 
+def reseed(what: str, device="cuda") -> None:
+    """Draw what follows from a seed of its own (``what``: a preset's weights, a (preset, T) case), so that a
+    case's routes and inputs do not depend on which presets and token counts ran before it in the process: the
+    same row of two runs with other --tokens lists sees the same experts hit."""
+    _gen(device).manual_seed(zlib.crc32(what.encode()))
+
+
 def routes(spec, T, device="cuda"):
     g = _gen(device)
     tid = torch.rand(T, spec.num_experts, device=device, generator=g).argsort(dim=1)[:, :spec.top_k].int().contiguous()
@@ -177,6 +185,7 @@ def make_cases(spec, T, layers) -> list[tuple]:
     """(x, layer, topk_weights, topk_ids) per call: 8 calls cycling over the layers for T <= 64
     (decode: a graph of consecutive layers), one call above."""
     calls, used = (8, len(layers)) if T <= 64 else (1, 1)
+    reseed(f"{spec.name} T={T}")
     cases = []
     for i in range(calls):
         tw, tid = routes(spec, T)
@@ -222,6 +231,7 @@ def run_preset(args, spec, rate, on_row):
     """Every T of one preset, each row handed to ``on_row`` as it is measured; the weights are freed on return."""
     name = spec.name
     n_layers = min(args.layers, 4)
+    reseed(f"{name} weights")
     layers = [Layer(spec, args.peers) for _ in range(n_layers)]
     impls = implementations(spec, args.peers)
     for T in args.tokens:

@@ -23,7 +23,7 @@ from .. import presets, reference
 from ..experts import fused_experts
 from ..formats import dequantize, quantize_experts
 from ..verify.metrics import rel_errors
-from .experts import COPY_BW, _gen, _torch_grouped_mm, make_cases, matmul_rate, save, script_main, time_impl
+from .experts import COPY_BW, _gen, _torch_grouped_mm, make_cases, matmul_rate, reseed, save, script_main, time_impl
 
 FORMATS = ("mxfp4", "nvfp4", "fp8_block", "fp8_channel")
 
@@ -73,6 +73,7 @@ def run(args):
     for name in args.presets:
         spec, fmt = presets.get(name), weight_format(name, args.weights)
         # deepseek-v3: a bf16 layer is 22.5 GB; two layers (and the error check's fp32 copy) fit in memory.
+        reseed(f"{name} {fmt} weights")
         layers = [LowBitLayer(spec, fmt) for _ in range(min(args.layers, 2 if spec.num_experts > 128 else 4))]
         act = spec.activation
 
