@@ -759,6 +759,31 @@ def test_four_bit_batched_and_expert_map(fmt):
     check_close("expert_map", got, reference.fused_experts(x, d13, d2, tw, tid, expert_map=emap), TOL[torch.float32])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_four_bit_batched_bf16_padding_and_expert_map(fmt):
+    # bf16 activations: the tensor-core word decode in the batched format (x [E, M, H], padding rows NaN) and with
+    # an expert_map; M = 129 and counts 0 / 1 / 64 / 65 / 128 / 129: empty, single-row, exact and tail row blocks
+    E, M, H, I = 7, 129, 256, 160
+    w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, True, "cuda")
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    xb = torch.randn(E, M, H, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([129, 0, 1, 64, 65, 128, 7], dtype=torch.int32, device="cuda")
+    valid = torch.arange(M, device="cuda")[None, :] < counts[:, None].long()
+    xb[~valid] = float("nan")
+    out = _poisoned(xb.shape, torch.bfloat16, "cuda")
+    batched_experts(xb, counts, q13, q2, activation="swiglu_oai", w13_bias=b13, w2_bias=b2, out=out)
+    assert torch.isnan(out[~valid]).all()
+    ref = reference.batched_experts(xb, counts, d13, d2, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
+    check_close("batched", out[valid], ref[valid], TOL[torch.bfloat16])
+    emap = torch.tensor([-1, 0, 1, -1, 2, 3, 4, 5, -1, 6], dtype=torch.int32, device="cuda")
+    x = torch.randn(129, H, device="cuda", dtype=torch.bfloat16)
+    tw, tid = _routes(129, 10, 3, "cuda")
+    got = fused_experts(x, q13, q2, tw, tid, expert_map=emap, w13_bias=b13, w2_bias=b2)
+    check_close("expert_map", got, reference.fused_experts(x, d13, d2, tw, tid, expert_map=emap, w13_bias=b13,
+                                                           w2_bias=b2), TOL[torch.bfloat16])
+
+
 def test_four_bit_weights_bad_input():
     from moekit.formats import mxfp4
 
