@@ -17,7 +17,8 @@ option in one GEMM only, e.g. ``table+g2.stages3``. ``table@N`` is the table's c
 entry, or the heuristic where the bucket has none), timed at the run's T: e.g. a neighbouring bucket's entry
 where T's own bucket has none; options follow as above (``table@16+half``). ``FILE.json@N`` is the entry for
 bucket N of a tuner output (``moekit.tune --out``), for this preset's shape and weight format: how a retune's
-picks, decode modes included, are A/B'd against the table before they are merged.
+picks, decode modes included, are A/B'd against the table before they are merged. ``heuristic`` is
+expert_configs.heuristic's config at the run's T (what a shape without table entries gets).
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ def tuned_entry(path: str, bucket: int, shape: str, weight_format: str) -> Exper
     return ExpertsConfig.from_dict(tuned[keys[0]][shape][str(bucket)])
 
 
-def parse_config(text: str, table: ExpertsConfig, at_tokens=None, tuned=None) -> ExpertsConfig | None:
+def parse_config(text: str, table: ExpertsConfig, at_tokens=None, tuned=None, heuristic=None) -> ExpertsConfig | None:
     """The config a --config word names; ``at_tokens(N)`` gives the table's config for N tokens (``table@N``),
-    ``tuned(FILE, N)`` a tuner output's entry (``FILE.json@N``)."""
+    ``tuned(FILE, N)`` a tuner output's entry (``FILE.json@N``), ``heuristic`` the heuristic's at the run's T."""
     if text == "table":
         return None
+    if text == "heuristic":
+        return heuristic
     if ".json@" in text:
         path, _, bucket = text.rpartition("@")
         return tuned(path, int(bucket))
@@ -128,9 +131,11 @@ def main(argv=None) -> None:
 
         ref = call(*layers[0], None).float()
         table = at_tokens(T)
+        heur = expert_configs.heuristic(T, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,
+                                        fmt)
         print(f"T={T} table: {table}", flush=True)
         for text in ["table"] + [c for c in args.config if c != "table"]:
-            config = parse_config(text, table, at_tokens, tuned)
+            config = parse_config(text, table, at_tokens, tuned, heur)
             try:
                 diff = ((call(*layers[0], config).float() - ref).norm() / ref.norm()).item()
                 us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2)  # per call
