@@ -173,7 +173,8 @@ def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int,
     if near is not None:
         return (ExpertsConfig.from_dict(entry[str(near)]),
                 f"tuned for {shape} at T<={near}, the nearest tuned bucket to T<={bucket} ({key})")
-    return heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format), f"heuristic (no tuned entry for {shape} in {key!r})"
+    return (heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format),
+            f"heuristic (no tuned entry for {shape} at or below T<={bucket} in {key!r})")
 
 
 def nearest_tuned_bucket(bucket: int, tuned: list[int]) -> int | None:
