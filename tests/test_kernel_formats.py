@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from moekit import _triton
+from moekit._experts_triton import paired_k
 from moekit.formats import fp4
 from moekit.kernels import moe_gemm, moe_gemv
 
@@ -115,9 +116,31 @@ def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dty
     tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
     _w4_tile_all[(1,)](packed.to(device), scales.to(device), out, FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype,
                        HALVES_ASM=device == "cuda", WORDS=words)
-    if words and fmt == "nvfp4":
-        expect = expect / moe_gemm.W4_WORDS_NVFP4_SHIFT.value
+    if words:  # the word decode's column order, which paired_k gives the other operand
+        expect = paired_k(expect / (moe_gemm.W4_WORDS_NVFP4_SHIFT.value if fmt == "nvfp4" else 1))
     assert torch.equal(out.cpu().double(), expect.to(dtype).double()), why
+
+
+@triton.jit
+def _paired_columns_all(out_ptr):
+    p = tl.arange(0, 64)
+    tl.store(out_ptr + p, moe_gemm._paired_columns(p))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paired_k_is_the_word_decoded_tiles_column_order(device):
+    # the host copies x into the word-decoded tiles' K order (paired_k) and GEMM1 writes h in it (H_PAIRED, through
+    # _paired_columns): both must be the one order, a permutation inside each 8 columns
+    if not _triton.can_launch(torch.device(device)):
+        pytest.skip("no Triton launch here")
+    cols = torch.full((64,), -1, dtype=torch.int32, device=device)
+    _paired_columns_all[(1,)](cols)
+    cols = cols.cpu().long()
+    assert cols[:8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal((cols // 8), torch.arange(64) // 8) and torch.equal(cols.sort().values, torch.arange(64))
+    x = torch.randn(3, 5, 64 + 3)[:, 1:, 3:]  # batched [E, M, K], rows strided and offset
+    got = paired_k(x)
+    assert got.is_contiguous() and torch.equal(got, x[..., cols])
 
 
 @triton.jit

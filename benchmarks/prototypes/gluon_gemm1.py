@@ -148,7 +148,7 @@ def _gpu_check_and_time():
         h_ref = torch.empty(blocks * 128, I, device="cuda", dtype=torch.bfloat16)
         h_new = torch.empty_like(h_ref)
         w_op = X.WeightOperand.of(w13)
-        run_ref = lambda: X._gemm1(x, (0, x.stride(0), x.stride(1)), w_op, None, h_ref,  # noqa: E731
+        run_ref = lambda: X._gemm1(x, w_op, None, h_ref,  # noqa: E731
                                    (block_expert, sorted_pairs, block_expert), "silu_and_mul", blocks, config.gemm1,
                                    128, X.ROWS_ALIGNED, T * k, k, 0)
         valid = (sorted_pairs < T * k).nonzero().flatten()

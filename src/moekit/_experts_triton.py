@@ -213,12 +213,28 @@ def _w4_words(w: WeightOperand, dtype: torch.dtype) -> bool:
             and d.data_ptr() % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0)
 
 
-def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
-           num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None):
+def paired_k(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x [..., K] (K % 8 == 0) with each 8 columns in the order 0, 4, 1, 5, 2, 6, 3, 7: the K
+    order of the word-decoded 4-bit tiles (kernels/moe_gemm.py _paired_columns), which their other operand
+    follows."""
+    return x.unflatten(-1, (-1, 2, 4)).transpose(-1, -2).flatten(-3)
+
+
+def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
+    """GEMM1's (expert, row, column) strides of x: [T, H] (standard) or [E, M, H] (batched)."""
+    return (0, x3.stride(0), x3.stride(1)) if x3.dim() == 2 else (x3.stride(0), x3.stride(1), x3.stride(2))
+
+
+def _gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
+           num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None,
+           h_paired=False):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
-    ``h_scales`` [rows, I/128]."""
+    ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2)."""
     from .kernels.moe_gemm import gemm1_act_kernel
 
+    words = _w4_words(w, x3.dtype)
+    if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
+        x3 = paired_k(x3)
     cfg = w.config(cfg, tiles=2)  # gate and up
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
@@ -226,7 +242,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
     w_desc, tma, paired = _gemm1_weights(w, cfg, step)
     d, sd0, sd1, sd2, *scales = w.args()
     return gemm1_act_kernel[grid](
-        x3, *x_strides,
+        x3, *_x_strides(x3),
         d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b13, x3),
         h, h.stride(0),
@@ -239,7 +255,7 @@ def _gemm1(x3, x_strides, w: WeightOperand, b13, h, rows, activation, num_m_bloc
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
-        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=_w4_words(w, x3.dtype), num_warps=cfg.num_warps,
+        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
 
@@ -488,7 +504,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
             _combine(y, ids, out, top_k)
             return
         emap = expert_map if expert_map is not None else ids
-        _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
+        _gemm1(x, w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
                config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global, xs, hs)
         _gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
         return
@@ -498,8 +514,8 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     h, hs = _activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
     y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
     rows = (block_expert, sorted_pairs, block_expert)
-    _gemm1(x, (0, x.stride(0), x.stride(1)), w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm,
-           ROWS_ALIGNED, num_pairs, top_k, 0, x_scales=xs, h_scales=hs)
+    _gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_ALIGNED, num_pairs, top_k, 0,
+           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype))
     _gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,
            hs)
     _combine(y, pair_expert, out, top_k)
@@ -535,8 +551,8 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
         xq, xs = fp8_groups(x.reshape(num_experts * rows_per_expert, hidden))
         x = xq.view(num_experts, rows_per_expert, hidden)
     rows = (expert_num_tokens, expert_num_tokens, expert_num_tokens)
-    _gemm1(x, (x.stride(0), x.stride(1), x.stride(2)), w13, w13_bias, h, rows, activation, blocks, config.gemm1,
-           bm, ROWS_BATCHED, 0, 1, rows_per_expert, x_scales=xs, h_scales=hs)
+    _gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_BATCHED, 0, 1, rows_per_expert,
+           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype))
     _gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, ROWS_BATCHED,
            0, rows_per_expert, hs)
 

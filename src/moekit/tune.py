@@ -149,9 +149,8 @@ class _Problem:
                 return ext._gemv2_tokens(h, w2, None, flat_tw, flat_ids, None, spec.num_experts,
                                          y, spec.top_k, cfg)
             elif which == 1:
-                return ext._gemm1(self.x, (0, self.x.stride(0), 1), w13, None, h, rows[r], self.spec.activation,
-                                  blocks, cfg, block_m, mode, num_pairs, spec.top_k, 0, None, spec.num_experts,
-                                  self.xs, hs)
+                return ext._gemm1(self.x, w13, None, h, rows[r], self.spec.activation, blocks, cfg, block_m, mode,
+                                  num_pairs, spec.top_k, 0, None, spec.num_experts, self.xs, hs)
             elif per_pair:
                 return ext._gemm2_tokens(h, w2, None, flat_tw, ids, None, spec.num_experts, y, spec.top_k,
                                          cfg, hs)

@@ -152,13 +152,15 @@ def _w4_step_scales(carried, s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.const
 
 @triton.jit
 def _w4_words_bf16(q, s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] bf16 tile of int32 words of 8 codes, q [BLOCK_N, BLOCK_K / 8], with scale codes s. Codes
-    i and i + 4 of a word sit 16 bits apart, so one mask and one multiply place both as _w4_tile's byte decode
-    places a byte's two (13 integer ops per 8 codes instead of 22); the word's values come out as (0, 4), (1, 5),
-    ... pairs and are put in order in registers. NVFP4 folds 2^126 into the scale: every E4M3 scale times 2^118
-    is a finite bf16 and every product is exact, so one multiply per pair remains, and the tile is the weight
-    times 2^-8 (W4_WORDS_NVFP4_SHIFT, undone in the epilogues). MXFP4 keeps both multiplies: 2^126 times
-    E8M0 scales above 2 overflows bf16."""
+    """[BLOCK_N, BLOCK_K] bf16 tile of int32 words of 8 codes, q [BLOCK_N, BLOCK_K / 8], with scale codes s, in the
+    word order of _paired_columns (within each 8 columns, K runs 0, 4, 1, 5, 2, 6, 3, 7). Codes i and i + 4 of a
+    word sit 16 bits apart, so one mask and one multiply place both as _w4_tile's byte decode places a byte's two
+    (13 integer ops per 8 codes instead of 22), and the pair is one 32-bit register: in that order it is already
+    two adjacent K positions of the MMA operand (natural order cost a PRMT per register: gpt-oss GEMM1 36 of a
+    390-instruction K step, offline sm_90), so the other operand comes in the same order (paired_k, H_PAIRED).
+    NVFP4 folds 2^126 into the scale: every E4M3 scale times 2^118 is a finite bf16 and every product is exact,
+    so one multiply per pair remains, and the tile is the weight times 2^-8 (W4_WORDS_NVFP4_SHIFT, undone in the
+    epilogues). MXFP4 keeps both multiplies: 2^126 times E8M0 scales above 2 overflows bf16."""
     BLOCK_N: tl.constexpr = q.shape[0]
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     if FORMAT == MXFP4:
@@ -175,7 +177,13 @@ def _w4_words_bf16(q, s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     x2 = _bf16_halves(_w4_word_bits(q, q8, 2), first, per_word)
     x3 = _bf16_halves(_w4_word_bits(q, q8, 3), first, per_word)
     z = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [N, K/8, half, i % 2, i // 2] for code 4 * half + i
-    return tl.reshape(tl.permute(z, (0, 1, 2, 4, 3)), [BLOCK_N, BLOCK_K])
+    return tl.reshape(tl.permute(z, (0, 1, 4, 3, 2)), [BLOCK_N, BLOCK_K])  # column 2 i + half: _paired_columns
+
+
+@triton.jit
+def _paired_columns(p):
+    """K index of column p of a word-decoded tile (_w4_words_bf16): within each 8, 0, 4, 1, 5, 2, 6, 3, 7."""
+    return (p & -8) + ((p & 7) >> 1) + ((p & 1) << 2)
 
 
 @triton.jit
@@ -449,6 +457,7 @@ def _gemm1_rows(
     PAIRED: tl.constexpr = False,  # interleaved gate/up rows (dense): one tile of 2 * BLOCK_N rows, one product
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: each step's scale codes loaded a step ahead (_w4_scales)
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
+    H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order (for a word-decoded GEMM2)
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -462,7 +471,10 @@ def _gemm1_rows(
             xs_rows = (pair // top_k).to(tl.int64) * stride_xs
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
-        gate_rows = offs_n.to(tl.int64) * gate_step
+        # H_PAIRED: h's column p holds intermediate column _paired_columns(p), a permutation inside each 8
+        # columns (I % 8 == 0), so the tile's columns and their mask stay the same
+        cols = _paired_columns(offs_n) if H_PAIRED else offs_n
+        gate_rows = cols.to(tl.int64) * gate_step
         up_rows = gate_rows + up_offset
         gate_first = pid_n * BLOCK_N  # W_TILE_SCALE: gate_step is 1
         # W_TMA: the expert's first row in the [E*2I, H] view (experts back to back)
@@ -565,6 +577,7 @@ def gemm1_act_kernel(
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: scale codes a step ahead
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time
+    H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
@@ -578,7 +591,7 @@ def gemm1_act_kernel(
                     stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
                     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
                     up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS)
+                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS, H_PAIRED)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
@@ -586,7 +599,7 @@ def gemm1_act_kernel(
                     hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, top_k,
                     rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step, up_offset, HAS_BIAS, ROWS,
                     HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED,
-                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS)
+                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS, H_PAIRED)
 
 
 @triton.jit
