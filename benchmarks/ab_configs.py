@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     spec = presets.get(args.preset)
     act_quant = "fp8_group" if args.weights.startswith("fp8") else None
     layers = random_weights(spec, layers=2, weight_format=args.weights)
-    fmt = args.weights.split("_")[0]
+    fmt = expert_configs.format_family(args.weights)
 
     def at_tokens(n: int) -> ExpertsConfig:  # the table's config (or the heuristic) for n tokens
         return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,

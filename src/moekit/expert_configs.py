@@ -150,6 +150,12 @@ def _table() -> dict:
         return {}
 
 
+def format_family(weights: str) -> str:
+    """The table's and the heuristic's name for a weight format as the benchmarks and the tuner spell it:
+    fp8_block / fp8_channel / fp8_tensor share "fp8" (one kernel, its scales' granularity a runtime choice)."""
+    return weights.split("_")[0]
+
+
 def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "dense") -> str:
     import triton
 
@@ -162,10 +168,15 @@ def shape_key(num_experts: int, n1: int, k1: int) -> str:
     return f"E{num_experts}_N{n1}_K{k1}"
 
 
+def shipped_entries(key: str, shape: str) -> dict:
+    """The package table's entries for one table key and shape: {bucket as str: entry dict} (empty if none)."""
+    return _table().get(key, {}).get(shape, {})
+
+
 @functools.lru_cache(maxsize=4096)
 def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
             weight_format: str):
-    entry = _table().get(key, {}).get(shape, {})
+    entry = shipped_entries(key, shape)
     bucket = token_bucket(num_tokens)
     if str(bucket) in entry:
         return ExpertsConfig.from_dict(entry[str(bucket)]), f"tuned for {shape} at T<={bucket} ({key})"

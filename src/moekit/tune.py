@@ -296,9 +296,8 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
             best = (gemv_us, gemv_cfg)
     if best is None:
         raise ValueError(f"no mode of {modes} applies at T={num_tokens}")
-    # fp8_block / fp8_channel are the "fp8" family to the heuristic, as to expert_configs.choose
     heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
-                                    spec.hidden_size, weight_format.split("_")[0])
+                                    spec.hidden_size, expert_configs.format_family(weight_format))
     info |= {"heuristic": heur.to_dict()}
     # per-pair entries (decode sizes) past a few dozen tokens only cost sweep time: they lost everywhere there
     others = {what: c for what, c in (incumbents(shipped, heur) if shipped is not None else {}).items()
@@ -351,7 +350,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("moekit.tune needs a CUDA GPU")
     dtype = torch.bfloat16
-    key = expert_configs.table_key(torch.device("cuda"), dtype, args.format.split("_")[0])  # fp8_* share "fp8"
+    key = expert_configs.table_key(torch.device("cuda"), dtype, expert_configs.format_family(args.format))
     table: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.preset:
         spec = presets.get(name)
@@ -360,7 +359,7 @@ def main(argv=None) -> None:
         for T in args.tokens:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)
-            shipped = expert_configs._table().get(key, {}).get(shape, {})
+            shipped = expert_configs.shipped_entries(key, shape)
             cfg, info = tune(spec, bucket, weights, args.format, args.modes, shipped)
             entry = cfg.to_dict() | {"measured": info}
             table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = entry
