@@ -232,6 +232,8 @@ def _gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: Ge
     ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2)."""
     from .kernels.moe_gemm import gemm1_act_kernel
 
+    if h_paired and w.format not in ("mxfp4", "nvfp4"):  # dense and FP8 tiles may read natural row runs (TMA, blocks)
+        raise ValueError(f"h_paired needs 4-bit GEMM1 weights, got {w.format}")
     words = _w4_words(w, x3.dtype)
     if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
         x3 = paired_k(x3)
