@@ -232,8 +232,6 @@ def _gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: Ge
     ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2)."""
     from .kernels.moe_gemm import gemm1_act_kernel
 
-    if h_paired and w.format not in ("mxfp4", "nvfp4"):  # dense and FP8 tiles may read natural row runs (TMA, blocks)
-        raise ValueError(f"h_paired needs 4-bit GEMM1 weights, got {w.format}")
     words = _w4_words(w, x3.dtype)
     if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
         x3 = paired_k(x3)
@@ -242,6 +240,10 @@ def _gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: Ge
     step, up_off = _gate_up(activation, inter)
     grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
     w_desc, tma, paired = _gemm1_weights(w, cfg, step)
+    tile_scale = _tile_scale(w, cfg.block_n, step, up_off)
+    if h_paired and (tma or paired or tile_scale):  # those read a tile's rows as one natural run
+        raise ValueError("h_paired: GEMM1's tiles must be gathered row by row (no TMA boxes, paired rows or "
+                         "per-tile FP8 scales)")
     d, sd0, sd1, sd2, *scales = w.args()
     return gemm1_act_kernel[grid](
         x3, *_x_strides(x3),
@@ -255,7 +257,7 @@ def _gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: Ge
         HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
-        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n, step, up_off),
+        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=tile_scale,
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
         SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
