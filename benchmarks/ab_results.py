@@ -1,8 +1,8 @@
 """A same-run A/B's log as results: JSON, markdown and the log itself under benchmarks/results/.
 
-The log is what a device call prints when it runs ab_configs.py for two source trees in turn (benchmarks/ab_trees.sh), each line
-prefixed with ``ROUND TREE PRESET`` (TREE OLD or NEW, PRESET gpt-oss / qwen3 / deepseek, in its checkpoint format,
-or PRESET/WEIGHTS for another, e.g. gpt-oss/dense), e.g.
+The log is what a device call prints when it runs ab_configs.py for two source trees in turn
+(benchmarks/ab_trees.sh), each line prefixed with ``ROUND TREE PRESET`` (TREE OLD or NEW, PRESET gpt-oss / qwen3 /
+deepseek, in its checkpoint format, or PRESET/WEIGHTS for another, e.g. gpt-oss/dense), e.g.
 
     1 OLD gpt-oss T=  4096 table      3210.5 us   diff vs table 0.0
 
