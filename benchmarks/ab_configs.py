@@ -104,14 +104,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="deepseek-v3")
     p.add_argument("--weights", default="dense", help="dense, mxfp4, nvfp4, fp8_block, fp8_channel")
+    p.add_argument("--act-quant", default=None, choices=["fp8_group"],
+                   help="FP8 activations (implied by FP8 weights; with mxfp4 weights: W4A8)")
     p.add_argument("--tokens", nargs="+", type=int, default=[4096])
     p.add_argument("--config", nargs="+", default=["table"])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "ab_configs.json")
     args = p.parse_args(argv)
     spec = presets.get(args.preset)
-    act_quant = "fp8_group" if args.weights.startswith("fp8") else None
+    act_quant = "fp8_group" if args.weights.startswith("fp8") else args.act_quant
     layers = random_weights(spec, layers=2, weight_format=args.weights)
     fmt = expert_configs.format_family(args.weights)
+    if act_quant and fmt == "mxfp4":
+        fmt = "w4a8"
 
     def at_tokens(n: int) -> ExpertsConfig:  # the table's config (or the heuristic) for n tokens
         return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,
@@ -144,7 +148,8 @@ def main(argv=None) -> None:
             rows.append({"T": T, "config": text, "us": us, "rel_diff_vs_table": diff})
             print(f"T={T:6d} {text:40s} {us:10.1f} us   diff vs table {diff}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton.__version__, "preset": args.preset, "weights": args.weights}
+            "triton": triton.__version__, "preset": args.preset,
+            "weights": args.weights + (f" + {act_quant} activations" if act_quant and fmt == "w4a8" else "")}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(markdown(meta, rows))
 

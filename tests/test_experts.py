@@ -1044,6 +1044,155 @@ def test_gpu_fp8_w8a8(granularity, T, E, H, I, k, act, biases, why):
         check_close(f"{why} ({granularity}, TMA)", out2, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
 
 
+# --------------------------------------------------------------------------- MXFP4 W4A8 (FP8 activations)
+def _mxfp4_with_spread(w, spread_rows=0):
+    """MXFP4 of w whose first ``spread_rows`` rows of every expert have their second 32-group 2^-20 below the rest:
+    groups the W4A8 recoding rounds (formats.mxfp4.to_e4m3)."""
+    from moekit.formats import mxfp4
+
+    w = w.clone()
+    w[:, :spread_rows, 32:64] *= 2.0 ** -20
+    return mxfp4.quantize(w)
+
+
+def _recoded(q):
+    """The weights the W4A8 kernels compute with, float64 (equal to the dequantized ones where the recoding is exact)."""
+    from moekit.formats import mxfp4
+
+    return mxfp4.from_e4m3(*mxfp4.to_e4m3(q))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,H,I,k,act,biases,config,why", [
+    (9, 4, 256, 128, 2, "swiglu_oai", True, None, "two K steps along H, gpt-oss activation, biases"),
+    (0, 4, 256, 128, 2, "silu_and_mul", False, None, "no tokens"),
+    (7, 7, 160, 96, 6, "silu_and_mul", True, None, "prime E, k=6, H and I end mid-step (K % 128 != 0), I < 128"),
+    (2, 3, 256, 160, 3, "swiglu_oai", True, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), per_pair=True),
+     "per-pair decode mode (GEMM2 per token)"),
+    (40, 6, 128, 256, 2, "silu_and_mul", False, ExpertsConfig(32, GemmConfig(64, 64), GemmConfig(32, 64)),
+     "aligned 32-row blocks, GEMM2 tiles of 32 rows, I in two 128-groups"),
+])
+def test_w4a8_matches_the_reference(backend, dtype, T, E, H, I, k, act, biases, config, why):
+    if backend == "torch" and dtype == torch.float16:
+        pytest.skip("the torch backend computes in fp32 whatever the input dtype")
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
+    q13, q2, _, _ = _quantized("mxfp4", w13, w2)
+    x = torch.randn(T, H + 4)[:, 4:].to(dtype)                        # strided, offset rows
+    if T:
+        x[0] *= 30                                                    # one token's groups far from the others'
+    tw, tid = _routes(T, E, k)
+    b13, b2 = (None, None) if b13 is None else (b13.to(dtype), b2.to(dtype))
+    out = _poisoned((T, H), dtype)
+    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group", out=out,
+                  backend=backend, config=config if backend == "triton" else None)
+    check_close(why, out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
+
+
+def test_w4a8_rounds_wide_scale_spreads_as_documented():
+    # rows whose scales span more than 2^14: the kernels equal the reference on the recoded weights (the documented
+    # result), which differs from the dequantized weights by less than 2^-18 of each row's largest weight
+    E, H, I, T, k = 4, 256, 128, 33, 2
+    w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
+    q13, q2 = _mxfp4_with_spread(w13, 40), _mxfp4_with_spread(w2, 40)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    got = fused_experts(x, q13, q2, tw, tid, act_quant="fp8_group", backend="triton")
+    check_close("recoded weights", got, _w8a8_reference(x, _recoded(q13), _recoded(q2), tw, tid, "silu_and_mul"),
+                Tolerance(1e-5, 1e-5))
+    check_close("dequantized weights", got, _w8a8_reference(x, q13, q2, tw, tid, "silu_and_mul"), W8A8_TOL)
+
+
+def test_w4a8_batched_padding_expert_map_nan_scale():
+    from moekit.formats import mxfp4
+
+    E, M, H, I = 4, 7, 256, 128
+    w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
+    q13, q2, _, _ = _quantized("mxfp4", w13, w2)
+    counts = torch.tensor([7, 0, 3, 1], dtype=torch.int32)
+    valid = torch.arange(M)[None, :] < counts[:, None].long()
+    x = torch.randn(E, M, H)
+    loud = x.clone()
+    loud[~valid] = float("nan")                                       # padding that would poison a shared scale
+    a = batched_experts(x, counts, q13, q2, act_quant="fp8_group", backend="triton")
+    b = batched_experts(loud, counts, q13, q2, act_quant="fp8_group", backend="triton")
+    assert torch.equal(a[valid], b[valid])
+    ones, zero = torch.ones(M, 1), torch.zeros(M, 1, dtype=torch.int32)
+    one = lambda q, e: mxfp4.MXFP4Tensor(q.data[e:e + 1], q.scales[e:e + 1], (1, *q.shape[1:]))  # noqa: E731
+    ref = torch.stack([_w8a8_reference(x[e], one(q13, e), one(q2, e), ones, zero, "silu_and_mul") for e in range(E)])
+    check_close("batched W4A8", a[valid], ref[valid], W8A8_TOL)
+    emap = torch.tensor([-1, 0, 1, -1, 2, 3], dtype=torch.int32)
+    xt, tw = torch.randn(5, H), torch.rand(5, 2)
+    tid = torch.tensor([[1, 0], [2, 4], [5, 3], [1, 2], [4, 5]], dtype=torch.int32)
+    got = fused_experts(xt, q13, q2, tw, tid, expert_map=emap, act_quant="fp8_group", backend="triton")
+    check_close("expert_map W4A8", got, _w8a8_reference(xt, q13, q2, tw, tid, "silu_and_mul", expert_map=emap),
+                W8A8_TOL)
+    scales = q2.scales.clone()
+    scales[1, 5, 2] = mxfp4.NAN_SCALE                                 # expert 1, output column 5
+    broken = mxfp4.MXFP4Tensor(q2.data, scales, q2.shape)
+    tid = torch.tensor([[0, 1], [2, 3], [3, 0]], dtype=torch.int32)
+    got = fused_experts(xt[:3], q13, broken, tw[:3], tid, act_quant="fp8_group", backend="triton")
+    assert torch.isnan(got[0, 5]) and torch.isfinite(got[0, :5]).all() and torch.isfinite(got[1:]).all()
+
+
+def test_w4a8_oracle():
+    from moekit import backends, explain
+    from moekit.formats import nvfp4
+
+    w13, w2, _, _ = _weights(4, 64, 32, torch.float32, False)
+    x, (tw, tid) = torch.randn(3, 64), _routes(3, 4, 2)
+    n13, n2 = nvfp4.quantize(w13, scale_dims=1), nvfp4.quantize(w2, scale_dims=1)
+    _bad(lambda: fused_experts(x, n13, n2, tw, tid, act_quant="fp8_group", backend="triton"), ValueError,
+         "no W4A8 kernel for NVFP4")
+    call = backends.ExpertsCall.of(x, _quantized("mxfp4", w13, w2)[0], "fp8_group")
+    assert backends.select_backend(call, "triton").name == "triton"   # explicit: the interpreter on the CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,H,I,k,act,biases,config,why", [
+    (1, 128, 2880, 2880, 4, "swiglu_oai", True, None, "gpt-oss-120b decode: the per-pair tensor-core path"),
+    (16, 128, 2880, 2880, 4, "swiglu_oai", True, None, "gpt-oss-120b, 16 tokens"),
+    (1024, 128, 2880, 2880, 4, "swiglu_oai", True, None, "gpt-oss-120b prefill: aligned 64-row blocks"),
+    (129, 7, 224, 160, 6, "silu_and_mul", True, None, "prime E, k=6, K ends mid-step in both GEMMs"),
+    (300, 8, 256, 256, 2, "silu_and_mul", False, ExpertsConfig(128, GemmConfig(128, 128, 8, 3, 8),
+                                                                GemmConfig(128, 128, 8, 3, 8)), "128-row blocks"),
+    (64, 8, 256, 256, 2, "swiglu_oai", False, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(32, 128, 4, 2)),
+     "16-row blocks, 32-row GEMM2 tiles"),
+])
+def test_gpu_w4a8(T, E, H, I, k, act, biases, config, why):
+    w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, biases, "cuda")
+    q13, q2, _, _ = _quantized("mxfp4", w13, w2)
+    x = torch.randn(T, H + 8, device="cuda", dtype=torch.bfloat16)[:, 8:]
+    tw, tid = _routes(T, E, k, "cuda")
+    out = _poisoned((T, H), torch.bfloat16, "cuda")
+    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group", out=out,
+                  config=config)
+    check_close(why, out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_w4a8_tiles_equal_the_recoding_bit_for_bit():
+    # one expert, one token, one-hot activations: each output is one recoded weight times the token's FP8 scale, so
+    # any byte of the PRMT decode out of place (or a wrong sign, zero, subnormal or spread) shows
+    from moekit.formats import mxfp4
+
+    H, I = 256, 128
+    w2 = torch.randn(1, H, I, device="cuda")
+    w2[:, :, 32:64] *= 2.0 ** -17                                     # a rounded group in every row
+    q2 = mxfp4.quantize(w2)
+    codes, r = mxfp4.to_e4m3(q2)
+    want = mxfp4.from_e4m3(codes, r)[0].T                             # [I, H]: row i = column i of w2
+    eye = torch.eye(2 * I, H, device="cuda")                          # w13 = identity: h = act(x) per column
+    q13 = mxfp4.quantize(eye[None].expand(1, 2 * I, H).contiguous())
+    for i in range(0, I, 37):
+        x = torch.zeros(1, H, device="cuda")
+        x[0, i] = x[0, I + i] = 4.0                                   # gate_i = up_i = 4: one nonzero h column
+        y = fused_experts(x, q13, q2, torch.ones(1, 1, device="cuda"), torch.zeros(1, 1, dtype=torch.int32,
+                          device="cuda"), act_quant="fp8_group").double()
+        h = torch.nn.functional.silu(torch.tensor(4.0, dtype=torch.float64)) * 4.0
+        assert torch.allclose(y[0] / h, want[i], rtol=1e-5, atol=0), i
+
+
 @pytest.mark.parametrize("slots", [-1, 3, 6])
 def test_gemv_slots_must_be_a_power_of_two(slots):
     with pytest.raises(ValueError, match="GemmConfig.slots"):

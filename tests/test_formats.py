@@ -194,6 +194,65 @@ def test_mxfp4_nan_scale_and_bad_input():
         mxfp4.quantize(torch.zeros(1, 48))
 
 
+def _nearest_e4m3_byte(v: float) -> int:
+    """An independent E4M3 rounding: the finite E4M3 value nearest to v >= 0, ties to the even byte."""
+    values = [(abs(float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())), b)
+              for b in range(0x7F)]                                    # every non-negative finite byte
+    best = min(abs(val - v) for val, _ in values)
+    ties = [b for val, b in values if abs(val - v) == best]
+    return min(ties, key=lambda b: b % 2)
+
+
+def test_w4a8_step_table_follows_its_definition():
+    table = mxfp4.e4m3_steps()
+    assert table.shape == (21, 8) and table.dtype == torch.uint8
+    for d in range(mxfp4.E4M3_ZERO_STEP + 1):
+        expect = [_nearest_e4m3_byte(v * 2.0 ** (mxfp4.E4M3_SHIFT - d)) for v in fp4.VALUES]
+        assert table[d].tolist() == expect, d
+    assert table[mxfp4.E4M3_ZERO_STEP].tolist() == [0] * 8             # 6 * 2^-13 is below half of 2^-9
+    assert table[mxfp4.E4M3_NAN_STEP].tolist() == [0x7F] * 8           # E4M3's NaN
+    values = table[:mxfp4.E4M3_EXACT_STEPS + 1].view(torch.float8_e4m3fn).double()
+    exact = torch.tensor(fp4.VALUES, dtype=torch.float64) * torch.exp2(6.0 - torch.arange(15.0, dtype=torch.float64))[:, None]
+    assert torch.equal(values, exact)                                   # d <= 14: every magnitude exact
+    assert not torch.equal(table[15].view(torch.float8_e4m3fn).double(), torch.tensor(fp4.VALUES) * 2.0 ** -9)
+
+
+@pytest.mark.parametrize("spread,exact,why", [
+    (8, True, "scales within 2^8 of the row's largest"),
+    (14, True, "the widest exact spread: 0.5 * 2^(6 - 14) = 2^-9, E4M3's smallest subnormal"),
+    (17, False, "past 2^14: that group's magnitudes round to E4M3 subnormal steps"),
+    (40, False, "far past: that group rounds to zeros"),
+])
+def test_w4a8_recoding_is_exact_within_2_pow_14(spread, exact, why):
+    scales = torch.randint(125, 131, (3, 5, 4), dtype=torch.uint8)
+    scales[..., 0] = 131                                              # the row's largest scale
+    scales[..., 1] = 131 - spread                                     # the second group of every row
+    t = mxfp4.MXFP4Tensor(torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8), scales, (3, 5, 128))
+    codes, r = mxfp4.to_e4m3(t)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (3, 5, 128) and r.shape == (3, 5, 1)
+    assert torch.equal(r, t.scales.long().amax(-1, keepdim=True))
+    assert mxfp4.e4m3_exact(t).all().item() == exact, why
+    got, want = mxfp4.from_e4m3(codes, r), mxfp4.dequantize(t, torch.float64)
+    if exact:
+        assert torch.equal(got, want), why
+    else:  # the bound of to_e4m3's docstring: half of 2^-9 in units of 2^(r - 133)
+        bound = torch.ldexp(torch.tensor(2.0 ** -10, dtype=torch.float64), (r - 133).double())
+        assert ((got - want).abs() <= bound).all(), why
+        assert torch.equal(got[..., :32], want[..., :32]) and torch.equal(got[..., 64:], want[..., 64:]), why
+
+
+def test_w4a8_recoding_signs_zeros_and_nan_scales():
+    codes = torch.arange(16, dtype=torch.uint8).repeat(4)[None]        # every code, twice per group
+    t = mxfp4.MXFP4Tensor(fp4.pack(codes), torch.tensor([[130, 255]], dtype=torch.uint8), (1, 64))
+    e4m3, r = mxfp4.to_e4m3(t)
+    assert r.item() == 255                                             # a NaN scale is the row's largest byte
+    assert torch.isnan(mxfp4.from_e4m3(e4m3, r)[0, 32:]).all()
+    ok = mxfp4.MXFP4Tensor(t.data, torch.tensor([[130, 127]], dtype=torch.uint8), (1, 64))
+    e4m3, r = mxfp4.to_e4m3(ok)
+    assert torch.equal(mxfp4.from_e4m3(e4m3, r), mxfp4.dequantize(ok, torch.float64))
+    assert (e4m3.view(torch.uint8)[0, 8] == 0).item()                  # -0 recodes as +0 (the same products)
+
+
 def test_gpt_oss_blocks_read_as_transformers_does():
     E, N, K = 2, 6, 64
     blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8)

@@ -43,7 +43,8 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor):
     return (bias, bias.stride(0), bias.stride(1)) if bias is not None else (fallback, 0, 0)
 
 
-FORMAT_IDS = {"dense": 0, "mxfp4": 1, "nvfp4": 2, "fp8": 3, "fp8_emulated": 4}  # kernels/moe_gemm.py weight formats
+FORMAT_IDS = {"dense": 0, "mxfp4": 1, "nvfp4": 2, "fp8": 3, "fp8_emulated": 4, "w4a8": 5,
+              "w4a8_emulated": 6}  # kernels/moe_gemm.py weight formats
 FP8_GROUP = 128  # activation groups and weight blocks along K (kernels/moe_gemm.py)
 FOUR_BIT_MIN_BLOCK_K = 32  # a K tile must hold whole scale groups (32 for MXFP4, 16 for NVFP4)
 FOUR_BIT_TILE_BUDGET = 16384  # dequantized weight elements per K step for 4 warps (16-bit, in MMA registers)
@@ -59,16 +60,25 @@ class WeightOperand:
     format: str
     shape: tuple[int, ...]
     blocked: bool = False  # FP8: 128x128 block scales [E, N/128, K/128] (else one scale per output column)
+    fp8_act: bool = False  # MXFP4 for FP8 activations (W4A8): recoded to E4M3 in the kernels; global_scale holds
+    # the step table (formats.mxfp4.e4m3_steps as int32 [21, 2])
 
     @property
     def format_id(self) -> int:
         """The kernels' FORMAT: FP8 without FP8 tensor cores (the interpreter) decodes its bytes."""
-        if self.format == "fp8" and not _triton.fp8_tensor_cores(self.data.device):
-            return FORMAT_IDS["fp8_emulated"]
-        return FORMAT_IDS[self.format]
+        name = self.config_format
+        if name in ("fp8", "w4a8") and not _triton.fp8_tensor_cores(self.data.device):
+            return FORMAT_IDS[name + "_emulated"]
+        return FORMAT_IDS[name]
+
+    @property
+    def config_format(self) -> str:
+        """The format as the config table and heuristic name it: "w4a8" for MXFP4 with FP8 activations."""
+        return "w4a8" if self.fp8_act else self.format
 
     @classmethod
-    def of(cls, w) -> "WeightOperand":
+    def of(cls, w, fp8_act: bool = False) -> "WeightOperand":
+        """``fp8_act``: the activations are FP8 groups (act_quant="fp8_group"): MXFP4 runs as W4A8."""
         from .experts import weight_format
 
         fmt = weight_format(w)
@@ -76,7 +86,13 @@ class WeightOperand:
             return cls(w, w, w, fmt, tuple(w.shape))
         if fmt == "fp8":
             return cls._fp8(w)
+        if fp8_act and fmt != "mxfp4":
+            raise ValueError(f"FP8 activations run with FP8 or MXFP4 weights (W8A8, W4A8), got {fmt}")
         data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
+        if fmt == "mxfp4" and fp8_act:  # read as int32 words of 8 codes: rows and experts start on whole words
+            if data.data_ptr() % 4 or data.stride(0) % 4 or data.stride(1) % 4:
+                data = data.contiguous()
+            return cls(data, w.scales, _w4a8_steps(data.device), fmt, tuple(w.shape), fp8_act=True)
         if fmt == "mxfp4":
             return cls(data, w.scales, data, fmt, tuple(w.shape))
         # The kernels read linear [E, N, K/16] scale bytes; a swizzled copy is unswizzled here, per call.
@@ -131,12 +147,24 @@ class WeightOperand:
         of them per K step) must fit in registers (tests/sm90_compile.py shows spills past this)."""
         if self.format == "dense":
             return cfg
-        if self.format == "fp8":  # one activation group per K step; GEMM1 quantizes one group per row
+        if self.format == "fp8" or self.fp8_act:  # one activation group per K step; GEMM1 quantizes one group per row
             return replace(cfg, block_k=FP8_GROUP, block_n=FP8_GROUP if tiles == 2 else cfg.block_n)
         block_k = max(cfg.block_k, FOUR_BIT_MIN_BLOCK_K)
         while block_k > FOUR_BIT_MIN_BLOCK_K and tiles * cfg.block_n * block_k > FOUR_BIT_TILE_BUDGET * cfg.num_warps // 4:
             block_k //= 2
         return replace(cfg, block_k=block_k)
+
+
+_STEPS: dict[torch.device, torch.Tensor] = {}
+
+
+def _w4a8_steps(device: torch.device) -> torch.Tensor:
+    """The W4A8 step table on ``device`` as int32 [21, 2] (magnitudes 0..3, 4..7 per row), made once."""
+    if device not in _STEPS:
+        from .formats import mxfp4
+
+        _STEPS[device] = mxfp4.e4m3_steps(device).view(torch.int32)
+    return _STEPS[device]
 
 
 # CUDA-core GEMM2 formats that by default (GemmConfig.slots unset) run a token's slots as one loop
@@ -473,25 +501,33 @@ def _activation_buffers(rows: int, inter: int, dtype: torch.dtype, device: torch
             torch.empty(rows, _triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=device))
 
 
+def _fp8_activations(w13, act_quant: str | None) -> bool:
+    """W8A8 (FP8 weights) or W4A8 (MXFP4 weights, act_quant="fp8_group"): the GEMMs take FP8 groups."""
+    from .experts import weight_format
+
+    return weight_format(w13) == "fp8" or act_quant == "fp8_group"
+
+
 def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
-                       config: ExpertsConfig | None = None) -> None:
+                       config: ExpertsConfig | None = None, act_quant: str | None = None) -> None:
     """Standard format, written into ``out`` [T, H] (contiguous)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return
-    w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)  # once per call (NVFP4: scales unswizzled here)
+    fp8 = _fp8_activations(w13, act_quant)
+    # once per call (NVFP4: scales unswizzled here)
+    w13, w2 = WeightOperand.of(w13, fp8), WeightOperand.of(w2, fp8)
     if config is None:
         config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype,
-                                          w13.format)
+                                          w13.config_format)
     weights = topk_weights.reshape(-1).contiguous()
     ids = topk_ids.reshape(-1)
     num_global = expert_map.shape[0] if expert_map is not None else num_experts
-    fp8 = w13.format == "fp8"
     dtype = x.dtype
     xs = None
-    if fp8:  # W8A8: x in 1x128 E4M3 groups once, before GEMM1 (GEMM1 quantizes its own output)
+    if fp8:  # W8A8/W4A8: x in 1x128 E4M3 groups once, before GEMM1 (GEMM1 quantizes its own output)
         x, xs = fp8_groups(x)
     if config.per_pair:
         # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
@@ -535,20 +571,20 @@ def _combine(y, pair_expert, out, top_k) -> None:
 
 
 def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias,
-                         config: ExpertsConfig | None = None) -> None:
+                         config: ExpertsConfig | None = None, act_quant: str | None = None) -> None:
     """Batched format, valid rows written into ``out`` [E, M, H] (contiguous); padding rows untouched."""
     num_experts, rows_per_expert, hidden = x.shape
     two_i = w13.shape[1]
     if rows_per_expert == 0:
         return
-    w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
+    fp8 = _fp8_activations(w13, act_quant)
+    w13, w2 = WeightOperand.of(w13, fp8), WeightOperand.of(w2, fp8)
     if config is None:
         # Each expert runs up to M rows: the regime of M rows per expert.
         config, _ = expert_configs.choose(rows_per_expert * num_experts, num_experts, 1, two_i, hidden,
-                                          x.device, x.dtype, w13.format)
+                                          x.device, x.dtype, w13.config_format)
     bm = config.block_m
     blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
-    fp8 = w13.format == "fp8"
     h, hs = _activation_buffers(num_experts * rows_per_expert, two_i // 2, x.dtype, x.device, fp8)
     xs = None
     if fp8:  # every row its own groups: padding rows (garbage, NaN) only ever scale themselves
@@ -594,16 +630,18 @@ def _dense_weights(*ws) -> bool:
     return all(weight_format(w) == "dense" for w in ws)
 
 
-def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None):
-    if config is None and _dense_weights(w13, w2):
+def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None,
+              act_quant=None):
+    if config is None and act_quant is None and _dense_weights(w13, w2):
         torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                                             w2_bias, expert_map)
     else:  # explicit configs and 4-bit weight objects skip the op: they are not part of its schema
-        fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config)
+        fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config,
+                           act_quant)
 
 
-def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None):
-    if config is None and _dense_weights(w13, w2):
+def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None):
+    if config is None and act_quant is None and _dense_weights(w13, w2):
         torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
     else:
-        batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config)
+        batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config, act_quant)

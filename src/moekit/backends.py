@@ -19,7 +19,8 @@ import torch
 from . import _triton
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
-KERNEL_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")  # what the Triton kernels read (fp8: W8A8 only)
+KERNEL_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")  # what the Triton kernels read (fp8: W8A8 only; mxfp4 also
+# as W4A8 with act_quant="fp8_group")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -72,14 +73,20 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
     if call.weight_format == "fp8" and call.act_quant != "fp8_group":
         return ("FP8 weights run as W8A8 with act_quant='fp8_group' (1x128 activation groups); "
                 f"got act_quant={call.act_quant!r} (the torch backend dequantizes them)")
-    if call.act_quant is not None and call.weight_format != "fp8":
+    fp8_act = call.act_quant == "fp8_group"
+    if fp8_act and call.weight_format == "nvfp4":
+        return ("no W4A8 kernel for NVFP4 weights: an E2M1 code times its E4M3 block scale is in general not an E4M3 "
+                "value, so recoding would round the weights (MXFP4's power-of-two scales recode exactly; the torch "
+                "backend computes NVFP4 with FP8 activations)")
+    if call.act_quant is not None and not (fp8_act and call.weight_format in ("fp8", "mxfp4")):
         return f"no kernel emulates {call.act_quant} activations on {call.weight_format} weights (the torch backend does)"
     if call.device.type == "cuda":
         if torch.compiler.is_compiling():
             return None  # the eager call before tracing asked the device; dynamo need not
         major, minor = _capability(call.device)
-        if call.weight_format == "fp8" and (major, minor) < (8, 9):
-            return f"FP8 W8A8 needs FP8 tensor cores (compute capability >= 8.9), got {major}.{minor}"
+        if fp8_act and (major, minor) < (8, 9):
+            kind = "W8A8" if call.weight_format == "fp8" else "W4A8"
+            return f"FP8 {kind} needs FP8 tensor cores (compute capability >= 8.9), got {major}.{minor}"
         return None if major >= 8 else f"needs compute capability >= 8.0 (bf16 tensor cores), got {major}.x"
     if not _triton.can_launch(call.device):
         return f"needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {call.device.type}"
@@ -109,13 +116,14 @@ def _triton_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                   act_quant=None):
     from . import _experts_triton
 
-    _experts_triton.run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config)
+    _experts_triton.run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config,
+                              act_quant)
 
 
 def _triton_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None):
     from . import _experts_triton
 
-    _experts_triton.run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config)
+    _experts_triton.run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config, act_quant)
 
 
 def _torch_fused(*args, **kwargs):
@@ -133,7 +141,7 @@ def _torch_batched(*args, **kwargs):
 BUILTIN = (
     Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
                                        "weight, fixed-order combine; 4-bit weights dequantized in the kernel, "
-                                       "FP8 W8A8 on FP8 tensor cores",
+                                       "FP8 W8A8 and MXFP4 W4A8 on FP8 tensor cores",
             _triton_fused, _triton_batched),
     Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
             _torch_fused, _torch_batched),

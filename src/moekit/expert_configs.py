@@ -130,7 +130,7 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
     if rows <= 24:
         tile = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
         return ExpertsConfig(32 if rows > 12 else 16, tile, tile)
-    if weight_format == "fp8":
+    if weight_format in ("fp8", "w4a8"):
         # GEMM1's two 128-column FP8 accumulators spill at 128 rows (H200: 2.8x slower) and with
         # 4 warps or 4 stages at 64 rows (tests/sm90_compile.py)
         return ExpertsConfig(64, GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8),

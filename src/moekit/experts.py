@@ -220,7 +220,12 @@ def fused_experts(
             [E, N, 1] or per-tensor (1 or E values) scales. The Triton backend runs it on FP8
             tensor cores (compute capability >= 8.9), quantizing x in one small kernel and GEMM1's
             output in its epilogue; products are summed in fp32 per 128-deep step. FP8 weights
-            without ``act_quant`` run W8A16 on the torch backend.
+            without ``act_quant`` run W8A16 on the torch backend. With MXFP4 weights,
+            ``"fp8_group"`` is W4A8: the same FP8 activations, and the weights recoded to E4M3 in
+            the kernel under one power of two per row (exact where each row's scales lie within
+            2^14 of each other; :func:`moekit.formats.mxfp4.to_e4m3` defines the result
+            otherwise). On the H200 it is correct but slower than W4A16 (benchmarks/NOTES.md,
+            session 17); it serves those numerics, not speed.
 
     Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
     bounds. The k slots are summed in fp32 in slot order, without atomics: results are the same

@@ -221,7 +221,8 @@ def fused_experts_w8a8(
     """FP8 W8A8 (DeepSeek-V3's scheme): :func:`fused_experts` in float64 on FP8Tensor weights,
     with both GEMM inputs of each expert rounded to E4M3 in 1x128 groups first (scales per row
     and group: formats.fp8.quantize_groups). Weights are dequantized one expert at a time, so a
-    DeepSeek-V3 stack never exists in float."""
+    DeepSeek-V3 stack never exists in float. Any moekit weight works: MXFP4 stacks make it the
+    W4A8 reference."""
     from .formats import expert, fp8
 
     def rounded(t):

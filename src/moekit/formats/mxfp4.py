@@ -3,6 +3,8 @@ consecutive elements along K (uint8 s meaning 2^(s - 127); 255 is NaN), no globa
 
 Quantizer convention: scale = amax_block / 6 rounded UP to a power of two (so no element
 saturates); q = e2m1(x / scale). An all-zero block gets s = 0 (2^-127) and zero codes.
+
+W4A8 (FP8 tensor cores) recodes the weights to E4M3 under one power of two per row: see :func:`to_e4m3`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from ._common import blocks, check_quantize_input
 BLOCK = 32
 BIAS = 127
 NAN_SCALE = 255
+E4M3_SHIFT = 6  # recoded magnitudes e2m1 * 2^(6 - d): the largest, 6 * 2^6 = 384, is below E4M3's 448
+E4M3_EXACT_STEPS = 14  # e2m1 * 2^(6 - d) is an E4M3 value for every code up to this d (0.5 * 2^-8 = 2^-9)
+E4M3_ZERO_STEP = 19  # from this d every magnitude rounds to 0 (6 * 2^-13 < 2^-10)
+E4M3_NAN_STEP = 20  # the table row of a NaN scale
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,56 @@ def dequantize(t: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     out = torch.ldexp(values, (s - BIAS).to(values.dtype))
     out = torch.where(s == NAN_SCALE, float("nan"), out)
     return out.reshape(t.shape).to(dtype)
+
+
+def e4m3_steps(device=None) -> torch.Tensor:
+    """uint8 [21, 8], the W4A8 step table: row d (0..19) holds the E4M3 bytes of e2m1 magnitude m times
+    2^(6 - d), m = 0..7, rounded to nearest even (exact for d <= 14, all zeros at 19, which serves every
+    d >= 19); row 20 (a NaN scale) holds E4M3's NaN 0x7F. Built with device ops only (no host copy), so a
+    first call inside CUDA-graph capture can make it."""
+    m = torch.arange(8, device=device)
+    e, half = m >> 1, (m & 1).float() * 0.5
+    magnitudes = torch.where(e > 0, torch.ldexp(1.0 + half, e - 1), half)
+    d = torch.arange(E4M3_ZERO_STEP + 1, device=device)
+    rows = (magnitudes[None, :] * torch.exp2((E4M3_SHIFT - d)[:, None].float())).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([rows, torch.full((1, 8), 0x7F, dtype=torch.uint8, device=device)])
+
+
+def e4m3_step(t: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, step): r int64 [..., 1] each row's largest scale byte, step int64 [..., K/32] the table row of each
+    group, min(r - s, 19), or 20 where s is the NaN scale."""
+    s = t.scales.long()
+    r = s.amax(dim=-1, keepdim=True)
+    return r, torch.where(s == NAN_SCALE, E4M3_NAN_STEP, (r - s).clamp(max=E4M3_ZERO_STEP))
+
+
+def to_e4m3(t: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W4A8 recoding, as the kernels compute it: (codes float8_e4m3fn [..., K], r int64 [..., 1]) with
+    weight = codes * 2^(r - 133), r the row's largest scale byte.
+
+    A code c in a group of scale byte s becomes E4M3(e2m1(c) * 2^(6 - d)), d = r - s (:func:`e4m3_steps`).
+    Exact wherever d <= 14, i.e. every group's scale within 2^14 of its row's largest (:func:`e4m3_exact`);
+    past that a group's magnitudes round to E4M3's subnormal steps (absolute error at most 2^-10 times 2^(r -
+    133), i.e. below 2^-18 of the row's largest possible weight, 6 * 2^(r - 127)). A NaN scale gives NaN codes
+    (its row's r is 255). Negative codes of magnitude 0 give +0."""
+    r, step = e4m3_step(t)
+    codes = blocks(fp4.unpack(t.data), BLOCK).long()  # [..., K/32, 32]
+    table = e4m3_steps(t.data.device)[step]  # [..., K/32, 8]
+    byte = torch.gather(table, -1, codes & 7)
+    byte = torch.where((codes >= 8) & (byte != 0), byte | 0x80, byte)
+    return byte.reshape(t.shape).view(torch.float8_e4m3fn), r
+
+
+def e4m3_exact(t: MXFP4Tensor) -> torch.Tensor:
+    """bool [...] per row: :func:`to_e4m3` reproduces the row exactly (every scale within 2^14 of the row's
+    largest, no NaN scale)."""
+    r, step = e4m3_step(t)
+    return (step <= E4M3_EXACT_STEPS).all(dim=-1)
+
+
+def from_e4m3(codes: torch.Tensor, r: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """codes * 2^(r - 133) in ``dtype``: the weights the W4A8 kernels compute with."""
+    return torch.ldexp(codes.to(dtype), (r - BIAS - E4M3_SHIFT).to(dtype))
 
 
 def from_gpt_oss(blocks_u8: torch.Tensor, scales: torch.Tensor) -> MXFP4Tensor:

@@ -18,12 +18,16 @@ MXFP4 = tl.constexpr(1)  # packed E2M1 + E8M0 scale per 32 along K
 NVFP4 = tl.constexpr(2)  # packed E2M1 + E4M3 scale (read as its bytes) per 16 along K + fp32 global scale per expert
 FP8 = tl.constexpr(3)  # E4M3 weights and activations on FP8 tensor cores; activations in 1x128 groups
 FP8_EMULATED = tl.constexpr(4)  # the same numbers from E4M3 bytes decoded to fp32 (interpreter, no FP8 tensor cores)
+W4A8 = tl.constexpr(5)  # MXFP4 weights recoded to E4M3 in the kernel, FP8 activations, FP8 tensor cores
+W4A8_EMULATED = tl.constexpr(6)  # the same numbers in fp32 (interpreter)
 FP8_GROUP = tl.constexpr(128)  # activation groups along K; weight blocks are FP8_GROUP x FP8_GROUP
 E4M3_MAX = tl.constexpr(448.0)
 TWO_POW_126 = tl.constexpr(8.507059173023462e37)
 TWO_POW_120 = tl.constexpr(1.329227995784916e36)
 TWO_POW_118 = tl.constexpr(2.0 ** 118)
 W4_WORDS_NVFP4_SHIFT = tl.constexpr(256.0)  # _w4_words_bf16's NVFP4 tiles are the weights times 2^-8
+W4A8_ZERO_STEP = tl.constexpr(19)  # rows of the step table (formats.mxfp4.e4m3_steps): d >= 19 rounds to zeros
+W4A8_NAN_STEP = tl.constexpr(20)  # the row of a NaN scale (255)
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -288,10 +292,92 @@ def _w4_dot(acc_t, a, w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORM
 
 
 @triton.jit
+def _w4a8_row_exponents(s_e, rows, n_ok, K, stride_sn, CHUNK: tl.constexpr = 32):
+    """int32 [BLOCK_N]: each MXFP4 weight row's largest scale byte r (0 past N), read once before the K loop:
+    the recoded tiles hold the row's weights over 2^(r - 133) (_w4a8_tile)."""
+    r = tl.zeros([rows.shape[0]], dtype=tl.int32)
+    for g0 in range(0, K // 32, CHUNK):
+        g = g0 + tl.arange(0, CHUNK)
+        s = tl.load(s_e + rows[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & (g < K // 32)[None, :],
+                    other=0)
+        r = tl.maximum(r, tl.max(s.to(tl.int32), axis=1))
+    return r
+
+
+@triton.jit
+def _w4a8_row_scale(r):
+    """fp32 2^(r - 133) of row exponents r (subnormal below r = 7; NaN for the NaN scale 255)."""
+    bits = tl.where(r >= 7, (r - 6) << 23, 1 << (r + 16))
+    return tl.where(r == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _quad(t):
+    """[N, W, 4]: four copies of t [N, W] side by side in one thread (what an inline asm with pack=4 reads as one)."""
+    pair = tl.join(t, t)
+    return tl.reshape(tl.join(pair, pair), [t.shape[0], t.shape[1], 4])
+
+
+@triton.jit
+def _w4a8_tile(w_e, s_e, steps_ptr, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, EMULATED: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] E4M3 tile of an MXFP4 weight (EMULATED: its fp32 values), natural K order: code c of a
+    32-group with scale byte s in row n (largest byte r) becomes E4M3(e2m1(c) * 2^(6 - d)), d = r - s, so the
+    weight is the tile times 2^(r - 133) (_w4a8_row_scale, in the epilogue). Row d of the step table
+    (formats.mxfp4.e4m3_steps: 8 bytes, one per magnitude, rounded to nearest even; exact for d <= 14) is read
+    per group, and each code's byte is picked from it by PRMT, four codes per instruction: the sign comes from a
+    second PRMT whose sign-replicate mode (the code's sign bit is that mode's bit) zeroes negative codes' bytes,
+    so (plain ^ zeroed) + 0x7F per byte carries into bit 7 exactly where a code is negative and nonzero."""
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    q = tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :],
+                mask=_and_k(n_ok[:, None], kw, K // 8, 1, EVEN_K), other=0)
+    s = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, MXFP4, BLOCK_K, EVEN_K).to(tl.int32)
+    step = tl.where(s == 255, W4A8_NAN_STEP, tl.minimum(r[:, None] - s, W4A8_ZERO_STEP))
+    lo = tl.load(steps_ptr + 2 * step)  # magnitudes 0..3
+    hi = tl.load(steps_ptr + 2 * step + 1)  # magnitudes 4..7
+    lo = tl.reshape(tl.broadcast_to(lo[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+    hi = tl.reshape(tl.broadcast_to(hi[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+    if EMULATED:  # the same bytes by shifts (the interpreter runs no PTX), then their fp32 values
+        codes = (q[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
+        mag = codes & 7
+        byte = tl.where(mag < 4, lo[:, :, None] >> (8 * mag), hi[:, :, None] >> (8 * (mag - 4))) & 0xFF
+        byte = tl.where((codes >= 8) & (byte != 0), byte | 0x80, byte)
+        tile = tl.reshape(_e4m3_values(byte), [BLOCK_N, BLOCK_K])
+    else:
+        first, then = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 sel, mag, z, v;
+            prmt.b32 z, $6, $10, $2;
+            and.b32 mag, $2, 0x7777;
+            prmt.b32 v, $6, $10, mag;
+            xor.b32 z, z, v;
+            add.u32 z, z, 0x7F7F7F7F;
+            and.b32 z, z, 0x80808080;
+            or.b32 $0, v, z;
+            shr.u32 sel, $2, 16;
+            prmt.b32 z, $6, $10, sel;
+            and.b32 mag, sel, 0x7777;
+            prmt.b32 v, $6, $10, mag;
+            xor.b32 z, z, v;
+            add.u32 z, z, 0x7F7F7F7F;
+            and.b32 z, z, 0x80808080;
+            or.b32 $1, v, z;
+            }""",
+            "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r", [_quad(q), _quad(lo), _quad(hi)],
+            dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
+        # [N, K/8, 4 codes, 2 halves] -> code 4 * half + i of each word at column 8 w + 4 half + i
+        tile = tl.reshape(tl.permute(tl.join(first, then), (0, 1, 3, 2)), [BLOCK_N, BLOCK_K])
+    return tile
+
+
+@triton.jit
 def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
                  FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False,
-                 EVEN_K: tl.constexpr = False, w_desc=None, desc_row=0, W_TMA: tl.constexpr = False):
-    """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE.
+                 EVEN_K: tl.constexpr = False, w_desc=None, desc_row=0, W_TMA: tl.constexpr = False, steps_ptr=None,
+                 r=None):
+    """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE (W4A8: E4M3
+    recoded from MXFP4 with the step table ``steps_ptr`` and row exponents ``r``, _w4a8_tile).
 
     W_TMA (dense and FP8 weights in rows of whole 16-byte units): one tensor-memory-accelerator
     copy of the [BLOCK_N, BLOCK_K] box at row ``desc_row`` of the stack seen as [E*N, K] rows, no
@@ -308,6 +394,9 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                                     mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0)).to(DTYPE)
+    elif FORMAT >= W4A8:
+        tile = tl.trans(_w4a8_tile(w_e, s_e, steps_ptr, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K, EVEN_K,
+                                   FORMAT == W4A8_EMULATED))
     else:
         tile = tl.trans(_w4_tile(w_e, s_e, None, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE,
                                  HALVES_ASM, EVEN_K))
@@ -438,7 +527,7 @@ def _gemm1_rows(
     x_ptr, stride_xe, stride_xm, stride_xk,  # standard: x [T, H] (stride_xe unused); batched: x [E, M, H]
     w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
     w_desc,  # W_TMA: TMA descriptor of w13 as [E*2I, H] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E] (W4A8: steps)
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
@@ -494,6 +583,12 @@ def _gemm1_rows(
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             s_gate = _w4_first_scales(s_e, gate_rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
             s_up = _w4_first_scales(s_e, up_rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
+        if FORMAT >= W4A8:
+            r_gate = _w4a8_row_exponents(s_e, gate_rows, n_ok, K, stride_sn)
+            r_up = _w4a8_row_exponents(s_e, up_rows, n_ok, K, stride_sn)
+        else:
+            r_gate = 0
+            r_up = 0
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
@@ -514,9 +609,11 @@ def _gemm1_rows(
                 acc_pair = tl.dot(a, w_pair, acc_pair, input_precision=DOT_PRECISION)
             else:
                 w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                      BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA)
+                                      BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA,
+                                      steps_ptr=gs_ptr, r=r_gate)
                 w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
-                                    a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA)
+                                    a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA,
+                                    steps_ptr=gs_ptr, r=r_up)
                 if FORMAT >= FP8:
                     a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
@@ -535,9 +632,13 @@ def _gemm1_rows(
             gs = _nvfp4_divisor(gs_ptr, e, W4_WORDS)
             acc_gate = acc_gate / gs
             acc_up = acc_up / gs
-        if FORMAT >= FP8 and not W_BLOCKED:  # one scale per output column (per-channel, or per-tensor with stride 0)
+        if (FORMAT == FP8 or FORMAT == FP8_EMULATED) and not W_BLOCKED:  # one scale per output column (per-channel,
+            # or per-tensor with stride 0)
             acc_gate *= tl.load(s_e + gate_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
             acc_up *= tl.load(s_e + up_rows * stride_sn, mask=n_ok, other=0.0)[None, :]
+        if FORMAT >= W4A8:
+            acc_gate *= _w4a8_row_scale(r_gate)[None, :]
+            acc_up *= _w4a8_row_scale(r_up)[None, :]
         if HAS_BIAS:
             b_e = bias_ptr + e.to(tl.int64) * stride_be
             acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -545,7 +646,7 @@ def _gemm1_rows(
         act = _activate(acc_gate, acc_up, ACTIVATION)
         if FORMAT >= FP8:
             _fp8_quantize_store(act, h_ptr, h_rows, stride_hm, offs_n, hs_ptr, stride_hs, pid_n, row_ok, n_ok,
-                                FORMAT == FP8_EMULATED)
+                                FORMAT == FP8_EMULATED or FORMAT == W4A8_EMULATED)
         else:
             tl.store(h_ptr + h_rows[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & n_ok[None, :])
@@ -556,7 +657,7 @@ def gemm1_act_kernel(
     x_ptr, stride_xe, stride_xm, stride_xk,  # standard: x [T, H] (stride_xe unused); batched: x [E, M, H]
     w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
     w_desc,  # W_TMA: TMA descriptor of w13 as [E*2I, H] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E] (W4A8: steps)
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
@@ -611,7 +712,7 @@ def _gemm2_rows(
     hs_ptr, stride_hs,  # FP8: their group scales [rows, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
     w_desc,  # W_TMA: TMA descriptor of w2 as [E*H, I] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E] (W4A8: steps)
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
@@ -640,6 +741,10 @@ def _gemm2_rows(
             acc = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             s_w = _w4_first_scales(s_e, rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
+        if FORMAT >= W4A8:
+            r_w = _w4a8_row_exponents(s_e, rows, n_ok, K, stride_sn)
+        else:
+            r_w = 0
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :],
@@ -651,7 +756,8 @@ def _gemm2_rows(
             else:
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
                                  EVEN_K=EVEN_K, w_desc=w_desc,
-                                 desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32), W_TMA=W_TMA)
+                                 desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32), W_TMA=W_TMA,
+                                 steps_ptr=gs_ptr, r=r_w)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
@@ -662,8 +768,10 @@ def _gemm2_rows(
             acc = tl.trans(acc)
         if FORMAT == NVFP4:
             acc = acc / _nvfp4_divisor(gs_ptr, e, W4_WORDS)
-        if FORMAT >= FP8 and not W_BLOCKED:
+        if (FORMAT == FP8 or FORMAT == FP8_EMULATED) and not W_BLOCKED:
             acc *= tl.load(s_e + rows * stride_sn, mask=n_ok, other=0.0)[None, :]
+        if FORMAT >= W4A8:
+            acc *= _w4a8_row_scale(r_w)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok,
                            other=0.0).to(tl.float32)[None, :]
@@ -682,7 +790,7 @@ def gemm2_kernel(
     hs_ptr, stride_hs,  # FP8: their group scales [rows, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
     w_desc,  # W_TMA: TMA descriptor of w2 as [E*H, I] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E] (W4A8: steps)
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
@@ -721,7 +829,7 @@ def gemm2_tokens_kernel(
     h_ptr, stride_hm,  # activations [num_pairs, I] (PER_PAIR gemm1)
     hs_ptr, stride_hs,  # FP8: their group scales [num_pairs, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales; NVFP4 global scales [E]
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales; NVFP4 global scales [E] (W4A8: the step table)
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [num_pairs], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
@@ -746,12 +854,16 @@ def gemm2_tokens_kernel(
                                             s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
         if e >= 0:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if FORMAT >= W4A8:
+                r_w = _w4a8_row_exponents(s_e, offs_n.to(tl.int64), n_ok, K, stride_sn)
+            else:
+                r_w = 0
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :],
                             mask=_and_k(row0, offs_k, K, 1, EVEN_K), other=0.0)
                 w = _weight_tile(w_e, s_e, offs_n.to(tl.int64), n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                 BLOCK_K, a.dtype, HALVES_ASM, EVEN_K)
+                                 BLOCK_K, a.dtype, HALVES_ASM, EVEN_K, steps_ptr=gs_ptr, r=r_w)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + pair.to(tl.int64) * stride_hs + k0 // FP8_GROUP + tl.zeros([BLOCK_M], tl.int64))
                     acc = _fp8_step(acc, a, w, a_scale, s_e, offs_n.to(tl.int64), (tl.program_id(0) % num_n) * BLOCK_N,
@@ -761,8 +873,10 @@ def gemm2_tokens_kernel(
             y = tl.sum(acc, axis=0)  # rows other than 0 are zero
             if FORMAT == NVFP4:
                 y = y / tl.load(gs_ptr + e)
-            if FORMAT >= FP8 and not W_BLOCKED:
+            if (FORMAT == FP8 or FORMAT == FP8_EMULATED) and not W_BLOCKED:
                 y *= tl.load(s_e + offs_n.to(tl.int64) * stride_sn, mask=n_ok, other=0.0)
+            if FORMAT >= W4A8:
+                y *= _w4a8_row_scale(r_w)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
             total += tl.load(weights_ptr + pair) * y
