@@ -2,8 +2,11 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moekit.formats import fp4, fp8, mxfp4, nvfp4
+from moekit.kernels.moe_gemm import _w4a8_steps
 
 # ------------------------------------------------------------------------------------- fp4
 def test_every_code_decodes_to_its_value():
@@ -205,23 +208,40 @@ def _nearest_e4m3_byte(v: float) -> int:
 
 def test_w4a8_step_table_follows_its_definition():
     table = mxfp4.e4m3_steps()
-    assert table.shape == (21, 8) and table.dtype == torch.uint8
-    for d in range(mxfp4.E4M3_ZERO_STEP + 1):
+    assert table.shape == (17, 8) and table.dtype == torch.uint8
+    for d in range(mxfp4.E4M3_EXACT_STEPS + 1):
         expect = [_nearest_e4m3_byte(v * 2.0 ** (mxfp4.E4M3_SHIFT - d)) for v in fp4.VALUES]
         assert table[d].tolist() == expect, d
-    assert table[mxfp4.E4M3_ZERO_STEP].tolist() == [0] * 8             # 6 * 2^-13 is below half of 2^-9
-    assert table[mxfp4.E4M3_NAN_STEP].tolist() == [0x7F] * 8           # E4M3's NaN
     values = table[:mxfp4.E4M3_EXACT_STEPS + 1].view(torch.float8_e4m3fn).double()
     exact = torch.tensor(fp4.VALUES, dtype=torch.float64) * torch.exp2(6.0 - torch.arange(15.0, dtype=torch.float64))[:, None]
     assert torch.equal(values, exact)                                   # d <= 14: every magnitude exact
-    assert not torch.equal(table[15].view(torch.float8_e4m3fn).double(), torch.tensor(fp4.VALUES) * 2.0 ** -9)
+    assert table[mxfp4.E4M3_ZERO_STEP].tolist() == [0] * 8             # d >= 15: zeros
+    assert table[mxfp4.E4M3_NAN_STEP].tolist() == [0x7F] * 8           # E4M3's NaN
+
+
+@triton.jit
+def _step_rows_kernel(s_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    lo, hi = _w4a8_steps(tl.load(s_ptr + i).to(tl.int32), 200)
+    tl.store(out_ptr + 2 * i, lo)
+    tl.store(out_ptr + 2 * i + 1, hi)
+
+
+def test_w4a8_step_rows_by_integer_ops_equal_the_table():
+    # the kernels' _w4a8_steps (interpreted) against the table, at every distance and for the NaN scale
+    s = torch.tensor([200 - d for d in range(32)] + [255] * 32, dtype=torch.uint8)
+    out = torch.empty(64, 2, dtype=torch.int32)
+    _step_rows_kernel[(1,)](s, out, N=64)
+    table = mxfp4.e4m3_steps()
+    step = torch.where(s.long() == 255, mxfp4.E4M3_NAN_STEP, (200 - s.long()).clamp(max=mxfp4.E4M3_ZERO_STEP))
+    assert torch.equal(out.view(torch.uint8).view(64, 8), table[step])
 
 
 @pytest.mark.parametrize("spread,exact,why", [
     (8, True, "scales within 2^8 of the row's largest"),
     (14, True, "the widest exact spread: 0.5 * 2^(6 - 14) = 2^-9, E4M3's smallest subnormal"),
-    (17, False, "past 2^14: that group's magnitudes round to E4M3 subnormal steps"),
-    (40, False, "far past: that group rounds to zeros"),
+    (15, False, "past 2^14: that group recodes as zeros"),
+    (40, False, "far past"),
 ])
 def test_w4a8_recoding_is_exact_within_2_pow_14(spread, exact, why):
     scales = torch.randint(125, 131, (3, 5, 4), dtype=torch.uint8)
@@ -235,9 +255,9 @@ def test_w4a8_recoding_is_exact_within_2_pow_14(spread, exact, why):
     got, want = mxfp4.from_e4m3(codes, r), mxfp4.dequantize(t, torch.float64)
     if exact:
         assert torch.equal(got, want), why
-    else:  # the bound of to_e4m3's docstring: half of 2^-9 in units of 2^(r - 133)
-        bound = torch.ldexp(torch.tensor(2.0 ** -10, dtype=torch.float64), (r - 133).double())
-        assert ((got - want).abs() <= bound).all(), why
+    else:  # the documented result: that group recodes as zeros (each weight at most 6 * 2^(r - 142))
+        assert (got[..., 32:64] == 0).all(), why
+        assert (want[..., 32:64].abs() <= torch.ldexp(torch.tensor(6.0, dtype=torch.float64), (r - 142).double())).all()
         assert torch.equal(got[..., :32], want[..., :32]) and torch.equal(got[..., 64:], want[..., 64:]), why
 
 

@@ -60,8 +60,7 @@ class WeightOperand:
     format: str
     shape: tuple[int, ...]
     blocked: bool = False  # FP8: 128x128 block scales [E, N/128, K/128] (else one scale per output column)
-    fp8_act: bool = False  # MXFP4 for FP8 activations (W4A8): recoded to E4M3 in the kernels; global_scale holds
-    # the step table (formats.mxfp4.e4m3_steps as int32 [21, 2])
+    fp8_act: bool = False  # MXFP4 for FP8 activations (W4A8): recoded to E4M3 in the kernels
 
     @property
     def format_id(self) -> int:
@@ -92,7 +91,7 @@ class WeightOperand:
         if fmt == "mxfp4" and fp8_act:  # read as int32 words of 8 codes: rows and experts start on whole words
             if data.data_ptr() % 4 or data.stride(0) % 4 or data.stride(1) % 4:
                 data = data.contiguous()
-            return cls(data, w.scales, _w4a8_steps(data.device), fmt, tuple(w.shape), fp8_act=True)
+            return cls(data, w.scales, data, fmt, tuple(w.shape), fp8_act=True)
         if fmt == "mxfp4":
             return cls(data, w.scales, data, fmt, tuple(w.shape))
         # The kernels read linear [E, N, K/16] scale bytes; a swizzled copy is unswizzled here, per call.
@@ -153,18 +152,6 @@ class WeightOperand:
         while block_k > FOUR_BIT_MIN_BLOCK_K and tiles * cfg.block_n * block_k > FOUR_BIT_TILE_BUDGET * cfg.num_warps // 4:
             block_k //= 2
         return replace(cfg, block_k=block_k)
-
-
-_STEPS: dict[torch.device, torch.Tensor] = {}
-
-
-def _w4a8_steps(device: torch.device) -> torch.Tensor:
-    """The W4A8 step table on ``device`` as int32 [21, 2] (magnitudes 0..3, 4..7 per row), made once."""
-    if device not in _STEPS:
-        from .formats import mxfp4
-
-        _STEPS[device] = mxfp4.e4m3_steps(device).view(torch.int32)
-    return _STEPS[device]
 
 
 # CUDA-core GEMM2 formats that by default (GemmConfig.slots unset) run a token's slots as one loop

@@ -22,8 +22,8 @@ BIAS = 127
 NAN_SCALE = 255
 E4M3_SHIFT = 6  # recoded magnitudes e2m1 * 2^(6 - d): the largest, 6 * 2^6 = 384, is below E4M3's 448
 E4M3_EXACT_STEPS = 14  # e2m1 * 2^(6 - d) is an E4M3 value for every code up to this d (0.5 * 2^-8 = 2^-9)
-E4M3_ZERO_STEP = 19  # from this d every magnitude rounds to 0 (6 * 2^-13 < 2^-10)
-E4M3_NAN_STEP = 20  # the table row of a NaN scale
+E4M3_ZERO_STEP = 15  # the table row of every d past that: zeros
+E4M3_NAN_STEP = 16  # the table row of a NaN scale
 
 
 @dataclass(frozen=True)
@@ -71,21 +71,21 @@ def dequantize(t: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
 
 
 def e4m3_steps(device=None) -> torch.Tensor:
-    """uint8 [21, 8], the W4A8 step table: row d (0..19) holds the E4M3 bytes of e2m1 magnitude m times
-    2^(6 - d), m = 0..7, rounded to nearest even (exact for d <= 14, all zeros at 19, which serves every
-    d >= 19); row 20 (a NaN scale) holds E4M3's NaN 0x7F. Built with device ops only (no host copy), so a
-    first call inside CUDA-graph capture can make it."""
+    """uint8 [17, 8], the W4A8 step table: row d (0..14) holds the E4M3 bytes of e2m1 magnitude m times
+    2^(6 - d), m = 0..7, all exact; row 15 (every d >= 15) zeros; row 16 (a NaN scale) E4M3's NaN 0x7F. The
+    kernels make each row by integer ops (kernels/moe_gemm.py _w4a8_steps)."""
     m = torch.arange(8, device=device)
     e, half = m >> 1, (m & 1).float() * 0.5
     magnitudes = torch.where(e > 0, torch.ldexp(1.0 + half, e - 1), half)
-    d = torch.arange(E4M3_ZERO_STEP + 1, device=device)
+    d = torch.arange(E4M3_EXACT_STEPS + 1, device=device)
     rows = (magnitudes[None, :] * torch.exp2((E4M3_SHIFT - d)[:, None].float())).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([rows, torch.full((1, 8), 0x7F, dtype=torch.uint8, device=device)])
+    zeros = torch.zeros(1, 8, dtype=torch.uint8, device=device)
+    return torch.cat([rows, zeros, torch.full((1, 8), 0x7F, dtype=torch.uint8, device=device)])
 
 
 def e4m3_step(t: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(r, step): r int64 [..., 1] each row's largest scale byte, step int64 [..., K/32] the table row of each
-    group, min(r - s, 19), or 20 where s is the NaN scale."""
+    group, min(r - s, 15), or 16 where s is the NaN scale."""
     s = t.scales.long()
     r = s.amax(dim=-1, keepdim=True)
     return r, torch.where(s == NAN_SCALE, E4M3_NAN_STEP, (r - s).clamp(max=E4M3_ZERO_STEP))
@@ -95,11 +95,11 @@ def to_e4m3(t: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The W4A8 recoding, as the kernels compute it: (codes float8_e4m3fn [..., K], r int64 [..., 1]) with
     weight = codes * 2^(r - 133), r the row's largest scale byte.
 
-    A code c in a group of scale byte s becomes E4M3(e2m1(c) * 2^(6 - d)), d = r - s (:func:`e4m3_steps`).
-    Exact wherever d <= 14, i.e. every group's scale within 2^14 of its row's largest (:func:`e4m3_exact`);
-    past that a group's magnitudes round to E4M3's subnormal steps (absolute error at most 2^-10 times 2^(r -
-    133), i.e. below 2^-18 of the row's largest possible weight, 6 * 2^(r - 127)). A NaN scale gives NaN codes
-    (its row's r is 255). Negative codes of magnitude 0 give +0."""
+    A code c in a group of scale byte s becomes the E4M3 value e2m1(c) * 2^(6 - d), d = r - s
+    (:func:`e4m3_steps`): exact wherever d <= 14, i.e. every group's scale within 2^14 of its row's largest
+    (:func:`e4m3_exact`). A group past that recodes as zeros: its weights are at most 6 * 2^(r - 142), below
+    2^-15 of the row's largest possible weight 6 * 2^(r - 127). A NaN scale gives NaN codes (its row's r is 255).
+    Negative codes of magnitude 0 give +0."""
     r, step = e4m3_step(t)
     codes = blocks(fp4.unpack(t.data), BLOCK).long()  # [..., K/32, 32]
     table = e4m3_steps(t.data.device)[step]  # [..., K/32, 8]

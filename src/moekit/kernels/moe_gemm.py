@@ -26,8 +26,6 @@ TWO_POW_126 = tl.constexpr(8.507059173023462e37)
 TWO_POW_120 = tl.constexpr(1.329227995784916e36)
 TWO_POW_118 = tl.constexpr(2.0 ** 118)
 W4_WORDS_NVFP4_SHIFT = tl.constexpr(256.0)  # _w4_words_bf16's NVFP4 tiles are the weights times 2^-8
-W4A8_ZERO_STEP = tl.constexpr(19)  # rows of the step table (formats.mxfp4.e4m3_steps): d >= 19 rounds to zeros
-W4A8_NAN_STEP = tl.constexpr(20)  # the row of a NaN scale (255)
 SILU_AND_MUL = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 SWIGLU_ALPHA = tl.constexpr(1.702)
@@ -312,6 +310,23 @@ def _w4a8_row_scale(r):
 
 
 @triton.jit
+def _w4a8_steps(s, r):
+    """(lo, hi) int32: row d = r - s of the step table (formats.mxfp4.e4m3_steps; bytes of magnitudes 0..3, 4..7)
+    by integer ops on the group's scale byte s and its row's largest r, where loads from a table in memory made
+    the K loop wait on them (the GEMMs' top stall, ncu). d <= 12: the bytes of 0.5 * 2^(6 - d) .. 6 * 2^(6 - d)
+    are the exponent field 12 - d at bits 3.. plus constant offsets (0.5 of d = 12 is the subnormal 0x04); 13 and
+    14: constants; from 15 zeros; a NaN scale: E4M3 NaNs."""
+    d = r - s
+    b = (12 - d) * 8
+    lo = tl.where(d <= 11, 0x0C080000 + b * 0x01010100,
+                  tl.where(d == 12, 0x0C080400, tl.where(d == 13, 0x06040200, tl.where(d == 14, 0x03020100, 0))))
+    hi = tl.where(d <= 12, 0x1C181410 + b * 0x01010101,
+                  tl.where(d == 13, 0x14100C08, tl.where(d == 14, 0x0C080604, 0)))
+    nan = s == 255
+    return tl.where(nan, 0x7F7F7F7F, lo), tl.where(nan, 0x7F7F7F7F, hi)
+
+
+@triton.jit
 def _quad(t):
     """[N, W, 4]: four copies of t [N, W] side by side in one thread (what an inline asm with pack=4 reads as one)."""
     pair = tl.join(t, t)
@@ -319,13 +334,13 @@ def _quad(t):
 
 
 @triton.jit
-def _w4a8_tile(w_e, s_e, steps_ptr, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, EMULATED: tl.constexpr):
+def _w4a8_tile(w_e, s_e, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               EMULATED: tl.constexpr):
     """[BLOCK_N, BLOCK_K] E4M3 tile of an MXFP4 weight (EMULATED: its fp32 values), natural K order: code c of a
     32-group with scale byte s in row n (largest byte r) becomes E4M3(e2m1(c) * 2^(6 - d)), d = r - s, so the
     weight is the tile times 2^(r - 133) (_w4a8_row_scale, in the epilogue). Row d of the step table
-    (formats.mxfp4.e4m3_steps: 8 bytes, one per magnitude, rounded to nearest even; exact for d <= 14) is read
-    per group, and each code's byte is picked from it by PRMT, four codes per instruction: the sign comes from a
+    (formats.mxfp4.e4m3_steps: 8 bytes, one per magnitude; exact for d <= 14, zeros past it) is made per group
+    (_w4a8_steps), and each code's byte is picked from it by PRMT, four codes per instruction: the sign comes from a
     second PRMT whose sign-replicate mode (the code's sign bit is that mode's bit) zeroes negative codes' bytes,
     so (plain ^ zeroed) + 0x7F per byte carries into bit 7 exactly where a code is negative and nonzero."""
     BLOCK_N: tl.constexpr = rows.shape[0]
@@ -333,9 +348,7 @@ def _w4a8_tile(w_e, s_e, steps_ptr, r, rows, n_ok, k0, K, stride_wn, stride_sn, 
     q = tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :],
                 mask=_and_k(n_ok[:, None], kw, K // 8, 1, EVEN_K), other=0)
     s = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, MXFP4, BLOCK_K, EVEN_K).to(tl.int32)
-    step = tl.where(s == 255, W4A8_NAN_STEP, tl.minimum(r[:, None] - s, W4A8_ZERO_STEP))
-    lo = tl.load(steps_ptr + 2 * step)  # magnitudes 0..3
-    hi = tl.load(steps_ptr + 2 * step + 1)  # magnitudes 4..7
+    lo, hi = _w4a8_steps(s, r[:, None])
     lo = tl.reshape(tl.broadcast_to(lo[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
     hi = tl.reshape(tl.broadcast_to(hi[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
     if EMULATED:  # the same bytes by shifts (the interpreter runs no PTX), then their fp32 values
@@ -374,10 +387,9 @@ def _w4a8_tile(w_e, s_e, steps_ptr, r, rows, n_ok, k0, K, stride_wn, stride_sn, 
 @triton.jit
 def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
                  FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False,
-                 EVEN_K: tl.constexpr = False, w_desc=None, desc_row=0, W_TMA: tl.constexpr = False, steps_ptr=None,
-                 r=None):
+                 EVEN_K: tl.constexpr = False, w_desc=None, desc_row=0, W_TMA: tl.constexpr = False, r=None):
     """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE (W4A8: E4M3
-    recoded from MXFP4 with the step table ``steps_ptr`` and row exponents ``r``, _w4a8_tile).
+    recoded from MXFP4 under row exponents ``r``, _w4a8_tile).
 
     W_TMA (dense and FP8 weights in rows of whole 16-byte units): one tensor-memory-accelerator
     copy of the [BLOCK_N, BLOCK_K] box at row ``desc_row`` of the stack seen as [E*N, K] rows, no
@@ -395,7 +407,7 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
         tile = _e4m3_values(tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                                     mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0)).to(DTYPE)
     elif FORMAT >= W4A8:
-        tile = tl.trans(_w4a8_tile(w_e, s_e, steps_ptr, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K, EVEN_K,
+        tile = tl.trans(_w4a8_tile(w_e, s_e, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K, EVEN_K,
                                    FORMAT == W4A8_EMULATED))
     else:
         tile = tl.trans(_w4_tile(w_e, s_e, None, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE,
@@ -527,7 +539,7 @@ def _gemm1_rows(
     x_ptr, stride_xe, stride_xm, stride_xk,  # standard: x [T, H] (stride_xe unused); batched: x [E, M, H]
     w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
     w_desc,  # W_TMA: TMA descriptor of w13 as [E*2I, H] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E] (W4A8: steps)
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
@@ -610,10 +622,10 @@ def _gemm1_rows(
             else:
                 w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                       BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA,
-                                      steps_ptr=gs_ptr, r=r_gate)
+                                      r=r_gate)
                 w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
                                     a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA,
-                                    steps_ptr=gs_ptr, r=r_up)
+                                    r=r_up)
                 if FORMAT >= FP8:
                     a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
@@ -657,7 +669,7 @@ def gemm1_act_kernel(
     x_ptr, stride_xe, stride_xm, stride_xk,  # standard: x [T, H] (stride_xe unused); batched: x [E, M, H]
     w_ptr, stride_we, stride_wn, stride_wk,  # w13 [E, 2I, H] (4-bit formats: bytes [E, 2I, H/2])
     w_desc,  # W_TMA: TMA descriptor of w13 as [E*2I, H] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E] (W4A8: steps)
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
@@ -712,7 +724,7 @@ def _gemm2_rows(
     hs_ptr, stride_hs,  # FP8: their group scales [rows, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
     w_desc,  # W_TMA: TMA descriptor of w2 as [E*H, I] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E] (W4A8: steps)
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
@@ -757,7 +769,7 @@ def _gemm2_rows(
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
                                  EVEN_K=EVEN_K, w_desc=w_desc,
                                  desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32), W_TMA=W_TMA,
-                                 steps_ptr=gs_ptr, r=r_w)
+                                 r=r_w)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
@@ -790,7 +802,7 @@ def gemm2_kernel(
     hs_ptr, stride_hs,  # FP8: their group scales [rows, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
     w_desc,  # W_TMA: TMA descriptor of w2 as [E*H, I] rows, box [BLOCK_N, BLOCK_K]
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E] (W4A8: steps)
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, H, I/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
@@ -829,7 +841,7 @@ def gemm2_tokens_kernel(
     h_ptr, stride_hm,  # activations [num_pairs, I] (PER_PAIR gemm1)
     hs_ptr, stride_hs,  # FP8: their group scales [num_pairs, I/128]
     w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E, H, I] (4-bit formats: bytes [E, H, I/2])
-    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales; NVFP4 global scales [E] (W4A8: the step table)
+    s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [num_pairs], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
@@ -863,7 +875,7 @@ def gemm2_tokens_kernel(
                 a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :],
                             mask=_and_k(row0, offs_k, K, 1, EVEN_K), other=0.0)
                 w = _weight_tile(w_e, s_e, offs_n.to(tl.int64), n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                 BLOCK_K, a.dtype, HALVES_ASM, EVEN_K, steps_ptr=gs_ptr, r=r_w)
+                                 BLOCK_K, a.dtype, HALVES_ASM, EVEN_K, r=r_w)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + pair.to(tl.int64) * stride_hs + k0 // FP8_GROUP + tl.zeros([BLOCK_M], tl.int64))
                     acc = _fp8_step(acc, a, w, a_scale, s_e, offs_n.to(tl.int64), (tl.program_id(0) % num_n) * BLOCK_N,
