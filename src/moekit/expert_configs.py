@@ -121,6 +121,16 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
             return ExpertsConfig(64, tile, tile)
         tile = GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8)
         return ExpertsConfig(128, tile, tile)
+    if weight_format == "w4a8":
+        # MXFP4 recoded for FP8 tensor cores (K steps of one 128-group, GEMM1 tiles of 128 columns), gpt-oss-120b on
+        # the H200 (results/w4a8_s17): 16-row blocks up to 64 tokens (the per-pair mode and 32-row blocks slower),
+        # 64 rows to T = 1024, then 128 rows with 8-warp GEMM2s (GEMM1 spills there, and is still faster)
+        if rows <= 4:
+            return ExpertsConfig(16, GemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, group_m=8),
+                                 GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, group_m=8))
+        if rows > 96:
+            tile = GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8)
+            return ExpertsConfig(128, tile, tile)
     if num_tokens <= PER_PAIR_MAX_TOKENS:
         return ExpertsConfig(16, GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
                              GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4), per_pair=True)
