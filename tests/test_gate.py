@@ -152,3 +152,25 @@ def test_the_gate_checks_fp8_w8a8_against_its_own_reference(op):
         broken = Backend("w8a8_unscaled", _fused_only, "broken", _w8a8_forgets_block_scales)
         passed, detail = gate.check(broken, call)
         assert not passed and "rms_rel" in detail
+
+
+def _w4a8_scale_off_by_one(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    from moekit.formats import mxfp4
+
+    scales = w2.scales - 1                                            # each E8M0 exponent one low: w2 halved
+    fused_torch(out, x, w13, mxfp4.MXFP4Tensor(w2.data, scales, w2.shape), tw, ids, act, b13, b2, emap, None, aq)
+
+
+@pytest.mark.parametrize("op", ["fused", "batched"])
+def test_the_gate_checks_mxfp4_w4a8_against_its_own_reference(op):
+    # MXFP4 weights with FP8 activations run on the Triton kernels (W4A8): the gate checks them against the W8A8
+    # float64 reference on the dequantized weights instead of waving them through as an emulation
+    call = backends.ExpertsCall("mxfp4", torch.float32, torch.device("cpu"), 9, "fp8_group", op=op,
+                                activation="swiglu_oai")
+    triton = next(b for b in backends.BACKENDS if b.name == "triton")
+    passed, detail = gate.check(triton, call)
+    assert passed and "rms_rel" in detail, detail
+    if op == "fused":
+        broken = Backend("w4a8_scale_off_by_one", _fused_only, "broken", _w4a8_scale_off_by_one)
+        passed, detail = gate.check(broken, call)
+        assert not passed and "rms_rel" in detail

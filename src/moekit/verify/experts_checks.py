@@ -113,15 +113,15 @@ def _weights(spec, dtype, device):
 
 
 def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
-    """fused_experts with MXFP4 and NVFP4 weights (against float64 on the dequantized weights) and
-    FP8 W8A8 in 128x128 blocks (against float64 on dequantized weights and E4M3-rounded activations)."""
+    """fused_experts with MXFP4 and NVFP4 weights (against float64 on the dequantized weights), FP8
+    W8A8 in 128x128 blocks and MXFP4 W4A8 (against float64 on dequantized weights and E4M3-rounded
+    activations)."""
     from ..formats import quantize_experts
 
     results = []
-    for fmt in ("mxfp4", "nvfp4", "fp8_block"):
+    for fmt, act_quant in (("mxfp4", None), ("mxfp4", "fp8_group"), ("nvfp4", None), ("fp8_block", "fp8_group")):
         q13, q2 = _cached((spec.name, x.dtype, x.device, fmt),  # quantized one expert at a time
                           lambda fmt=fmt: (quantize_experts(w13, fmt), quantize_experts(w2, fmt)))
-        act_quant = "fp8_group" if fmt.startswith("fp8") else None
         if act_quant:
             ref = reference.fused_experts_w8a8(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13,
                                                w2_bias=b2)
@@ -132,6 +132,7 @@ def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[C
             out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
             got = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                                 backend=backend, act_quant=act_quant)
-            results.append(score_values(CheckResult(f"fused_experts[{fmt}]", backend, spec.name, x.shape[0]), got, ref,
+            name = f"fused_experts[{fmt}{'+' + act_quant if act_quant and fmt == 'mxfp4' else ''}]"
+            results.append(score_values(CheckResult(name, backend, spec.name, x.shape[0]), got, ref,
                                         W8A8_TOL if act_quant else tol, got is out))
     return results

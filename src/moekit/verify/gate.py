@@ -105,9 +105,10 @@ def _case(call, gen):
 
 
 def check(backend, call) -> tuple[bool, str]:
-    """(passed, detail) of ``backend`` on a small random case shaped like ``call``. FP8 W8A8 calls
-    are checked against the W8A8 float64 reference (activations rounded to E4M3 1x128 groups)."""
-    w8a8 = call.act_quant == "fp8_group" and call.weight_format == "fp8"
+    """(passed, detail) of ``backend`` on a small random case shaped like ``call``. FP8 W8A8 and
+    MXFP4 W4A8 calls are checked against the W8A8 float64 reference (activations rounded to E4M3
+    1x128 groups)."""
+    w8a8 = call.act_quant == "fp8_group" and call.weight_format in ("fp8", "mxfp4")
     if call.act_quant is not None and not w8a8:
         return True, "activation emulation: the torch reference is the definition"
     gen = torch.Generator().manual_seed(1234)
