@@ -759,6 +759,11 @@ def test_gpu_four_bit_past_2_pow_31_bytes(fmt):
         out = _poisoned((T, H), torch.bfloat16, "cuda")
         fused_experts(x, q13, q2, tw, tid, out=out, config=cfg)
         check_close(f"4-bit past 2^31 bytes {cfg}", out, ref, TOL[torch.bfloat16])
+    if fmt == "mxfp4":  # W4A8 reads the same codes as int32 words, and each row's scales before its K loop
+        out = _poisoned((T, H), torch.bfloat16, "cuda")
+        fused_experts(x, q13, q2, tw, tid, out=out, act_quant="fp8_group")
+        ref = reference.fused_experts_w8a8(x, last(q13, 2 * I, H), last(q2, H, I), tw, tid - (E - used))
+        check_close("W4A8 past 2^31 bytes", out, ref, W8A8_TOL)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -1169,6 +1174,32 @@ def test_gpu_w4a8(T, E, H, I, k, act, biases, config, why):
     fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group", out=out,
                   config=config)
     check_close(why, out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_w4a8_batched_bf16_padding_and_expert_map():
+    # the batched format on the GPU: NaN padding rows never reach valid rows (x groups per row, h groups per row)
+    from moekit.formats import mxfp4
+
+    E, M, H, I = 5, 40, 512, 256
+    w13, w2, _, _ = _weights(E, H, I, torch.bfloat16, False, "cuda")
+    q13, q2, _, _ = _quantized("mxfp4", w13, w2)
+    counts = torch.tensor([40, 0, 17, 1, 33], dtype=torch.int32, device="cuda")
+    valid = torch.arange(M, device="cuda")[None, :] < counts[:, None].long()
+    x = torch.randn(E, M, H, device="cuda", dtype=torch.bfloat16)
+    x[~valid] = float("nan")
+    got = batched_experts(x, counts, q13, q2, act_quant="fp8_group")
+    ones, zero = torch.ones(M, 1, device="cuda"), torch.zeros(M, 1, dtype=torch.int32, device="cuda")
+    one = lambda q, e: mxfp4.MXFP4Tensor(q.data[e:e + 1], q.scales[e:e + 1], (1, *q.shape[1:]))  # noqa: E731
+    ref = torch.stack([_w8a8_reference(torch.where(valid[e, :, None], x[e], 0), one(q13, e), one(q2, e), ones, zero,
+                                       "silu_and_mul") for e in range(E)])
+    check_close("batched W4A8 (GPU)", got[valid], ref[valid], W8A8_TOL)
+    emap = torch.tensor([-1, 0, 1, -1, 2, 3, 4], dtype=torch.int32, device="cuda")
+    xt, tw = torch.randn(33, H, device="cuda", dtype=torch.bfloat16), torch.rand(33, 2, device="cuda")
+    tid = torch.randint(0, 7, (33, 2), device="cuda", dtype=torch.int32)
+    got = fused_experts(xt, q13, q2, tw, tid, expert_map=emap, act_quant="fp8_group")
+    check_close("expert_map W4A8 (GPU)", got, _w8a8_reference(xt, q13, q2, tw, tid, "silu_and_mul", expert_map=emap),
+                W8A8_TOL)
 
 
 @pytest.mark.gpu
