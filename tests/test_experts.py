@@ -1162,6 +1162,9 @@ def test_w4a8_oracle():
     (129, 7, 224, 160, 6, "silu_and_mul", True, None, "prime E, k=6, K ends mid-step in both GEMMs"),
     (300, 8, 256, 256, 2, "silu_and_mul", False, ExpertsConfig(128, GemmConfig(128, 128, 8, 3, 8),
                                                                 GemmConfig(128, 128, 8, 3, 8)), "128-row blocks"),
+    (700, 8, 384, 256, 2, "swiglu_oai", True, ExpertsConfig(128, GemmConfig(128, 128, 16, 3, 8),
+                                                             GemmConfig(128, 128, 8, 3, 8)),
+     "the heuristic past 96 rows per expert: GEMM1 on 16 warps"),
     (64, 8, 256, 256, 2, "swiglu_oai", False, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(32, 128, 4, 2)),
      "16-row blocks, 32-row GEMM2 tiles"),
 ])
