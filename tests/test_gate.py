@@ -139,21 +139,6 @@ def _w8a8_forgets_block_scales(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg
     fused_torch(out, x, *unscaled, tw, ids, act, b13, b2, emap, None, aq)   # codes read as values
 
 
-@pytest.mark.parametrize("op", ["fused", "batched"])
-def test_the_gate_checks_fp8_w8a8_against_its_own_reference(op):
-    # The Triton FP8 kernels (emulated bit for bit on the CPU) pass the W8A8 check; a backend that
-    # drops the 128x128 weight scales does not.
-    call = backends.ExpertsCall("fp8", torch.float32, torch.device("cpu"), 9, "fp8_group", op=op,
-                                activation="swiglu_oai")
-    triton = next(b for b in backends.BACKENDS if b.name == "triton")
-    passed, detail = gate.check(triton, call)
-    assert passed, detail
-    if op == "fused":
-        broken = Backend("w8a8_unscaled", _fused_only, "broken", _w8a8_forgets_block_scales)
-        passed, detail = gate.check(broken, call)
-        assert not passed and "rms_rel" in detail
-
-
 def _w4a8_scale_off_by_one(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
     from moekit.formats import mxfp4
 
@@ -162,15 +147,18 @@ def _w4a8_scale_off_by_one(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq
 
 
 @pytest.mark.parametrize("op", ["fused", "batched"])
-def test_the_gate_checks_mxfp4_w4a8_against_its_own_reference(op):
-    # MXFP4 weights with FP8 activations run on the Triton kernels (W4A8): the gate checks them against the W8A8
-    # float64 reference on the dequantized weights instead of waving them through as an emulation
-    call = backends.ExpertsCall("mxfp4", torch.float32, torch.device("cpu"), 9, "fp8_group", op=op,
+@pytest.mark.parametrize("weights,broken", [
+    ("fp8", _w8a8_forgets_block_scales),  # W8A8; the broken backend drops the 128x128 weight scales
+    ("mxfp4", _w4a8_scale_off_by_one),  # W4A8: checked, not waved through as an emulation; every E8M0 scale one low
+])
+def test_the_gate_checks_fp8_activations_against_their_own_reference(op, weights, broken):
+    # The Triton kernels (emulated bit for bit on the CPU) pass the check against the W8A8 float64 reference (the
+    # dequantized weights, activations rounded to E4M3 1x128 groups); a broken backend does not.
+    call = backends.ExpertsCall(weights, torch.float32, torch.device("cpu"), 9, "fp8_group", op=op,
                                 activation="swiglu_oai")
     triton = next(b for b in backends.BACKENDS if b.name == "triton")
     passed, detail = gate.check(triton, call)
     assert passed and "rms_rel" in detail, detail
     if op == "fused":
-        broken = Backend("w4a8_scale_off_by_one", _fused_only, "broken", _w4a8_scale_off_by_one)
-        passed, detail = gate.check(broken, call)
+        passed, detail = gate.check(Backend(broken.__name__, _fused_only, "broken", broken), call)
         assert not passed and "rms_rel" in detail
