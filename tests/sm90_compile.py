@@ -48,6 +48,12 @@ class _Sm90Driver:
 
 BUILT: list[tuple[str, object]] = []
 MAX_SPILL_BYTES = 16
+# Variants whose spills inside loops were measured and kept: each was faster than every spill-free config tried.
+LOOP_SPILLS_MEASURED = {
+    # W4A8 GEMM1 at 128-row blocks on 16 warps (128 registers): 3737 us at T=4096 against 5194 for 64-row blocks
+    # without spills (results/w4a8_s17, calls G and I)
+    ("w4a8 gpt-oss-120b T=4096", "gemm1_act_kernel"),
+}
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -158,6 +164,13 @@ def expert_variants():
             yield f"{mod.__name__.split('.')[-1]} {name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: \
                 fused_experts(x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13,
                               w2_bias=b2, backend="triton")
+        if mod is mxfp4:  # W4A8: the heuristic's three regimes (16-, 64-, 128-row blocks)
+            for T in (16, 1024, 4096):
+                x = torch.empty(T, H, dtype=torch.bfloat16)
+                ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
+                yield f"w4a8 {name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: fused_experts(
+                    x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13, w2_bias=b2,
+                    act_quant="fp8_group", backend="triton")
     from moekit.formats import fp8
 
     spec = presets.get("deepseek-v3")  # W8A8: E4M3 tensor cores, 128x128 block and per-channel weight scales
@@ -257,12 +270,14 @@ def main() -> int:
             # loop and reloaded for the epilogue cost nothing measurable (moekit/_sass.py).
             checked = use["SPILL"] > MAX_SPILL_BYTES
             in_loops = _sass.spills_in_loops(kernel) if checked else 0
-            failures += in_loops is None or in_loops > 0
+            failures += (in_loops is None or in_loops > 0) and (label, kname) not in LOOP_SPILLS_MEASURED
             note = f"ok (stack {use['STACK']})"
             if use["SPILL"]:
                 where = {None: ", inside loops unknown (no nvdisasm)", 0: ", none inside loops"}.get(
                     in_loops, f", {in_loops} LDL/STL inside loops")
                 note = f"spills {use['SPILL']} bytes" + (where if checked else "")
+                if (label, kname) in LOOP_SPILLS_MEASURED:
+                    note += " (measured and kept: LOOP_SPILLS_MEASURED)"
             rows.append((label, kname, use["REG"], kernel.metadata.shared, note))
     for r in rows:
         print(f"{r[0]:34s} {r[1]!s:16s} regs={r[2]!s:4s} smem={r[3]!s:6s} {r[4]}")

@@ -123,11 +123,12 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
         return ExpertsConfig(128, tile, tile)
     if weight_format == "w4a8":
         # MXFP4 recoded for FP8 tensor cores (K steps of one 128-group, GEMM1 tiles of 128 columns), gpt-oss-120b on
-        # the H200 (results/w4a8_s17): 16-row blocks up to 64 tokens (the per-pair mode and 32-row blocks slower),
+        # the H200 (results/w4a8_s17): 16-row blocks up to 64 tokens (the per-pair mode and 32-row blocks slower;
+        # GEMM1 on 8 warps, where 4 spill inside the K loop: T=1 96.3 against 118.8 us, T=16 679.1 against 663.3),
         # 64 rows to T = 1024, then 128 rows, GEMM1 on 16 warps (its two 128 x 128 accumulators spill 792 bytes at
-        # 8 warps, 236 at 16: 3769 against 4421 us at T = 4096) and GEMM2 on 8
+        # 8 warps, 236 at 16: 3769 against 4421 us at T = 4096; 64-row blocks without spills 5194) and GEMM2 on 8
         if rows <= 4:
-            return ExpertsConfig(16, GemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, group_m=8),
+            return ExpertsConfig(16, GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8),
                                  GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, group_m=8))
         if rows > 96:
             return ExpertsConfig(128, GemmConfig(block_n=128, block_k=128, num_warps=16, num_stages=3, group_m=8),
