@@ -934,8 +934,11 @@ def test_w8a8_reference_equals_an_independent_emulation():
 
 
 def _one_expert(q, e):
-    from moekit.formats import fp8
+    """Expert e of a quantized stack as a stack of one (FP8 or MXFP4)."""
+    from moekit.formats import fp8, mxfp4
 
+    if isinstance(q, mxfp4.MXFP4Tensor):
+        return mxfp4.MXFP4Tensor(q.data[e:e + 1], q.scales[e:e + 1], (1, *q.shape[1:]))
     one = fp8.expert(q, e)
     shared = q.granularity == "tensor" and q.scale.numel() == 1
     return fp8.FP8Tensor(one.data[None], one.scale if shared else one.scale[None], q.granularity)
@@ -1124,8 +1127,8 @@ def test_w4a8_batched_padding_expert_map_nan_scale():
     b = batched_experts(loud, counts, q13, q2, act_quant="fp8_group", backend="triton")
     assert torch.equal(a[valid], b[valid])
     ones, zero = torch.ones(M, 1), torch.zeros(M, 1, dtype=torch.int32)
-    one = lambda q, e: mxfp4.MXFP4Tensor(q.data[e:e + 1], q.scales[e:e + 1], (1, *q.shape[1:]))  # noqa: E731
-    ref = torch.stack([_w8a8_reference(x[e], one(q13, e), one(q2, e), ones, zero, "silu_and_mul") for e in range(E)])
+    ref = torch.stack([_w8a8_reference(x[e], _one_expert(q13, e), _one_expert(q2, e), ones, zero, "silu_and_mul")
+                       for e in range(E)])
     check_close("batched W4A8", a[valid], ref[valid], W8A8_TOL)
     emap = torch.tensor([-1, 0, 1, -1, 2, 3], dtype=torch.int32)
     xt, tw = torch.randn(5, H), torch.rand(5, 2)
@@ -1182,8 +1185,6 @@ def test_gpu_w4a8(T, E, H, I, k, act, biases, config, why):
 @pytest.mark.gpu
 def test_gpu_w4a8_batched_bf16_padding_and_expert_map():
     # the batched format on the GPU: NaN padding rows never reach valid rows (x groups per row, h groups per row)
-    from moekit.formats import mxfp4
-
     E, M, H, I = 5, 40, 512, 256
     w13, w2, _, _ = _weights(E, H, I, torch.bfloat16, False, "cuda")
     q13, q2, _, _ = _quantized("mxfp4", w13, w2)
@@ -1193,9 +1194,8 @@ def test_gpu_w4a8_batched_bf16_padding_and_expert_map():
     x[~valid] = float("nan")
     got = batched_experts(x, counts, q13, q2, act_quant="fp8_group")
     ones, zero = torch.ones(M, 1, device="cuda"), torch.zeros(M, 1, dtype=torch.int32, device="cuda")
-    one = lambda q, e: mxfp4.MXFP4Tensor(q.data[e:e + 1], q.scales[e:e + 1], (1, *q.shape[1:]))  # noqa: E731
-    ref = torch.stack([_w8a8_reference(torch.where(valid[e, :, None], x[e], 0), one(q13, e), one(q2, e), ones, zero,
-                                       "silu_and_mul") for e in range(E)])
+    ref = torch.stack([_w8a8_reference(torch.where(valid[e, :, None], x[e], 0), _one_expert(q13, e),
+                                       _one_expert(q2, e), ones, zero, "silu_and_mul") for e in range(E)])
     check_close("batched W4A8 (GPU)", got[valid], ref[valid], W8A8_TOL)
     emap = torch.tensor([-1, 0, 1, -1, 2, 3, 4], dtype=torch.int32, device="cuda")
     xt, tw = torch.randn(33, H, device="cuda", dtype=torch.bfloat16), torch.rand(33, 2, device="cuda")

@@ -89,7 +89,7 @@ class WeightOperand:
             raise ValueError(f"FP8 activations run with FP8 or MXFP4 weights (W8A8, W4A8), got {fmt}")
         data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
         if fmt == "mxfp4" and fp8_act:  # read as int32 words of 8 codes: rows and experts start on whole words
-            if data.data_ptr() % 4 or data.stride(0) % 4 or data.stride(1) % 4:
+            if not _on_words(data):
                 data = data.contiguous()
             return cls(data, w.scales, data, fmt, tuple(w.shape), fp8_act=True)
         if fmt == "mxfp4":
@@ -220,12 +220,16 @@ def _scales_ahead(cfg: GemmConfig, w: WeightOperand) -> bool:
     return w.format == "mxfp4" if cfg.scales_ahead is None else cfg.scales_ahead
 
 
+def _on_words(d: torch.Tensor) -> bool:
+    """Packed 4-bit codes [E, N, K/2] whose every row and expert starts on a whole int32 word (8 codes)."""
+    return d.data_ptr() % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0
+
+
 def _w4_words(w: WeightOperand, dtype: torch.dtype) -> bool:
     """The tensor-core GEMMs decode 4-bit codes a word (8 codes) at a time: bf16 on the GPU (the decode's halves
     move by PTX) with the codes of every row and expert starting on whole int32 words."""
-    d = w.data
     return (w.format in ("mxfp4", "nvfp4") and dtype == torch.bfloat16 and not _triton.interpreting()
-            and d.data_ptr() % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0)
+            and _on_words(w.data))
 
 
 def paired_k(x: torch.Tensor) -> torch.Tensor:

@@ -153,6 +153,22 @@ def _w4_step_scales(carried, s_e, rows, n_ok, k0, K, stride_sn, FORMAT: tl.const
 
 
 @triton.jit
+def _w4_words(w_e, rows, n_ok, k0, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """int32 [BLOCK_N, BLOCK_K / 8]: the words of 8 codes of a 4-bit tile (the N rows ``rows``, K chunk at k0; rows and
+    experts start on whole words), zeros past N and K."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    return tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :],
+                   mask=_and_k(n_ok[:, None], kw, K // 8, 1, EVEN_K), other=0)
+
+
+@triton.jit
+def _per_word(v, GROUP: tl.constexpr):
+    """[N, G * GROUP / 8]: each value of v [N, G] (one per GROUP codes along K) once per word of 8 codes."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [v.shape[0], v.shape[1], GROUP // 8]),
+                      [v.shape[0], v.shape[1] * (GROUP // 8)])
+
+
+@triton.jit
 def _w4_words_bf16(q, s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K] bf16 tile of int32 words of 8 codes, q [BLOCK_N, BLOCK_K / 8], with scale codes s, in the
     word order of _paired_columns (within each 8 columns, K runs 0, 4, 1, 5, 2, 6, 3, 7). Codes i and i + 4 of a
@@ -171,8 +187,7 @@ def _w4_words_bf16(q, s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     else:
         scale = _e4m3_bf16(s) * tl.full(s.shape, TWO_POW_118, tl.float32).to(tl.bfloat16)
         first = None
-    per_word = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]),
-                          [BLOCK_N, BLOCK_K // 8])
+    per_word = _per_word(scale, GROUP)
     q8 = q >> 8
     x0 = _bf16_halves(_w4_word_bits(q, q8, 0), first, per_word)
     x1 = _bf16_halves(_w4_word_bits(q, q8, 1), first, per_word)
@@ -243,9 +258,7 @@ def _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.co
     BLOCK_N: tl.constexpr = rows.shape[0]
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     if WORDS:
-        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :],
-                        mask=_and_k(n_ok[:, None], kw, K // 8, 1, EVEN_K), other=0)
+        words = _w4_words(w_e, rows, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
     else:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_e + rows[:, None] * stride_wn + kb[None, :],
@@ -290,15 +303,17 @@ def _w4_dot(acc_t, a, w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORM
 
 
 @triton.jit
-def _w4a8_row_exponents(s_e, rows, n_ok, K, stride_sn, CHUNK: tl.constexpr = 32):
+def _w4a8_row_exponents(s_e, rows, n_ok, K, stride_sn, FORMAT: tl.constexpr, CHUNK: tl.constexpr = 32):
     """int32 [BLOCK_N]: each MXFP4 weight row's largest scale byte r (0 past N), read once before the K loop:
-    the recoded tiles hold the row's weights over 2^(r - 133) (_w4a8_tile)."""
+    the recoded tiles hold the row's weights over 2^(r - 133) (_w4a8_tile). Zeros nothing reads for other
+    formats (the compiler drops them)."""
     r = tl.zeros([rows.shape[0]], dtype=tl.int32)
-    for g0 in range(0, K // 32, CHUNK):
-        g = g0 + tl.arange(0, CHUNK)
-        s = tl.load(s_e + rows[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & (g < K // 32)[None, :],
-                    other=0)
-        r = tl.maximum(r, tl.max(s.to(tl.int32), axis=1))
+    if FORMAT >= W4A8:
+        for g0 in range(0, K // 32, CHUNK):
+            g = g0 + tl.arange(0, CHUNK)
+            s = tl.load(s_e + rows[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & (g < K // 32)[None, :],
+                        other=0)
+            r = tl.maximum(r, tl.max(s.to(tl.int32), axis=1))
     return r
 
 
@@ -344,13 +359,10 @@ def _w4a8_tile(w_e, s_e, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl
     second PRMT whose sign-replicate mode (the code's sign bit is that mode's bit) zeroes negative codes' bytes,
     so (plain ^ zeroed) + 0x7F per byte carries into bit 7 exactly where a code is negative and nonzero."""
     BLOCK_N: tl.constexpr = rows.shape[0]
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    q = tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :],
-                mask=_and_k(n_ok[:, None], kw, K // 8, 1, EVEN_K), other=0)
+    q = _w4_words(w_e, rows, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
     s = _w4_scales(s_e, rows, n_ok, k0, K, stride_sn, MXFP4, BLOCK_K, EVEN_K).to(tl.int32)
     lo, hi = _w4a8_steps(s, r[:, None])
-    lo = tl.reshape(tl.broadcast_to(lo[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
-    hi = tl.reshape(tl.broadcast_to(hi[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+    lo, hi = _per_word(lo, 32), _per_word(hi, 32)
     if EMULATED:  # the same bytes by shifts (the interpreter runs no PTX), then their fp32 values
         codes = (q[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
         mag = codes & 7
@@ -595,12 +607,8 @@ def _gemm1_rows(
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             s_gate = _w4_first_scales(s_e, gate_rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
             s_up = _w4_first_scales(s_e, up_rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
-        if FORMAT >= W4A8:
-            r_gate = _w4a8_row_exponents(s_e, gate_rows, n_ok, K, stride_sn)
-            r_up = _w4a8_row_exponents(s_e, up_rows, n_ok, K, stride_sn)
-        else:
-            r_gate = 0
-            r_up = 0
+        r_gate = _w4a8_row_exponents(s_e, gate_rows, n_ok, K, stride_sn, FORMAT)
+        r_up = _w4a8_row_exponents(s_e, up_rows, n_ok, K, stride_sn, FORMAT)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             # Masked rows read zeros: padding (NaN or garbage) never enters the sums.
@@ -753,10 +761,7 @@ def _gemm2_rows(
             acc = tl.zeros([ROWS_M, BLOCK_N], dtype=tl.float32)
         if FORMAT == MXFP4 or FORMAT == NVFP4:
             s_w = _w4_first_scales(s_e, rows, n_ok, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
-        if FORMAT >= W4A8:
-            r_w = _w4a8_row_exponents(s_e, rows, n_ok, K, stride_sn)
-        else:
-            r_w = 0
+        r_w = _w4a8_row_exponents(s_e, rows, n_ok, K, stride_sn, FORMAT)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + h_rows[:, None] * stride_hm + offs_k[None, :],
@@ -866,10 +871,7 @@ def gemm2_tokens_kernel(
                                             s_ptr, stride_se, h_ptr, stride_hm, HAS_MAP)
         if e >= 0:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if FORMAT >= W4A8:
-                r_w = _w4a8_row_exponents(s_e, offs_n.to(tl.int64), n_ok, K, stride_sn)
-            else:
-                r_w = 0
+            r_w = _w4a8_row_exponents(s_e, offs_n.to(tl.int64), n_ok, K, stride_sn, FORMAT)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :],
