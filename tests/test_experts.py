@@ -973,11 +973,11 @@ def test_fp8_w8a8_matches_an_independent_emulation(granularity, backend, T, E, H
     check_close(f"{why} ({granularity})", out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
 
 
-@pytest.mark.parametrize("granularity", ["block", "tensor"])
-def test_fp8_w8a8_batched_padding_and_expert_map(granularity):
-    E, M, H, I = 4, 7, 256, 136
+@pytest.mark.parametrize("weights", ["fp8 block", "fp8 tensor", "mxfp4"])   # W8A8 at two granularities, W4A8
+def test_fp8_activations_batched_padding_and_expert_map(weights):
+    E, M, H, I = 4, 7, 256, 128 if weights == "mxfp4" else 136
     w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
-    q13, q2, d13, d2 = _fp8_weights(granularity, w13, w2)
+    q13, q2, _, _ = _quantized("mxfp4", w13, w2) if weights == "mxfp4" else _fp8_weights(weights[4:], w13, w2)
     counts = torch.tensor([7, 0, 3, 1], dtype=torch.int32)
     valid = torch.arange(M)[None, :] < counts[:, None].long()
     x = torch.randn(E, M, H)
@@ -990,16 +990,17 @@ def test_fp8_w8a8_batched_padding_and_expert_map(granularity):
     ones, zero = torch.ones(M, 1), torch.zeros(M, 1, dtype=torch.int32)
     ref = torch.stack([_w8a8_reference(x[e], _one_expert(q13, e), _one_expert(q2, e), ones, zero, "silu_and_mul")
                        for e in range(E)])
-    check_close("batched W8A8", a[valid], ref[valid], W8A8_TOL)
+    check_close(f"batched ({weights})", a[valid], ref[valid], W8A8_TOL)
     emap = torch.tensor([-1, 0, 1, -1, 2, 3], dtype=torch.int32)
     xt, tw = torch.randn(5, H), torch.rand(5, 2)
     tid = torch.tensor([[1, 0], [2, 4], [5, 3], [1, 2], [4, 5]], dtype=torch.int32)
     got = fused_experts(xt, q13, q2, tw, tid, expert_map=emap, act_quant="fp8_group", backend="triton")
-    check_close("expert_map W8A8", got, _w8a8_reference(xt, q13, q2, tw, tid, "silu_and_mul", expert_map=emap), W8A8_TOL)
+    check_close(f"expert_map ({weights})", got, _w8a8_reference(xt, q13, q2, tw, tid, "silu_and_mul", expert_map=emap),
+                W8A8_TOL)
     xs, tws = torch.randn(40, H), torch.rand(40, 2)
     one = torch.stack([torch.full((40,), 2), torch.randint(0, E, (40,))], 1).int()   # every token on expert 2
     got = fused_experts(xs, q13, q2, tws, one, act_quant="fp8_group", backend="triton")
-    check_close("one expert W8A8", got, _w8a8_reference(xs, q13, q2, tws, one, "silu_and_mul"), W8A8_TOL)
+    check_close(f"one expert ({weights})", got, _w8a8_reference(xs, q13, q2, tws, one, "silu_and_mul"), W8A8_TOL)
 
 
 def test_fp8_weights_bad_input():
@@ -1112,35 +1113,18 @@ def test_w4a8_rounds_wide_scale_spreads_as_documented():
     check_close("dequantized weights", got, _w8a8_reference(x, q13, q2, tw, tid, "silu_and_mul"), W8A8_TOL)
 
 
-def test_w4a8_batched_padding_expert_map_nan_scale():
+def test_w4a8_nan_scale_poisons_only_its_output_column():
     from moekit.formats import mxfp4
 
-    E, M, H, I = 4, 7, 256, 128
+    E, H, I = 4, 256, 128
     w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
     q13, q2, _, _ = _quantized("mxfp4", w13, w2)
-    counts = torch.tensor([7, 0, 3, 1], dtype=torch.int32)
-    valid = torch.arange(M)[None, :] < counts[:, None].long()
-    x = torch.randn(E, M, H)
-    loud = x.clone()
-    loud[~valid] = float("nan")                                       # padding that would poison a shared scale
-    a = batched_experts(x, counts, q13, q2, act_quant="fp8_group", backend="triton")
-    b = batched_experts(loud, counts, q13, q2, act_quant="fp8_group", backend="triton")
-    assert torch.equal(a[valid], b[valid])
-    ones, zero = torch.ones(M, 1), torch.zeros(M, 1, dtype=torch.int32)
-    ref = torch.stack([_w8a8_reference(x[e], _one_expert(q13, e), _one_expert(q2, e), ones, zero, "silu_and_mul")
-                       for e in range(E)])
-    check_close("batched W4A8", a[valid], ref[valid], W8A8_TOL)
-    emap = torch.tensor([-1, 0, 1, -1, 2, 3], dtype=torch.int32)
-    xt, tw = torch.randn(5, H), torch.rand(5, 2)
-    tid = torch.tensor([[1, 0], [2, 4], [5, 3], [1, 2], [4, 5]], dtype=torch.int32)
-    got = fused_experts(xt, q13, q2, tw, tid, expert_map=emap, act_quant="fp8_group", backend="triton")
-    check_close("expert_map W4A8", got, _w8a8_reference(xt, q13, q2, tw, tid, "silu_and_mul", expert_map=emap),
-                W8A8_TOL)
+    xt, tw = torch.randn(3, H), torch.rand(3, 2)
     scales = q2.scales.clone()
     scales[1, 5, 2] = mxfp4.NAN_SCALE                                 # expert 1, output column 5
     broken = mxfp4.MXFP4Tensor(q2.data, scales, q2.shape)
     tid = torch.tensor([[0, 1], [2, 3], [3, 0]], dtype=torch.int32)
-    got = fused_experts(xt[:3], q13, broken, tw[:3], tid, act_quant="fp8_group", backend="triton")
+    got = fused_experts(xt, q13, broken, tw, tid, act_quant="fp8_group", backend="triton")
     assert torch.isnan(got[0, 5]) and torch.isfinite(got[0, :5]).all() and torch.isfinite(got[1:]).all()
 
 
