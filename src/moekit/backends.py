@@ -19,8 +19,8 @@ import torch
 from . import _triton
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
-KERNEL_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")  # what the Triton kernels read (fp8: W8A8 only; mxfp4 also
-# as W4A8 with act_quant="fp8_group")
+KERNEL_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")  # what the Triton kernels read (fp8: W8A8 only)
+FP8_ACTIVATION_FORMATS = ("fp8", "mxfp4")  # weights the kernels run with act_quant="fp8_group" (W8A8, W4A8)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -78,7 +78,7 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
         return ("no W4A8 kernel for NVFP4 weights: an E2M1 code times its E4M3 block scale is in general not an E4M3 "
                 "value, so recoding would round the weights (MXFP4's power-of-two scales recode exactly; the torch "
                 "backend computes NVFP4 with FP8 activations)")
-    if call.act_quant is not None and not (fp8_act and call.weight_format in ("fp8", "mxfp4")):
+    if call.act_quant is not None and not (fp8_act and call.weight_format in FP8_ACTIVATION_FORMATS):
         return f"no kernel emulates {call.act_quant} activations on {call.weight_format} weights (the torch backend does)"
     if call.device.type == "cuda":
         if torch.compiler.is_compiling():

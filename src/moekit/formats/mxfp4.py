@@ -111,7 +111,7 @@ def to_e4m3(t: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def e4m3_exact(t: MXFP4Tensor) -> torch.Tensor:
     """bool [...] per row: :func:`to_e4m3` reproduces the row exactly (every scale within 2^14 of the row's
     largest, no NaN scale)."""
-    r, step = e4m3_step(t)
+    _, step = e4m3_step(t)
     return (step <= E4M3_EXACT_STEPS).all(dim=-1)
 
 

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .. import reference
+from .. import backends, reference
 from .metrics import Tolerance, rel_errors
 
 TOL = {torch.float32: Tolerance(1e-4, 1e-5), torch.float16: Tolerance(2e-2, 5e-3), torch.bfloat16: Tolerance(2e-2, 5e-3)}
@@ -108,7 +108,7 @@ def check(backend, call) -> tuple[bool, str]:
     """(passed, detail) of ``backend`` on a small random case shaped like ``call``. FP8 W8A8 and
     MXFP4 W4A8 calls are checked against the W8A8 float64 reference (activations rounded to E4M3
     1x128 groups)."""
-    w8a8 = call.act_quant == "fp8_group" and call.weight_format in ("fp8", "mxfp4")
+    w8a8 = call.act_quant == "fp8_group" and call.weight_format in backends.FP8_ACTIVATION_FORMATS
     if call.act_quant is not None and not w8a8:
         return True, "activation emulation: the torch reference is the definition"
     gen = torch.Generator().manual_seed(1234)
