@@ -99,8 +99,17 @@ def test_bench_low_bit_weights_name_their_format_first(capsys):
     rows = [{"preset": "gpt-oss-120b", "format": "mxfp4", "T": 1, "moekit_lowbit": 50.0, "moekit_bf16": 60.0,
              "torch_grouped_mm": 170.0, "speedup_vs_bf16": 1.2, "floor_lowbit_us": 12.6, "lowbit_floor_ratio": 3.97,
              "lowbit_err_vs_dequantized": 2e-3, "lowbit_err_vs_bf16_layer": 0.19}]
-    md = lowbit.markdown(rows, {"gpu": "H200", "date": "today", "torch": "t", "triton": "3.6.0"}, 8e14)
+    env = {"gpu": "H200", "date": "today", "torch": "t", "triton": "3.6.0"}
+    md = lowbit.markdown(rows, env, 8e14)
     assert "| gpt-oss-120b | mxfp4 | 1 | 50.0 | 60.0 | 170.0 | 1.20 | 12.6 | 3.97 |" in md
+    assert "W4A8" not in md  # no W4A8 rows, no W4A8 table
+    rows[0] |= {"moekit_w4a8": 90.0, "w4a8_vs_lowbit": 1.8, "w4a8_err_vs_reference": 2.5e-3}
+    rows.append({"preset": "qwen3-30b-a3b", "format": "nvfp4", "T": 1, "moekit_lowbit": 20.0, "moekit_w4a8": None,
+                 "moekit_w4a8_mode": "-", "moekit_bf16": 23.0, "torch_grouped_mm": 88.0, "floor_lowbit_us": 5.1})
+    md = lowbit.markdown(rows, env, 8e14)
+    assert "| gpt-oss-120b | mxfp4 | 1 | 50.0 | 60.0 | 170.0 |" in md  # the W4A16 table keeps its columns
+    assert "| gpt-oss-120b | 1 | 90.0 | 50.0 | 60.0 | 1.80 | 0.00250 |" in md
+    assert "| qwen3-30b-a3b | 1 |" not in md  # NVFP4 has no W4A8 row
 
 
 def test_verify_router_checks_past_the_fused_kernels_limit():

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from moekit import tune
@@ -43,3 +44,16 @@ def test_incumbents_are_the_shipped_entries_and_the_heuristic_once_each():
     assert tune.incumbents(entries, heur) == {"table T<=4": b, "table T<=1024": a, "heuristic": heur}
     assert tune.incumbents({"16": heur.to_dict()}, heur) == {"table T<=16": heur}
     assert tune.incumbents({}, heur) == {"heuristic": heur}
+
+
+def test_w4a8_is_tuned_as_its_own_table_family_and_bad_pairs_are_refused(capsys):
+    # the "w4a8" entries serve MXFP4 with FP8 activation groups; FP8 weights are W8A8 with or without the flag
+    assert tune.config_family("mxfp4", "fp8_group") == "w4a8"
+    assert tune.config_family("mxfp4") == "mxfp4"
+    assert tune.config_family("fp8_block", "fp8_group") == tune.config_family("fp8_channel") == "fp8"
+    for weights in ("nvfp4", "dense"):  # no FP8-activation kernel for these weights
+        with pytest.raises(ValueError, match=f"act_quant='fp8_group'.*'{weights}'"):
+            tune.config_family(weights, "fp8_group")
+    with pytest.raises(SystemExit) as exc:  # refused from the command line before any GPU is needed
+        tune.main(["--format", "nvfp4", "--act-quant", "fp8_group"])
+    assert exc.value.code == 2 and "'nvfp4'" in capsys.readouterr().err

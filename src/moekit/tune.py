@@ -2,6 +2,7 @@
 
     python -m moekit.tune --preset gpt-oss-120b qwen3-30b-a3b --tokens 1 16 256 4096 --out tuned.json
     python -m moekit.tune ... --merge   (into the package's configs/experts_tuned.json)
+    python -m moekit.tune --preset gpt-oss-120b --format mxfp4 --act-quant fp8_group   (W4A8: the "w4a8" entries)
 
 For each shape and token bucket, every row-block size that suits the bucket is tried; for each,
 GEMM1 and GEMM2 candidates are timed separately and the pair with the least total time is kept.
@@ -96,13 +97,16 @@ DECODE_CALLS_MAX = 64
 class _Problem:
     """Inputs of one (shape, T) case: one route set per call of a timed graph, aligned once per row block."""
 
-    def __init__(self, spec, num_tokens, weights, dtype=torch.bfloat16):
+    def __init__(self, spec, num_tokens, weights, dtype=torch.bfloat16, act_quant: str | None = None):
         H = spec.hidden_size
         self.spec, self.T, self.weights = spec, num_tokens, weights
         self.x_in = torch.randn(num_tokens, H, device="cuda", dtype=dtype)
-        self.fp8 = ext.WeightOperand.of(weights[0][0]).format == "fp8"
+        # FP8 weights always run W8A8; MXFP4 ones run W4A8 when asked for
+        self.fp8 = ext.WeightOperand.of(weights[0][0]).format == "fp8" or act_quant == "fp8_group"
         self.act_quant = "fp8_group" if self.fp8 else None
-        # W8A8: the GEMMs read E4M3 codes with their 1x128 group scales
+        self.operands = [(ext.WeightOperand.of(w13, self.fp8), ext.WeightOperand.of(w2, self.fp8))
+                         for w13, w2 in weights]
+        # W8A8/W4A8: the GEMMs read E4M3 codes with their 1x128 group scales
         self.x, self.xs = ext.fp8_groups(self.x_in) if self.fp8 else (self.x_in, None)
         calls = DECODE_CALLS if num_tokens <= DECODE_CALLS_MAX else 1
         self.routes = [routes(spec, num_tokens) for _ in range(calls)]  # (topk weights [T, k], ids [T, k])
@@ -131,8 +135,8 @@ class _Problem:
         else:
             h.normal_()
         results = []
-        operands = [(ext.WeightOperand.of(w13), ext.WeightOperand.of(w2)) for w13, w2 in self.weights]
-        fmt = operands[0][which - 1].format
+        operands = self.operands
+        fmt = operands[0][which - 1].config_format
         space = gemv_candidates(which, spec.top_k, fmt) if gemv else candidates(block_m, 2 if which == 1 else 1)
         # FP8 fixes BLOCK_K (and GEMM1's BLOCK_N) at 128: time each effective config once
         space = list(dict.fromkeys(operands[0][which - 1].config(c, tiles=2 if which == 1 else 1) for c in space))
@@ -229,11 +233,26 @@ MODES = ("aligned", "per_pair", "gemv")
 INCUMBENT_PER_PAIR_MAX = 64  # tokens up to which the table's per-pair entries are incumbents (results/ab_bucket_gaps_s14)
 
 
+def config_family(weight_format: str, act_quant: str | None = None) -> str:
+    """The table's and the heuristic's format for a tuning run: "w4a8" for MXFP4 with FP8 activation groups."""
+    family = expert_configs.format_family(weight_format)
+    if act_quant is None or family == "fp8":  # FP8 weights run W8A8 whether or not it is spelled out
+        return family
+    if act_quant != "fp8_group" or family != "mxfp4":
+        raise ValueError(f"act_quant={act_quant!r} is tuned only as 'fp8_group' with FP8 or MXFP4 weights (W8A8, "
+                         f"W4A8), got weights {weight_format!r}")
+    return "w4a8"
+
+
 def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MODES,
-         shipped: dict | None = None) -> tuple[ExpertsConfig, dict]:
+         shipped: dict | None = None, act_quant: str | None = None) -> tuple[ExpertsConfig, dict]:
     """The fastest config for ``num_tokens``: the sweep's pick, unless ``shipped`` (the table's entries for the
-    shape, as JSON) is given and a whole call with one of them or with the heuristic is faster (:func:`incumbents`)."""
-    problem = _Problem(spec, num_tokens, weights)
+    shape, as JSON) is given and a whole call with one of them or with the heuristic is faster (:func:`incumbents`).
+    ``act_quant="fp8_group"`` with MXFP4 weights tunes W4A8."""
+    family = config_family(weight_format, act_quant)
+    problem = _Problem(spec, num_tokens, weights, act_quant=act_quant)
+    if problem.fp8:  # FP8 activations have no CUDA-core kernels: their decode is the per-pair tensor-core mode
+        modes = [m for m in modes if m != "gemv"]
     best = None
     info = {}
     for bm in row_blocks(num_tokens, spec.num_experts, spec.top_k) if "aligned" in modes else ():
@@ -297,7 +316,7 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
     if best is None:
         raise ValueError(f"no mode of {modes} applies at T={num_tokens}")
     heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
-                                    spec.hidden_size, expert_configs.format_family(weight_format))
+                                    spec.hidden_size, family)
     info |= {"heuristic": heur.to_dict()}
     # per-pair entries (decode sizes) past a few dozen tokens only cost sweep time: they lost everywhere there
     others = {what: c for what, c in (incumbents(shipped, heur) if shipped is not None else {}).items()
@@ -344,13 +363,19 @@ def main(argv=None) -> None:
     p.add_argument("--merge", action="store_true", help="also merge into the package's table")
     p.add_argument("--format", default="dense", choices=["dense", "mxfp4", "nvfp4", "fp8_block", "fp8_channel"],
                    help="expert weight format (FP8 runs as W8A8 with 1x128 activation groups)")
+    p.add_argument("--act-quant", choices=["fp8_group"], default=None,
+                   help="with --format mxfp4: W4A8 (activations in 1x128 E4M3 groups), tuned as the 'w4a8' entries")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="kernel modes to try (default all; the CUDA-core 'gemv' mode up to 16 tokens)")
     args = p.parse_args(argv)
+    try:
+        family = config_family(args.format, args.act_quant)
+    except ValueError as exc:
+        p.error(str(exc))
     if not torch.cuda.is_available():
         raise SystemExit("moekit.tune needs a CUDA GPU")
     dtype = torch.bfloat16
-    key = expert_configs.table_key(torch.device("cuda"), dtype, expert_configs.format_family(args.format))
+    key = expert_configs.table_key(torch.device("cuda"), dtype, family)
     table: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.preset:
         spec = presets.get(name)
@@ -360,7 +385,7 @@ def main(argv=None) -> None:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)
             shipped = expert_configs.shipped_entries(key, shape)
-            cfg, info = tune(spec, bucket, weights, args.format, args.modes, shipped)
+            cfg, info = tune(spec, bucket, weights, args.format, args.modes, shipped, args.act_quant)
             entry = cfg.to_dict() | {"measured": info}
             table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = entry
             args.out.write_text(json.dumps(table, indent=1))  # keep partial results if interrupted

@@ -1,6 +1,7 @@
 """Low-precision experts benchmark (GPU): weights in a 4-bit or FP8 format in moekit's kernels
 (W4A16, FP8 W8A8) against moekit's own bf16 experts and the best bf16 peer (torch grouped_mm),
-measured in the same run. Also `moekit bench --weights native`.
+measured in the same run; MXFP4 rows also time W4A8 (act_quant="fp8_group": the codes recoded to
+E4M3 for FP8 tensor cores), checked against its own reference. Also `moekit bench --weights native`.
 
 Cases: each preset in its checkpoint format by default (gpt-oss in MXFP4, qwen3 in NVFP4,
 DeepSeek-V3 / Kimi-K2 in FP8 128x128 blocks as W8A8), or one format for all. Timing as the
@@ -81,10 +82,14 @@ def run(args):
             return fused_experts(x, layer.q13, layer.q2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2,
                                  act_quant=layer.act_quant)
 
+        def w4a8(x, layer, tw, tid):
+            return fused_experts(x, layer.q13, layer.q2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2,
+                                 act_quant="fp8_group")
+
         def bf16(x, layer, tw, tid):
             return fused_experts(x, layer.w13, layer.w2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2)
 
-        impls = {"moekit_lowbit": lowbit, "moekit_bf16": bf16,
+        impls = {"moekit_lowbit": lowbit, "moekit_w4a8": w4a8 if fmt == "mxfp4" else None, "moekit_bf16": bf16,
                  "torch_grouped_mm": _torch_grouped_mm}
         for T in args.tokens:
             cases = make_cases(spec, T, layers)
@@ -98,7 +103,7 @@ def run(args):
             row["floor_us"] = row["floor_lowbit_us"]  # what `--metric floor` plots
             for impl, fn in impls.items():
                 if fn is None:
-                    row[impl], row[f"{impl}_mode"] = None, "no kernel yet"
+                    row[impl], row[f"{impl}_mode"] = None, "-"  # W4A8 of a format other than MXFP4
                     continue
                 row[impl], row[f"{impl}_mode"] = time_impl(impl, fn, cases)
             if row.get("moekit_lowbit"):
@@ -116,8 +121,16 @@ def run(args):
                 ref16 = reference.fused_experts(x, layer.w13, layer.w2, tw, tid, activation=act, w13_bias=layer.b13,
                                                 w2_bias=layer.b2)
                 row["lowbit_err_vs_bf16_layer"] = rel_errors(lowbit(*cases[0]), ref16)[1]  # reported, not gated
+                del ref16
                 row["speedup_vs_bf16"] = row["moekit_bf16"] / row["moekit_lowbit"]
                 row["lowbit_floor_ratio"] = row["moekit_lowbit"] / row["floor_lowbit_us"]
+            if row.get("moekit_w4a8"):  # against float64 on the MXFP4 weights and E4M3-rounded activations
+                x, layer, tw, tid = cases[0]
+                ref = reference.fused_experts_w8a8(x, layer.q13, layer.q2, tw, tid, activation=act,
+                                                   w13_bias=layer.b13, w2_bias=layer.b2)
+                row["w4a8_err_vs_reference"] = rel_errors(w4a8(*cases[0]), ref)[1]
+                row["w4a8_vs_lowbit"] = row["moekit_w4a8"] / row["moekit_lowbit"]
+                del ref
             records.append(row)
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
             del cases
@@ -129,6 +142,19 @@ def run(args):
 
 def markdown(records, env, rate):
     cols = ["moekit_lowbit", "moekit_bf16", "torch_grouped_mm"]
+    lines = _lowbit_table(records, env, rate, cols)
+    w4a8 = [r for r in records if r.get("moekit_w4a8") is not None]
+    if w4a8:
+        lines += ["", "W4A8 (MXFP4 weights recoded to E4M3, activations in 1x128 E4M3 groups; an accuracy mode, not a "
+                  "speed path: its error is against float64 on the MXFP4 weights and E4M3-rounded activations).", "",
+                  "| preset | T | moekit_w4a8 | moekit_lowbit (W4A16) | moekit_bf16 | w4a8 / W4A16 time | err vs reference |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['preset']} | {r['T']} | {r['moekit_w4a8']:.1f} | {r['moekit_lowbit']:.1f} | "
+                  f"{r['moekit_bf16']:.1f} | {r['w4a8_vs_lowbit']:.2f} | {r['w4a8_err_vs_reference']:.5f} |" for r in w4a8]
+    return "\n".join(lines) + "\n"
+
+
+def _lowbit_table(records, env, rate, cols) -> list[str]:
     lines = [f"# Low-bit experts benchmark ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}. us per call, CUDA-graph replay. bf16 matmul rate "
              f"{rate / 1e12:.0f} TFLOP/s. lowbit floor = max(packed bytes + scales of the experts hit at 4.2 TB/s, FLOPs at the bf16 rate (FP8: twice it)).", "",
@@ -140,10 +166,10 @@ def markdown(records, env, rate):
         lines.append(f"| {r['preset']} | {r['format']} | {r['T']} | " + " | ".join(cells) +
                      f" | {f(r.get('speedup_vs_bf16'), 2)} | {f(r['floor_lowbit_us'])} | {f(r.get('lowbit_floor_ratio'), 2)}"
                      f" | {f(r.get('lowbit_err_vs_dequantized'), 5)} | {f(r.get('lowbit_err_vs_bf16_layer'), 4)} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-IMPLS = ["moekit_lowbit", "moekit_bf16", "torch_grouped_mm"]
+IMPLS = ["moekit_lowbit", "moekit_w4a8", "moekit_bf16", "torch_grouped_mm"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
