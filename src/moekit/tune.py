@@ -138,6 +138,8 @@ class _Problem:
         operands = self.operands
         fmt = operands[0][which - 1].config_format
         space = gemv_candidates(which, spec.top_k, fmt) if gemv else candidates(block_m, 2 if which == 1 else 1)
+        if self.fp8 and not gemv:  # 128-column FP8 tiles (GEMM1's two accumulators): twice the warps as well
+            space += [replace(c, num_warps=2 * c.num_warps) for c in space]
         # FP8 fixes BLOCK_K (and GEMM1's BLOCK_N) at 128: time each effective config once
         space = list(dict.fromkeys(operands[0][which - 1].config(c, tiles=2 if which == 1 else 1) for c in space))
 
@@ -188,6 +190,9 @@ class _Problem:
         if not (gemv or per_pair) and fmt in ("mxfp4", "nvfp4"):  # the format's default measured per bucket
             for _, cfg in sorted(results, key=lambda r: r[0])[:SCALES_AHEAD_TUNE_TOP]:
                 measure(replace(cfg, scales_ahead=fmt != "mxfp4"))
+        if not results:  # e.g. every candidate spills in its K loop: the mode is not a choice at this block
+            print(f"    no candidate for GEMM{which} at BLOCK_M={block_m}{' (per pair)' if per_pair else ''}")
+            return None, float("inf")
         us, cfg = min(results, key=lambda r: r[0])
         return cfg, us
 
@@ -259,62 +264,67 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
         g1, t1 = problem.best(bm, 1)
         g2, t2 = problem.best(bm, 2)
         print(f"  T={num_tokens} BLOCK_M={bm}: gemm1 {t1:.1f} us {g1}, gemm2 {t2:.1f} us {g2}", flush=True)
-        if best is None or t1 + t2 < best[0]:
+        if g1 and g2 and (best is None or t1 + t2 < best[0]):
             best = (t1 + t2, ExpertsConfig(bm, g1, g2))
             info = {"gemm_us": best[0]}
     if num_tokens <= PER_PAIR_TUNE_MAX and "per_pair" in modes:
         # The modes differ in launches (alignment, combine): compare whole calls.
         g1, _ = problem.best(16, 1, per_pair=True)
         g2, _ = problem.best(16, 2, per_pair=True)
-        pair_cfg = ExpertsConfig(16, g1, g2, per_pair=True)
-        aligned_us = problem.whole_call_us(best[1]) if best else float("inf")
-        pair_us = problem.whole_call_us(pair_cfg)
-        print(f"  T={num_tokens} whole call: aligned {aligned_us:.1f} us, per-pair {pair_us:.1f} us {g1} {g2}", flush=True)
-        info |= {"aligned_call_us": aligned_us, "per_pair_call_us": pair_us}
-        if pair_us < aligned_us:
-            best = (pair_us, pair_cfg)
+        if g1 is not None and g2 is not None:  # else no candidate ran: the mode is out
+            pair_cfg = ExpertsConfig(16, g1, g2, per_pair=True)
+            aligned_us = problem.whole_call_us(best[1]) if best else float("inf")
+            pair_us = problem.whole_call_us(pair_cfg)
+            print(f"  T={num_tokens} whole call: aligned {aligned_us:.1f} us, per-pair {pair_us:.1f} us {g1} {g2}",
+                  flush=True)
+            info |= {"aligned_call_us": aligned_us, "per_pair_call_us": pair_us}
+            if pair_us < aligned_us:
+                best = (pair_us, pair_cfg)
     if num_tokens <= GEMV_TUNE_MAX and "gemv" in modes:
         g1, _ = problem.best(16, 1, per_pair=True, gemv=True)
         g2, _ = problem.best(16, 2, per_pair=True, gemv=True)
-        gemv_cfg = ExpertsConfig(16, g1, g2, per_pair=True, gemv=True)
-        best_us = problem.whole_call_us(best[1]) if best else float("inf")
-        gemv_us = problem.whole_call_us(gemv_cfg)
-        if _triton.dependent_launches(torch.device("cuda")):  # GEMM2 launched as GEMM1's dependent
-            try:
-                pdl_us = problem.whole_call_us(replace(gemv_cfg, pdl=True))
-            except Exception as exc:  # noqa: BLE001 - e.g. a capture that rejects the launch attribute
-                print(f"  T={num_tokens} dependent launch failed: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
-                torch.cuda.synchronize()
-            else:
-                print(f"  T={num_tokens} CUDA-core with dependent launch {pdl_us:.1f} us", flush=True)
-                info |= {"gemv_pdl_call_us": pdl_us}
-                if pdl_us < gemv_us:
-                    gemv_cfg, gemv_us = replace(gemv_cfg, pdl=True), pdl_us
-        variants = []  # (what, change of the current pick, info key): whole calls, each kept if faster
-        if weight_format in ("mxfp4", "nvfp4"):  # GEMM1's fp16x2 products (the default) against fp32 ones
-            variants.append(("fp32 products in GEMM1", lambda c: replace(c, gemm1=replace(c.gemm1, packed=False)),
-                             "gemv_fp32_products_call_us"))
-        if ext.gemv2_packed(replace(gemv_cfg.gemm2, packed=True), weight_format, problem.x_in.dtype, spec.top_k):
-            variants.append(("fp16x2 products in GEMM2", lambda c: replace(c, gemm2=replace(c.gemm2, packed=True)),
-                             "gemv_packed_gemm2_call_us"))
-        if spec.top_k > 1:  # GEMM2 per pair, then the combine
-            variants.append(("GEMM2 per pair", lambda c: replace(c, split_slots=True), "gemv_split_slots_call_us"))
-        for what, change, key in variants:
-            cfg = change(gemv_cfg)
-            us = problem.whole_call_us(cfg)
-            print(f"  T={num_tokens} CUDA-core with {what} {us:.1f} us", flush=True)
-            info |= {key: us}
-            if us < gemv_us:
-                gemv_cfg, gemv_us = cfg, us
-        print(f"  T={num_tokens} whole call: best so far {best_us:.1f} us, CUDA-core {gemv_us:.1f} us {g1} {g2}",
-              flush=True)
-        info |= {"gemv_call_us": gemv_us}
-        if best:                                         # JSON has no infinity: omit what was not timed
-            info |= {"best_tensor_core_call_us": best_us}
-        if gemv_us < best_us:
-            best = (gemv_us, gemv_cfg)
+        if g1 is not None and g2 is not None:  # else no candidate ran: the mode is out
+            gemv_cfg = ExpertsConfig(16, g1, g2, per_pair=True, gemv=True)
+            best_us = problem.whole_call_us(best[1]) if best else float("inf")
+            gemv_us = problem.whole_call_us(gemv_cfg)
+            if _triton.dependent_launches(torch.device("cuda")):  # GEMM2 launched as GEMM1's dependent
+                try:
+                    pdl_us = problem.whole_call_us(replace(gemv_cfg, pdl=True))
+                except Exception as exc:  # noqa: BLE001 - e.g. a capture that rejects the launch attribute
+                    print(f"  T={num_tokens} dependent launch failed: {type(exc).__name__}: {str(exc)[:80]}",
+                          flush=True)
+                    torch.cuda.synchronize()
+                else:
+                    print(f"  T={num_tokens} CUDA-core with dependent launch {pdl_us:.1f} us", flush=True)
+                    info |= {"gemv_pdl_call_us": pdl_us}
+                    if pdl_us < gemv_us:
+                        gemv_cfg, gemv_us = replace(gemv_cfg, pdl=True), pdl_us
+            variants = []  # (what, change of the current pick, info key): whole calls, each kept if faster
+            if weight_format in ("mxfp4", "nvfp4"):  # GEMM1's fp16x2 products (the default) against fp32 ones
+                variants.append(("fp32 products in GEMM1", lambda c: replace(c, gemm1=replace(c.gemm1, packed=False)),
+                                 "gemv_fp32_products_call_us"))
+            if ext.gemv2_packed(replace(gemv_cfg.gemm2, packed=True), weight_format, problem.x_in.dtype, spec.top_k):
+                variants.append(("fp16x2 products in GEMM2", lambda c: replace(c, gemm2=replace(c.gemm2, packed=True)),
+                                 "gemv_packed_gemm2_call_us"))
+            if spec.top_k > 1:  # GEMM2 per pair, then the combine
+                variants.append(("GEMM2 per pair", lambda c: replace(c, split_slots=True), "gemv_split_slots_call_us"))
+            for what, change, key in variants:
+                cfg = change(gemv_cfg)
+                us = problem.whole_call_us(cfg)
+                print(f"  T={num_tokens} CUDA-core with {what} {us:.1f} us", flush=True)
+                info |= {key: us}
+                if us < gemv_us:
+                    gemv_cfg, gemv_us = cfg, us
+            print(f"  T={num_tokens} whole call: best so far {best_us:.1f} us, CUDA-core {gemv_us:.1f} us {g1} {g2}",
+                  flush=True)
+            info |= {"gemv_call_us": gemv_us}
+            if best:                                         # JSON has no infinity: omit what was not timed
+                info |= {"best_tensor_core_call_us": best_us}
+            if gemv_us < best_us:
+                best = (gemv_us, gemv_cfg)
     if best is None:
-        raise ValueError(f"no mode of {modes} applies at T={num_tokens}")
+        raise ValueError(f"no mode of {modes} gave a config at T={num_tokens} (none applies, or every candidate "
+                         "was skipped: see above)")
     heur = expert_configs.heuristic(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
                                     spec.hidden_size, family)
     info |= {"heuristic": heur.to_dict()}
