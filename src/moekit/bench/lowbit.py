@@ -89,7 +89,9 @@ def run(args):
         def bf16(x, layer, tw, tid):
             return fused_experts(x, layer.w13, layer.w2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2)
 
-        impls = {"moekit_lowbit": lowbit, "moekit_w4a8": w4a8 if fmt == "mxfp4" else None, "moekit_bf16": bf16,
+        # W4A8 needs FP8 tensor cores (below, the oracle would time the torch backend instead)
+        has_w4a8 = fmt == "mxfp4" and torch.cuda.get_device_capability() >= (8, 9)
+        impls = {"moekit_lowbit": lowbit, "moekit_w4a8": w4a8 if has_w4a8 else None, "moekit_bf16": bf16,
                  "torch_grouped_mm": _torch_grouped_mm}
         for T in args.tokens:
             cases = make_cases(spec, T, layers)
@@ -103,7 +105,7 @@ def run(args):
             row["floor_us"] = row["floor_lowbit_us"]  # what `--metric floor` plots
             for impl, fn in impls.items():
                 if fn is None:
-                    row[impl], row[f"{impl}_mode"] = None, "-"  # W4A8 of a format other than MXFP4
+                    row[impl], row[f"{impl}_mode"] = None, "-"  # W4A8: not MXFP4, or no FP8 tensor cores
                     continue
                 row[impl], row[f"{impl}_mode"] = time_impl(impl, fn, cases)
             if row.get("moekit_lowbit"):
