@@ -38,7 +38,7 @@ from moekit.bench.experts import routes
 from moekit.bench.timing import graph_time_us
 from moekit.expert_configs import ExpertsConfig, GemmConfig
 from moekit.experts import fused_experts
-from moekit.tune import random_weights
+from moekit.tune import config_family, random_weights
 
 
 def _option(word: str) -> dict:
@@ -112,10 +112,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     spec = presets.get(args.preset)
     act_quant = "fp8_group" if args.weights.startswith("fp8") else args.act_quant
+    fmt = config_family(args.weights, act_quant)  # before the weights: a pair without kernels fails at once
     layers = random_weights(spec, layers=2, weight_format=args.weights)
-    fmt = expert_configs.format_family(args.weights)
-    if act_quant and fmt == "mxfp4":
-        fmt = "w4a8"
 
     def at_tokens(n: int) -> ExpertsConfig:  # the table's config (or the heuristic) for n tokens
         return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,

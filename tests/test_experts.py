@@ -962,15 +962,22 @@ W8A8_TOL = Tolerance(3e-2, 3e-2)  # the issue's budget; fp32 sums of identical E
 ])
 def test_fp8_w8a8_matches_an_independent_emulation(granularity, backend, T, E, H, I, k, act, biases, config, why):
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
-    q13, q2, d13, d2 = _fp8_weights(granularity, w13, w2)
-    x = torch.randn(T, H + 4)[:, 4:]                                  # strided, offset rows
+    q13, q2, _, _ = _fp8_weights(granularity, w13, w2)
+    _check_fp8_activations(f"{why} ({granularity})", q13, q2, b13, b2, T, E, k, act, backend, config, torch.float32)
+
+
+def _check_fp8_activations(why, q13, q2, b13, b2, T, E, k, act, backend, config, dtype):
+    """fused_experts with act_quant="fp8_group" (W8A8 or W4A8) into a poisoned output against the W8A8 float64
+    reference, on strided, offset rows of ``dtype`` with one token's groups far from the others'."""
+    H = q13.shape[-1]
+    x = torch.randn(T, H + 4, dtype=dtype)[:, 4:]                     # strided, offset rows
     if T:
         x[0] *= 30                                                    # one token's groups far from the others'
     tw, tid = _routes(T, E, k)
-    out = _poisoned((T, H), torch.float32)
+    out = _poisoned((T, H), dtype)
     fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group", out=out,
                   backend=backend, config=config if backend == "triton" else None)
-    check_close(f"{why} ({granularity})", out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
+    check_close(why, out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
 
 
 @pytest.mark.parametrize("weights", ["fp8 block", "fp8 tensor", "mxfp4"])   # W8A8 at two granularities, W4A8
@@ -1090,15 +1097,8 @@ def test_w4a8_matches_the_reference(backend, dtype, T, E, H, I, k, act, biases, 
         pytest.skip("the torch backend computes in fp32 whatever the input dtype")
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
     q13, q2, _, _ = _quantized("mxfp4", w13, w2)
-    x = torch.randn(T, H + 4)[:, 4:].to(dtype)                        # strided, offset rows
-    if T:
-        x[0] *= 30                                                    # one token's groups far from the others'
-    tw, tid = _routes(T, E, k)
     b13, b2 = (None, None) if b13 is None else (b13.to(dtype), b2.to(dtype))
-    out = _poisoned((T, H), dtype)
-    fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group", out=out,
-                  backend=backend, config=config if backend == "triton" else None)
-    check_close(why, out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
+    _check_fp8_activations(why, q13, q2, b13, b2, T, E, k, act, backend, config, dtype)
 
 
 def test_w4a8_rounds_wide_scale_spreads_as_documented():

@@ -101,8 +101,7 @@ class _Problem:
         H = spec.hidden_size
         self.spec, self.T, self.weights = spec, num_tokens, weights
         self.x_in = torch.randn(num_tokens, H, device="cuda", dtype=dtype)
-        # FP8 weights always run W8A8; MXFP4 ones run W4A8 when asked for
-        self.fp8 = ext.WeightOperand.of(weights[0][0]).format == "fp8" or act_quant == "fp8_group"
+        self.fp8 = ext._fp8_activations(weights[0][0], act_quant)  # W8A8, or W4A8 when asked for
         self.act_quant = "fp8_group" if self.fp8 else None
         self.operands = [(ext.WeightOperand.of(w13, self.fp8), ext.WeightOperand.of(w2, self.fp8))
                          for w13, w2 in weights]
@@ -264,7 +263,7 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
         g1, t1 = problem.best(bm, 1)
         g2, t2 = problem.best(bm, 2)
         print(f"  T={num_tokens} BLOCK_M={bm}: gemm1 {t1:.1f} us {g1}, gemm2 {t2:.1f} us {g2}", flush=True)
-        if g1 and g2 and (best is None or t1 + t2 < best[0]):
+        if g1 is not None and g2 is not None and (best is None or t1 + t2 < best[0]):
             best = (t1 + t2, ExpertsConfig(bm, g1, g2))
             info = {"gemm_us": best[0]}
     if num_tokens <= PER_PAIR_TUNE_MAX and "per_pair" in modes:

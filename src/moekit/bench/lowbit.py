@@ -15,6 +15,7 @@ not gated) against the unquantized bf16 layer.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 
@@ -78,13 +79,11 @@ def run(args):
         layers = [LowBitLayer(spec, fmt) for _ in range(min(args.layers, 2 if spec.num_experts > 128 else 4))]
         act = spec.activation
 
-        def lowbit(x, layer, tw, tid):
+        def lowbit(x, layer, tw, tid, act_quant=None):  # the format's own activations unless told
             return fused_experts(x, layer.q13, layer.q2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2,
-                                 act_quant=layer.act_quant)
+                                 act_quant=act_quant or layer.act_quant)
 
-        def w4a8(x, layer, tw, tid):
-            return fused_experts(x, layer.q13, layer.q2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2,
-                                 act_quant="fp8_group")
+        w4a8 = functools.partial(lowbit, act_quant="fp8_group")
 
         def bf16(x, layer, tw, tid):
             return fused_experts(x, layer.w13, layer.w2, tw, tid, activation=act, w13_bias=layer.b13, w2_bias=layer.b2)
