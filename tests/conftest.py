@@ -7,6 +7,18 @@ import torch
 # Without a GPU, Triton kernels run through its interpreter (must be set before kernels import).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from moekit import _interpreter
+
+    _interpreter.speed_up()
+
+
+def pytest_xdist_auto_num_workers(config):
+    # `-n auto` (pyproject's addopts): one worker per core on CPU machines, at most 8 (each holds its own torch
+    # and interpreter); none beside a GPU, where workers would share its memory (the GPU suite allocates
+    # model-sized stacks; pass -n N --dist loadfile there by hand).
+    if torch.cuda.is_available():
+        return 0
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):

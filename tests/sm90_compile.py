@@ -65,8 +65,18 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 _ORIGINAL_RUN = JITFunction.run
 
 
+_USAGE: dict[str, dict] = {}
+
+
 def resource_usage(kernel) -> dict:
-    """Registers, stack frame and spill bytes, as ptxas reports them for this kernel's PTX."""
+    """Registers, stack frame and spill bytes, as ptxas reports them for this kernel's PTX (once per
+    kernel: many variants build the same one)."""
+    if kernel.hash not in _USAGE:
+        _USAGE[kernel.hash] = _ptxas_usage(kernel)
+    return _USAGE[kernel.hash]
+
+
+def _ptxas_usage(kernel) -> dict:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"

@@ -16,7 +16,7 @@ def test_cpu_auto_is_the_torch_reference_and_triton_only_on_request():
     assert select_backend(call).name == "torch"
     assert select_backend(call, "triton").name == "triton"            # interpreter, explicit
     text = backends.explain(call)
-    assert "triton  rejected: the interpreter serves only explicit requests" in text
+    assert "triton  rejected: the Triton kernels need a CUDA GPU" in text
     assert "torch   TAKEN" in text
 
 

@@ -9,12 +9,64 @@ from moekit.cli import main
 
 
 def test_verify_default_job_passes_and_writes_json(tmp_path, capsys):
+    # the default job's checks on two presets (grouped sigmoid routing; swiglu with biases), at a decode and a
+    # small batch size, in one process (the children are test_verify_isolates_...'s subject)
     report = tmp_path / "verify.json"
-    assert main(["verify", "--preset", "gpt-oss-120b", "deepseek-v3", "--tokens", "1", "9", "--json", str(report)]) == 0
+    assert main(["verify", "--preset", "gpt-oss-120b", "deepseek-v3", "--tokens", "1", "3", "--no-isolate",
+                 "--json", str(report)]) == 0
     rows = json.loads(report.read_text())
     assert rows and all(r["ok"] for r in rows)
     assert {r["op"] for r in rows} >= {"router_gemm", "route", "fused_router", "fused_experts", "batched_experts", "FusedMoE"}
-    assert "0 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "0 failed" in out
+    # piped output: a line as each group starts and ends (the bar is for terminals)
+    assert "checking triton: 4 cases (2 presets x 2 token counts)" in out and "  triton: " in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["verify", "--preset", "nope"], "moekit verify: error: argument --preset: unknown preset 'nope'; known presets: "),
+    (["verify", "--tokens", "-3"], "moekit verify: error: argument --tokens: token counts must be >= 0, got -3"),
+    (["verify", "--tokens", "x"], "moekit verify: error: argument --tokens: token counts are whole numbers, got 'x'"),
+    (["verify", "--json", "/nonexistent/dir/r.json"],
+     "moekit verify: error: argument --json: cannot write /nonexistent/dir/r.json: no directory /nonexistent/dir"),
+    (["verify", "--dtype", "int8"], "moekit verify: error: argument --dtype: invalid choice: 'int8'"),
+    (["verify", "--backend", "nope", "--preset", "mixtral-8x7b", "--tokens", "1"],
+     "moekit verify: error: --backend must be one of"),
+    (["explain", "--preset", "nope"], "moekit explain: error: argument --preset: unknown preset 'nope'"),
+    (["explain", "--tokens", "-5"], "moekit explain: error: argument --tokens: token counts must be >= 0, got -5"),
+    (["bench", "--tokens", "0"], "moekit bench: error: argument --tokens: token counts must be >= 1 here, got 0"),
+    (["bench", "--preset", "nope"], "moekit bench: error: argument --preset/--presets: unknown preset 'nope'"),
+    (["nope"], "moekit: error: argument command: invalid choice: 'nope'"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(argv, message, capsys):
+    # checked before any check or benchmark runs: no traceback, no rows of FAILED, one line on stderr
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(message), captured.err
+    assert captured.err.count("\n") == 1 and "FAILED" not in captured.out
+
+
+def test_verify_prints_its_table_before_the_json_can_fail(tmp_path, capsys, monkeypatch):
+    # the report folder vanished during the run: the table is printed all the same, then one error line
+    from pathlib import Path
+
+    report = tmp_path / "gone" / "r.json"
+    report.parent.mkdir()
+    real_write = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self == report:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    code = main(["verify", "--preset", "mixtral-8x7b", "--tokens", "1", "--backend", "torch", "--json", str(report)])
+    captured = capsys.readouterr()
+    assert code == 2 and "accuracy against float64" in captured.out and "passed, 0 failed" in captured.out
+    assert captured.err.startswith(f"moekit verify: error: could not write --json {report}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about the CPU interpreter")
@@ -24,9 +76,16 @@ def test_verify_bf16_on_cpu_skips_interpreted_kernels(capsys):
 
 
 def test_presets_and_explain_print(capsys):
-    assert main(["presets"]) == 0 and "kimi-k2" in capsys.readouterr().out
+    from moekit import presets
+
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out                       # piped (captured): full names, never cut at 80 columns
+    assert all(name in out for name in presets.names()) and "…" not in out
     assert main(["explain", "--preset", "mixtral-8x7b", "--tokens", "4"]) == 0
-    assert "router_gemm T=4 H=4096 E=8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "router_gemm T=4 H=4096 E=8" in out
+    if not torch.cuda.is_available():                   # what serves the call, in a CPU user's terms
+        assert "torch   TAKEN" in out and "the Triton kernels need a CUDA GPU" in out and "bf16 dots" not in out
 
 
 PLUGIN = '''

@@ -19,6 +19,8 @@ from moekit.verify.metrics import Tolerance, check_close
 TOL = {torch.float32: Tolerance(1e-5, 1e-5), torch.float16: Tolerance(5e-3, 2e-3),
        torch.bfloat16: Tolerance(2e-2, 5e-3)}
 CPU_BACKENDS = ["triton", "torch"]
+# Two fp32 computations of the same products summed in another order: a few ulps of the largest term.
+FP32_REORDERED = Tolerance(1e-5, 1e-6)
 
 
 def _weights(E, H, I, dtype, biases, device="cpu"):
@@ -91,7 +93,10 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
      "CUDA-core GEMM2 per pair into fp32 rows, the slots summed by the combine"),
 ])
 def test_every_block_shape(config, why):
-    _run_case("triton", torch.float32, 40, 6, 48, 40, 3, "swiglu_oai", True, why, config=config)
+    # 40 tokens fill several row blocks; the per-pair modes launch per (token, slot), so 13 tokens (39 pairs,
+    # several per expert) exercise them as well at a third of the interpreter's time
+    T = 13 if config.per_pair else 40
+    _run_case("triton", torch.float32, T, 6, 48, 40, 3, "swiglu_oai", True, why, config=config)
 
 
 _TMA1, _TMA2 = GemmConfig(16, 32, tma=True), GemmConfig(32, 32, tma=True)
@@ -523,7 +528,7 @@ def _quantized(fmt, w13, w2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,E,H,I,k,act,biases,why", [
     (1, 6, 64, 32, 2, "swiglu_oai", True, "per-pair decode mode, gpt-oss activation"),
-    (9, 7, 64, 64, 6, "silu_and_mul", False, "CUDA-core decode kernels (4-bit heuristic up to 16 tokens), prime E, k=6"),
+    (4, 7, 64, 64, 6, "silu_and_mul", False, "CUDA-core decode kernels (4-bit heuristic up to 16 tokens), prime E, k=6"),
     (33, 8, 96, 32, 4, "swiglu_oai", True, "many rows, H=96 (3 MXFP4 groups)"),
     (0, 5, 64, 32, 2, "silu_and_mul", False, "no tokens: nothing launched, nothing read"),
     (129, 5, 64, 64, 3, "silu_and_mul", True, "tensor-core tiles with the weight as A: a partial last row block"),
@@ -572,9 +577,9 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     (None, True, False, "GEMM2's fp16x2 products too, on h prepared the same way"),
 ])
 def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, why):
-    # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; fp16 (the interpreter's bf16 dots are
-    # wrong, and the CUDA-core kernels take fp16 and bf16 alike)
-    E, H, I, T, k = 7, 160, 96, 5, 3
+    # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; I = 64: GEMM2's K in two chunks; fp16 (the
+    # interpreter's bf16 dots are wrong, and the CUDA-core kernels take fp16 and bf16 alike)
+    E, H, I, T, k = 7, 160, 64, 3, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
     q13, q2, d13, d2 = _quantized(fmt, w13, w2)
     x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
@@ -697,8 +702,11 @@ def test_gpu_four_bit_word_decode_equals_byte_decode(fmt, config, T):
 ])
 def test_gemm1_writes_h_in_the_paired_order(fmt, act, biases, why):
     # GEMM1 with h_paired writes h's column p from intermediate column _paired_columns(p): the plain h with its
-    # columns permuted as paired_k does, bit for bit (the same products, the same sums); only the rows of pairs
-    # are compared (padding rows are never written). E prime, I = 40: five groups of 8, a partial column tile.
+    # columns permuted as paired_k does. The products are the same, but each column now sits elsewhere in its
+    # tile, and the interpreter's tl.dot is numpy's BLAS, whose summation order depends on the position and on
+    # the machine: agreement to fp32 rounding is what is guaranteed, not bits (a column landing in the wrong
+    # place is off by O(1)). Only the rows of pairs are compared (padding rows are never written).
+    # E prime, I = 40: five groups of 8, a partial column tile.
     E, H, I, k, T, bm = 5, 64, 40, 3, 21, 16
     w13, _, b13, _ = _weights(E, H, I, torch.float32, biases)
     if fmt == "nvfp4":
@@ -718,7 +726,7 @@ def test_gemm1_writes_h_in_the_paired_order(fmt, act, biases, why):
         # blocks past the used ones have expert -1 and positions that were never written
         hs.append(h[(sorted_pairs < T * k) & (block_expert.repeat_interleave(bm) >= 0)])
     assert not hs[0].isnan().any(), why
-    assert torch.equal(hs[1], _experts_triton.paired_k(hs[0])), why
+    check_close(why, hs[1], _experts_triton.paired_k(hs[0]), FP32_REORDERED)
 
 
 @pytest.mark.gpu
@@ -1017,9 +1025,8 @@ def test_fp8_weights_bad_input():
     q13, q2 = fp8.quantize_blocks(w13), fp8.quantize_blocks(w2)
     x, (tw, tid) = torch.randn(3, 256), _routes(3, 4, 2)
     _bad(lambda: fused_experts(x, q13, q2, tw, tid, backend="triton"), ValueError, "act_quant='fp8_group'")
-    wrong = fp8.FP8Tensor(q13.data, q13.scale[:, :1], "block")
-    _bad(lambda: fused_experts(x, wrong, q2, tw, tid, act_quant="fp8_group"), ValueError,
-         r"w13: block FP8 scales must have shape \(4, 2, 2\)")
+    _bad(lambda: fp8.FP8Tensor(q13.data, q13.scale[:, :1], "block"), ValueError,   # refused when built
+         r"FP8Tensor.scale of granularity 'block' must have shape \(4, 2, 2\)")
     groups = fp8.quantize_groups(w13)
     _bad(lambda: fused_experts(x, groups, q2, tw, tid, act_quant="fp8_group"), ValueError, "granularity 'group'")
     plain = fused_experts(x, q13, q2, tw, tid)                        # W8A16: the torch backend dequantizes

@@ -92,3 +92,59 @@ def test_missing_layer_is_named(checkpoint):
     path, _ = checkpoint
     with pytest.raises(KeyError, match="model.layers.7.mlp.router.weight"):
         load_gpt_oss_layer(path, 7)
+
+
+def _write_layer(path, **changes):
+    g = torch.Generator().manual_seed(1)
+    tensors = _layer_tensors(0, g)
+    tensors.update(changes)
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize("which", ["gate_up_proj_scales", "down_proj_scales"])
+def test_nan_scales_are_refused_by_default(tmp_path, which):
+    # a scale byte of 255 is E8M0's NaN: its 32 weights are NaN, and so is every token routed to that expert
+    name = f"model.layers.0.mlp.experts.{which}"
+    shape = (E, 2 * I, H // 32) if which.startswith("gate") else (E, H, I // 32)
+    scales = torch.full(shape, 127, dtype=torch.uint8)
+    scales[2, 5, 0] = mxfp4.NAN_SCALE
+    path = _write_layer(tmp_path / "m.safetensors", **{name: scales})
+    with pytest.raises(ValueError, match=rf"{name} holds 1 NaN scales \(E8M0 byte 255\)"):
+        load_gpt_oss_layer(path, 0)
+    with pytest.warns(RuntimeWarning, match=f"{name} holds 1 NaN scales"):
+        layer = load_gpt_oss_layer(path, 0, nan_scales="warn", dtype=torch.float32)
+    weights = layer.expert_weights()[0 if which.startswith("gate") else 1]
+    assert torch.isnan(mxfp4.dequantize(weights, torch.float32)[2, 5, :32]).all()  # loaded as the format defines
+    load_gpt_oss_layer(path, 0, nan_scales="allow")
+    with pytest.raises(ValueError, match="nan_scales must be one of"):
+        load_gpt_oss_layer(path, 0, nan_scales="ignore")
+
+
+@pytest.mark.parametrize("content,why", [
+    (b"", "an empty file"),
+    (b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\": 1", "a header cut short"),
+    (bytes(range(256)) * 4, "random bytes"),
+])
+def test_unreadable_files_are_named(tmp_path, content, why):
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"broken.safetensors: not a readable safetensors file"):
+        load_gpt_oss_layer(path, 0)
+
+
+def test_truncated_data_and_missing_shards_are_named(tmp_path):
+    path = _write_layer(tmp_path / "m.safetensors")
+    path.write_bytes(path.read_bytes()[:-1000])                       # the header is whole, the data is not
+    with pytest.raises(ValueError, match=r"m.safetensors: not a readable safetensors file"):
+        load_gpt_oss_layer(path, 0)
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: "model-00001.safetensors" for name in _layer_tensors(0, None)}}))
+    with pytest.raises(FileNotFoundError, match="model-00001.safetensors: no such checkpoint file"):
+        load_gpt_oss_layer(tmp_path / "index", 0)
+    (tmp_path / "index" / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model.safetensors.index.json: not a safetensors index"):
+        load_gpt_oss_layer(tmp_path / "index", 0)
+    with pytest.raises(FileNotFoundError, match="nowhere: no such checkpoint file or directory"):
+        load_gpt_oss_layer(tmp_path / "nowhere", 0)

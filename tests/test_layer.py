@@ -73,7 +73,82 @@ def test_quantized_experts_serve_the_layer_and_survive_a_state_dict_round_trip(f
     twin.load_state_dict(layer.state_dict())
     with torch.no_grad():
         assert torch.equal(twin(x), layer(x))
-    with pytest.raises(TypeError, match="must both be MXFP4Tensor or NVFP4Tensor"):
+    with pytest.raises(TypeError, match="must both be MXFP4Tensor, NVFP4Tensor or FP8Tensor"):
         layer.load_quantized_experts(torch.zeros(1), q2)
     with pytest.raises(ValueError, match="w13 must have shape"):
         twin.load_quantized_experts(quantize_experts(torch.randn(3, 64, 64), fmt), q2)
+
+
+@pytest.mark.parametrize("granularity", ["fp8_block", "fp8_channel", "fp8_tensor"])
+def test_fp8_experts_serve_the_layer_as_w8a8(granularity):
+    # DeepSeek-V3's checkpoints hold FP8 blocks: the layer keeps them and runs W8A8 (FP8 activation groups)
+    from moekit.formats import fp8, quantize_experts
+
+    layer = moekit.FusedMoE.from_preset("deepseek-v3", dtype=torch.float32, scaled=True)
+    with torch.no_grad():
+        layer.shared_w13.zero_()                          # the routed experts alone are compared below
+    q13, q2 = quantize_experts(layer.w13.detach(), granularity), quantize_experts(layer.w2.detach(), granularity)
+    layer.load_quantized_experts(q13, q2)
+    assert layer.weight_format == "fp8" and layer.act_quant == "fp8_group"
+    assert {"w13_data", "w13_scale", "w2_data", "w2_scale"} <= dict(layer.named_buffers()).keys()
+    x = torch.randn(9, layer.spec.hidden_size)
+    with torch.no_grad():
+        got = layer(x)
+        tw, tid = layer.route(x)
+    ref = reference.fused_experts_w8a8(x, q13, q2, tw, tid, activation=layer.spec.activation)
+    check_close(f"FP8 {granularity} W8A8 layer", got, ref, Tolerance(3e-2, 3e-2))
+    w13, w2 = layer.expert_weights()
+    assert isinstance(w13, fp8.FP8Tensor) and w13.granularity == q13.granularity
+    assert layer.expert_weights()[0] is w13               # built once, not per call
+    layer.load_quantized_experts(q13, q2, act_quant=None)  # W8A16: the weights dequantized, x as it is
+    with torch.no_grad():
+        plain = layer(x)
+    d13, d2 = fp8.dequantize(q13, torch.float32), fp8.dequantize(q2, torch.float32)
+    check_close("FP8 W8A16 layer", plain, reference.fused_experts(x, d13, d2, tw, tid), Tolerance(1e-4, 1e-5))
+
+
+def test_quantized_experts_follow_the_module_to_another_dtype_of_buffers():
+    # .to() replaces the buffers: the cached quantized tensors are rebuilt over the new ones
+    from moekit.formats import quantize_experts
+
+    layer = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+    layer.load_quantized_experts(quantize_experts(layer.w13.detach(), "nvfp4"),
+                                 quantize_experts(layer.w2.detach(), "nvfp4"))
+    before = layer.expert_weights()[0]
+    layer.w13_data = layer.w13_data.clone()
+    assert layer.expert_weights()[0] is not before and layer.expert_weights()[0].data is layer.w13_data
+
+
+def test_expert_map_values_are_checked_once_per_version():
+    layer = moekit.FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+    x = torch.randn(5, layer.spec.hidden_size)
+    E = layer.spec.num_experts
+    layer.expert_map = torch.arange(E, dtype=torch.int32)
+    layer(x)
+    layer.expert_map[3] = E                               # an in-place change is seen at the next call
+    with pytest.raises(ValueError, match=rf"local expert index in \[0, {E}\) \(E={E} from w13\), got values in \[0, {E}\]"):
+        layer(x)
+    layer.expert_map[3] = -1                              # -1: not on this rank, contributes zero
+    layer(x)
+
+
+def test_ids_past_a_short_expert_map_are_caught_by_the_gate():
+    # fused_experts cannot know the global expert count; with the gate on, every eager call checks the ids
+    from moekit.experts import fused_experts
+    from moekit.verify import gate
+
+    E, H, I = 4, 32, 16
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    x, tw = torch.randn(3, H), torch.rand(3, 2)
+    ids = torch.tensor([[0, 5], [1, 2], [3, 4]], dtype=torch.int32)  # 6 global experts, a map of 4
+    short = torch.arange(E, dtype=torch.int32)
+    fused_experts(x, w13, w2, tw, ids, expert_map=short)  # gate off: ids past the map contribute zero (documented)
+    gate.set_verification(True)
+    try:
+        with pytest.raises(ValueError, match=r"topk_ids must be global expert ids in \[0, 4\) \(the length of "
+                                             r"expert_map"):
+            fused_experts(x, w13, w2, tw, ids, expert_map=short)
+        fused_experts(x, w13, w2, tw, ids, expert_map=torch.tensor([0, 1, 2, 3, -1, -1], dtype=torch.int32))
+    finally:
+        gate.set_verification(None)
+        gate.reset()

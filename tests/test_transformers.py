@@ -78,5 +78,10 @@ def test_patched_model_matches_the_original(make, block):
         prompt = ids[:1, :4]
         patched_tokens = model.generate(prompt, max_new_tokens=36, do_sample=False)
         assert unpatch(model) == 2 and not any(isinstance(m, MoekitBlock) for m in model.modules())
-        original_tokens = model.generate(prompt, max_new_tokens=36, do_sample=False)
-    assert torch.equal(patched_tokens, original_tokens)
+        # Greedy decoding through the patched model is greedy decoding of the original: every token it picked is
+        # the original model's argmax at that step, up to fp32 rounding (a near-tie may go either way, so the
+        # tokens themselves need not be equal bit for bit on every machine).
+        logits = model(patched_tokens).logits[0, prompt.shape[1] - 1:-1]
+        picked = logits.gather(1, patched_tokens[0, prompt.shape[1]:, None])[:, 0]
+        slack = 1e-4 * logits.abs().amax(dim=1)
+    assert (picked >= logits.amax(dim=1) - slack).all(), f"{block}: a generated token is not the original's argmax"

@@ -88,12 +88,13 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
             kind = "W8A8" if call.weight_format == "fp8" else "W4A8"
             return f"FP8 {kind} needs FP8 tensor cores (compute capability >= 8.9), got {major}.{minor}"
         return None if major >= 8 else f"needs compute capability >= 8.0 (bf16 tensor cores), got {major}.x"
-    if not _triton.can_launch(call.device):
-        return f"needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {call.device.type}"
+    if not explicit or not _triton.can_launch(call.device):
+        # The interpreter (TRITON_INTERPRET=1) is correct but numpy-slow: only on request (tests, `moekit verify`).
+        return (f"the Triton kernels need a CUDA GPU, this call is on {call.device.type} (on a CPU they run only "
+                "through Triton's interpreter, when asked for: backend='triton' with TRITON_INTERPRET=1, for tests)")
     if _triton.interpreting() and call.act_dtype == torch.bfloat16:
         return "Triton 3.6's interpreter computes bf16 dots wrongly (use fp16/fp32 on the CPU)"
-    # The interpreter is correct but numpy-slow: only on request (tests, `moekit verify`).
-    return None if explicit else "the interpreter serves only explicit requests on the CPU"
+    return None
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -168,9 +169,15 @@ def names() -> tuple[str, ...]:
     return tuple(b.name for b in BACKENDS)
 
 
+def _check_call(call) -> None:
+    if not isinstance(call, ExpertsCall):
+        raise TypeError(f"call must be a moekit.backends.ExpertsCall (ExpertsCall.of(x, w13)), got {type(call).__name__}")
+
+
 def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
     """The backend that serves ``call``: ``backend="auto"`` takes the first supporting candidate;
     a named backend is checked and refused with its reason (ValueError)."""
+    _check_call(call)
     if backend != "auto":
         match = [b for b in BACKENDS if b.name == backend]
         if not match:
@@ -192,6 +199,7 @@ def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
 
 def explain(call: ExpertsCall, backend: str = "auto") -> str:
     """One line per candidate, in priority order: taken, rejected (why), or not reached."""
+    _check_call(call)
     chosen = select_backend(call, backend).name
     act = str(call.act_dtype).removeprefix("torch.") + (f" rounded to {call.act_quant}" if call.act_quant else "")
     lines = [f"experts call: {call.weight_format} weights, {act} activations, "

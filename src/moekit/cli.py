@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from . import _argtypes, _interpreter, _triton
+
 
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -24,15 +26,22 @@ def cmd_presets(args) -> int:
 
     table = Table(title="moekit presets")
     for col in ("preset", "H", "I", "E", "k", "routing", "activation", "router bias", "groups"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)  # names are looked up by users: never cut
     for name in presets.names():
         s = presets.get(name)
         groups = f"{s.num_groups} keep {s.topk_groups}, x{s.routed_scaling_factor}" if s.routing == "sigmoid_grouped" else ""
         table.add_row(name, str(s.hidden_size), str(s.intermediate_size), str(s.num_experts), str(s.top_k),
                       s.routing + (" (renorm)" if s.renormalize and s.routing == "softmax_topk" else ""),
                       s.activation, "yes" if s.router_bias else "", groups)
-    Console().print(table)
+    _console().print(table)
     return 0
+
+
+def _console():
+    """rich's console; piped output is not cut at 80 columns (it keeps the table's own width)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def cmd_explain(args) -> int:
@@ -61,8 +70,6 @@ def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dt
 
 
 def cmd_verify(args) -> int:
-    from rich.console import Console
-    from rich.progress import track
     from rich.table import Table
 
     from .verify import runner
@@ -70,7 +77,7 @@ def cmd_verify(args) -> int:
 
     runner.load_plugins()
     device = _device()
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = _console()
     on_gpu = device.type == "cuda"
     names = args.preset or presets_names()
     tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
@@ -85,24 +92,23 @@ def cmd_verify(args) -> int:
     groups = runner.groups(device, dtype, impls)
     if args.backend:
         if args.backend not in groups:
-            raise SystemExit(f"--backend must be one of {groups} here, got {args.backend!r}")
+            return _argtypes.fail("moekit verify", f"--backend must be one of {groups} here, got {args.backend!r}")
         groups = [args.backend]
-    if not args.backend:
-        console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: backends "
-                      f"{', '.join(groups)} (each in its own process), router and experts on "
-                      f"{'real' if on_gpu else 'scaled-down'} presets, dtype {str(dtype).replace('torch.', '')}")
+    if args.backend and not args.isolate:  # a child (or a one-group run): its parent prints the table
+        report = runner.report_case if args.progress_lines else None
+        results = runner.run_group(args.backend, names, tokens, dtype, device, impls, on_gpu, report)
+        if args.json:
+            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        return 1 if any(not r.ok for r in results) else 0
+    console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: backends "
+                  f"{', '.join(groups)} ({'each in its own process' if args.isolate else 'in this process'}), "
+                  f"router and experts on {'real' if on_gpu else 'scaled-down'} presets, "
+                  f"dtype {str(dtype).replace('torch.', '')}")
     start = time.time()
-    results = []
     passthrough = ["--preset", *names, "--tokens", *map(str, tokens)] + (["--dtype", args.dtype] if args.dtype else [])
-    for group in track(groups, description="checking", console=console, disable=not console.is_terminal):
-        if args.isolate and len(groups) > 1:
-            results += runner.run_isolated(group, passthrough)[0]
-        else:
-            results += runner.run_group(group, names, tokens, dtype, device, impls, on_gpu)
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
-    if args.backend and not args.isolate:
-        return 1 if any(not r.ok for r in results) else 0  # a child: the parent prints the table
+    results = _run_groups(groups, names, tokens, console, lambda group, on_case: (
+        runner.run_isolated(group, passthrough, on_case)[0] if args.isolate
+        else runner.run_group(group, names, tokens, dtype, device, impls, on_gpu, on_case)))
     table = Table(title=f"accuracy against float64 ({time.time() - start:.0f} s)")
     for col in ("op", "impl", "preset", "T", "max err", "rms rel", "top-k agree", "status"):
         table.add_column(col)
@@ -114,7 +120,39 @@ def cmd_verify(args) -> int:
     console.print(table)
     failed = [r for r in results if not r.ok]
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    if args.json:
+        try:
+            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        except OSError as exc:
+            return _argtypes.fail("moekit verify", f"could not write --json {args.json}: {exc}")
     return 1 if failed else 0
+
+
+def _run_groups(groups, names, tokens, console, run):
+    """Every group's results, with progress per case: a bar on a terminal, a line per group otherwise."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    per_group = len(names) * len(tokens)
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task("checking", total=len(groups) * per_group)
+        for group in groups:
+            started = time.time()
+            if not console.is_terminal:
+                print(f"checking {group}: {per_group} cases ({len(names)} presets x {len(tokens)} token counts)",
+                      flush=True)
+            bar.update(task, description=f"{group}")
+
+            def on_case(name, T, group=group):
+                bar.update(task, advance=1, description=f"{group}: {name} T={T}")
+
+            done = run(group, on_case)
+            results += done
+            failed = sum(not r.ok for r in done)
+            if not console.is_terminal:
+                print(f"  {group}: {len(done)} checks, {failed} failed, {time.time() - started:.0f} s", flush=True)
+    return results
 
 
 def presets_names() -> list[str]:
@@ -157,16 +195,18 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moekit", description="Accurate, fast MoE inference layers.")
+    p = _argtypes.Parser(prog="moekit", description="Accurate, fast MoE inference layers.")
     sub = p.add_subparsers(dest="command")
     v = sub.add_parser("verify", help="check every implementation on this machine against float64 references")
-    v.add_argument("--preset", nargs="+", help="presets to check (default: all)")
-    v.add_argument("--tokens", nargs="+", type=int, help="token counts (default: 1 7 33 on CPU, 1 8 64 129 1000 on GPU)")
+    v.add_argument("--preset", nargs="+", type=_argtypes.preset_name, help="presets to check (default: all)")
+    v.add_argument("--tokens", nargs="+", type=_argtypes.token_count,
+                   help="token counts (default: 1 7 33 on CPU, 1 8 64 129 1000 on GPU)")
     v.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="activation/weight dtype")
-    v.add_argument("--json", help="write the full report here")
+    v.add_argument("--json", type=_argtypes.new_file, help="write the full report here (its folder must exist)")
     v.add_argument("--backend", help="check only this backend group (torch, triton, cublas, layer, or a plugin's)")
     v.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="run every group in this process (default: one child process per backend group)")
+    v.add_argument("--progress-lines", action="store_true", help=argparse.SUPPRESS)  # a child's reports
     v.set_defaults(func=cmd_verify)
     b = sub.add_parser("bench", help="time moekit's experts against the peers on this GPU (CUDA graphs)")
     from .bench.experts import add_arguments
@@ -176,12 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16 (default: against every peer), or low-bit experts against moekit bf16 and torch "
                         "grouped_mm: 'native' (gpt-oss MXFP4, qwen3 NVFP4, deepseek-v3/kimi-k2 FP8 W8A8) or one of "
                         "mxfp4, nvfp4, fp8_block, fp8_channel")
-    b.add_argument("--plot", help="save a PNG (one per preset when several: NAME_preset.png)")
+    b.add_argument("--plot", type=_argtypes.new_file, help="save a PNG (one per preset when several: NAME_preset.png)")
     b.add_argument("--metric", choices=["us", "floor"], default="us", help="plot time, or %% of the floor")
     b.set_defaults(func=cmd_bench, out=Path("moekit-bench"))  # results here, not into a source tree
     e = sub.add_parser("explain", help="which implementation serves each op, and why")
-    e.add_argument("--preset", nargs="+")
-    e.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 4096])
+    e.add_argument("--preset", nargs="+", type=_argtypes.preset_name, help="presets to explain (default: all)")
+    e.add_argument("--tokens", nargs="+", type=_argtypes.token_count, default=[1, 16, 128, 4096])
     e.set_defaults(func=cmd_explain)
     sub.add_parser("presets", help="the table of model presets").set_defaults(func=cmd_presets)
     return p
@@ -190,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU through numpy
+    if _triton.interpreting():
+        _interpreter.speed_up()
     args = build_parser().parse_args(argv)
     if args.command is None:
         build_parser().print_help()

@@ -20,6 +20,11 @@ PER_PAIR_MAX_TOKENS = 2  # heuristic: the per-pair decode mode up to this many t
 FOUR_BIT_GEMV_MAX_TOKENS = 16  # heuristic: 4-bit weights on the CUDA-core decode kernels up to here
 
 
+def _check_pow2(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}: expected a power of two, got {value!r}")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """Launch shape of one grouped GEMM (kernels/moe_gemm.py). GEMM1 computes BLOCK_N gate and
@@ -54,6 +59,12 @@ class GemmConfig:
     slower, T=4096 4% faster). Ignored elsewhere."""
 
     def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):  # tl.arange and warp counts take powers of two
+            _check_pow2(f"GemmConfig.{name}", getattr(self, name))
+        for name in ("num_stages", "group_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GemmConfig.{name}: expected an int >= 1, got {value!r}")
         if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):
             raise ValueError(f"GemmConfig.slots: expected None, 0 or a power of two, got {self.slots}")
 
@@ -80,6 +91,14 @@ class ExpertsConfig:
     """With gemv: GEMM2 runs one program per (pair, BLOCK_N columns) instead of per token, each slot's
     weighted output into an fp32 [T*k, H] buffer that the combine kernel sums in slot order: k times
     GEMM2's programs and a serial loop over one slot's K instead of all k, for one more launch."""
+
+    def __post_init__(self) -> None:
+        _check_pow2("ExpertsConfig.block_m", self.block_m)
+        if self.block_m < 16:
+            raise ValueError(f"ExpertsConfig.block_m: expected a power of two >= 16 (the MMA's rows), got {self.block_m}")
+        for name in ("gemm1", "gemm2"):
+            if not isinstance(getattr(self, name), GemmConfig):
+                raise TypeError(f"ExpertsConfig.{name} must be a GemmConfig, got {type(getattr(self, name)).__name__}")
 
     def to_dict(self) -> dict:
         return asdict(self)

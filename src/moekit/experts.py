@@ -9,6 +9,8 @@ every expert densely, static shapes) elsewhere.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ._checks import check_out, check_shape, check_tensor
@@ -17,6 +19,12 @@ from .presets import ACTIVATIONS
 from .reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config must be a moekit.expert_configs.ExpertsConfig or None, got {type(config).__name__}")
 
 
 def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None, *,
@@ -45,30 +53,23 @@ def weight_format(w) -> str:
 
 
 def _check_quantized(name, w, ndim, device):
+    """What an expert stack adds to its type's own invariants (checked when it was built)."""
     if len(w.shape) != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(w.shape)}")
     if w.data.device != device:
         raise ValueError(f"{name} must be on {device} (the device of the input), got {w.data.device}")
-    if weight_format(w) == "fp8":
-        _check_fp8_scales(name, w)
+    fmt = weight_format(w)
+    if fmt == "fp8" and w.granularity not in FP8_WEIGHT_GRANULARITIES:
+        raise ValueError(f"{name}: FP8 expert weights are per tensor, per channel or in 128x128 blocks "
+                         f"{FP8_WEIGHT_GRANULARITIES}, got granularity {w.granularity!r}")
+    if fmt == "nvfp4":
+        gs = w.global_scale
+        if gs.numel() != 1 and (gs.dim() == 0 or gs.shape[0] != w.shape[0] or gs.numel() != w.shape[0]):
+            raise ValueError(f"{name}: NVFP4 expert weights take one global scale, or one per expert "
+                             f"({w.shape[0]},); got global_scale of shape {tuple(gs.shape)}")
 
 
-def _check_fp8_scales(name, w) -> None:
-    """An FP8 expert stack [E, N, K]: per tensor (one scale, or one per expert), per channel
-    [E, N, 1], or 128x128 blocks [E, ceil(N/128), ceil(K/128)]."""
-    E, N, K = w.shape
-    expected = {"tensor": None, "channel": (E, N, 1), "block": (E, -(-N // 128), -(-K // 128))}
-    if w.granularity not in expected:
-        raise ValueError(f"{name}: FP8 expert weights are per tensor, per channel or in 128x128 blocks, "
-                         f"got granularity {w.granularity!r}")
-    shape = tuple(w.scale.shape)
-    if w.granularity == "tensor":
-        if w.scale.numel() not in (1, E):
-            raise ValueError(f"{name}: a per-tensor FP8 scale holds 1 or E={E} values, got shape {shape}")
-    elif shape != expected[w.granularity]:
-        raise ValueError(f"{name}: {w.granularity} FP8 scales must have shape {expected[w.granularity]}, got {shape}")
-    if w.scale.device != w.data.device:
-        raise ValueError(f"{name}: scales on {w.scale.device}, codes on {w.data.device}")
+FP8_WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 
 
 def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
@@ -95,12 +96,64 @@ def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
     if tuple(w2.shape) != (E, H, two_i // 2):
         raise ValueError(f"w2 must have shape {(E, H, two_i // 2)}, got {tuple(w2.shape)}")
     if w13_bias is not None:
-        check_tensor("w13_bias", w13_bias, ndim=2, device=x.device)
+        check_tensor("w13_bias", w13_bias, ndim=2, dtypes=BIAS_DTYPES, device=x.device)
         check_shape("w13_bias", w13_bias, (E, two_i))
     if w2_bias is not None:
-        check_tensor("w2_bias", w2_bias, ndim=2, device=x.device)
+        check_tensor("w2_bias", w2_bias, ndim=2, dtypes=BIAS_DTYPES, device=x.device)
         check_shape("w2_bias", w2_bias, (E, H))
     return E, two_i // 2, H
+
+
+_CHECKED_MAPS: dict[int, tuple] = {}  # id(expert_map) -> (weakref to it, its version, local experts)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: checked once
+        return -1
+
+
+def check_expert_map_values(expert_map: torch.Tensor, num_local: int) -> None:
+    """Every value of ``expert_map`` is -1 (not on this rank) or a local expert index in
+    [0, num_local). A value past the local experts would drop its tokens silently, so it is refused;
+    reading the values costs one host sync, made once per map and version (an in-place change of
+    the map is checked again at the next call), never while a CUDA graph is captured or
+    torch.compile traces (the eager call before them checked it)."""
+    key = id(expert_map)
+    seen = _CHECKED_MAPS.get(key)
+    if seen is not None and seen[0]() is expert_map and seen[1:] == (_version(expert_map), num_local):
+        return
+    if torch.compiler.is_compiling() or (expert_map.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if expert_map.numel():
+        lo, hi = (int(v) for v in torch.aminmax(expert_map))
+        if lo < -1 or hi >= num_local:
+            raise ValueError(f"expert_map values must be -1 (expert not on this rank) or a local expert index in "
+                             f"[0, {num_local}) (E={num_local} from w13), got values in [{lo}, {hi}]")
+    if len(_CHECKED_MAPS) >= 256:  # forget maps that are gone
+        for k in [k for k, v in _CHECKED_MAPS.items() if v[0]() is None]:
+            del _CHECKED_MAPS[k]
+    _CHECKED_MAPS[key] = (weakref.ref(expert_map), _version(expert_map), num_local)
+
+
+def check_ids_within_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> None:
+    """With the verification gate on (eager calls): every id is -1 or indexes ``expert_map`` (one entry
+    per global expert). An id past a short map would contribute nothing, silently. One host sync per
+    call, so only in the gate's mode."""
+    if torch.compiler.is_compiling() or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if topk_ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+        if lo < -1 or hi >= expert_map.shape[0]:
+            raise ValueError(f"topk_ids must be global expert ids in [0, {expert_map.shape[0]}) (the length of "
+                             f"expert_map: one entry per global expert) or -1, got ids in [{lo}, {hi}]")
+
+
+def _gate_active() -> bool:
+    from .verify import gate
+
+    return gate.active()
 
 
 def _storage(w) -> torch.Tensor:
@@ -162,10 +215,11 @@ def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows
     return y if w2_bias is None else y + w2_bias[e].float()
 
 
-def _check_act_quant(act_quant, hidden: int, inter: int) -> None:
+def check_act_quant(act_quant, hidden: int | None = None, inter: int | None = None) -> None:
+    """``act_quant`` is one of ACT_QUANTS (and, given the sizes, fits them)."""
     if act_quant not in ACT_QUANTS:
         raise ValueError(f"act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
-    if act_quant == "nvfp4" and (hidden % 16 or inter % 16):
+    if act_quant == "nvfp4" and hidden is not None and (hidden % 16 or inter % 16):
         raise ValueError(f"act_quant='nvfp4' needs H and I multiples of 16 (NVFP4 blocks), got H={hidden}, I={inter}")
 
 
@@ -206,7 +260,11 @@ def fused_experts(
         activation: ``"silu_and_mul"`` or ``"swiglu_oai"``.
         w13_bias: [E, 2I]; w2_bias: [E, H] (any float dtype; added in fp32).
         expert_map: int32 [E_global]: global id -> local weight index, -1 = not on this rank
-            (contributes zero). Without it, ids index w13/w2 directly.
+            (contributes zero). Without it, ids index w13/w2 directly. Its values must be -1 or in
+            [0, E): checked once per map (one host sync; again after an in-place change), a
+            ValueError otherwise. It needs one entry per global expert: an id past its end would
+            contribute zero, so with the verification gate on (``MOEKIT_VERIFY=1``) every eager call
+            checks the ids against its length (a host sync per call, in that mode only).
         out: optional [T, H] tensor of x's dtype, contiguous; written in place and returned.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
         config: block configuration for the Triton kernels (default: the tuned table or the
@@ -244,7 +302,11 @@ def fused_experts(
     check_shape("topk_weights", topk_weights, (x.shape[0], topk_ids.shape[1]))
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
-    _check_act_quant(act_quant, H, w2.shape[2])
+        check_expert_map_values(expert_map, E)
+        if _gate_active():
+            check_ids_within_map(topk_ids, expert_map)
+    check_act_quant(act_quant, H, w2.shape[2])
+    _check_config(config)
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -298,7 +360,7 @@ def batched_experts(
     Args:
         x: [E, M, H]; rows at or past expert_num_tokens[e] are padding and may hold anything,
             NaN included: they never influence valid rows.
-        expert_num_tokens: int32 [E] (values above M are treated as M).
+        expert_num_tokens: int32 [E] (values above M are treated as M, negative ones as 0).
         w13, w2, activation, biases: as :func:`fused_experts` (no router weights here: they are
             applied when combining back to tokens, see :func:`moekit.layouts.combine_batched`).
         out: optional [E, M, H] contiguous tensor of x's dtype, written in place and returned.
@@ -316,7 +378,8 @@ def batched_experts(
         raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
-    _check_act_quant(act_quant, x.shape[2], w2.shape[2])
+    check_act_quant(act_quant, x.shape[2], w2.shape[2])
+    _check_config(config)
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -8,9 +8,15 @@ from torch import nn
 
 from . import presets as _presets
 from ._checks import check_shape, check_tensor
-from .experts import fused_experts
+from .experts import check_act_quant, fused_experts, weight_format
+from .formats import fp8, mxfp4, nvfp4
 from .presets import MoESpec
 from .router import GateLinear, fused_router
+
+
+# The tensors of each quantized type that become buffers (names as the types' fields).
+_QUANTIZED_PARTS = {"mxfp4": ("data", "scales"), "nvfp4": ("data", "scales", "global_scale"), "fp8": ("data", "scale")}
+_QUANTIZED_TYPES = {"mxfp4": mxfp4.MXFP4Tensor, "nvfp4": nvfp4.NVFP4Tensor, "fp8": fp8.FP8Tensor}
 
 
 class FusedMoE(nn.Module):
@@ -44,7 +50,11 @@ class FusedMoE(nn.Module):
         self.shared_w13 = nn.Parameter(torch.empty(2 * shared, H, **factory)) if shared else None
         self.shared_w2 = nn.Parameter(torch.empty(H, shared, **factory)) if shared else None
         self.register_buffer("expert_map", None)
-        self.weight_format = "dense"  # "mxfp4" / "nvfp4" after load_quantized_experts
+        self.weight_format = "dense"  # "mxfp4" / "nvfp4" / "fp8" after load_quantized_experts
+        self.act_quant = None
+        self._expert_shapes = {"w13": (E, 2 * I, H), "w2": (E, H, I)}
+        self._quantized_meta: dict[str, dict] = {}
+        self._quantized = None  # (the buffers it was built from, (w13, w2))
         self.reset_parameters()
 
     @classmethod
@@ -91,42 +101,58 @@ class FusedMoE(nn.Module):
             targets[name].copy_(value)
 
     @torch.no_grad()
-    def load_quantized_experts(self, w13, w2) -> None:
-        """Keep the experts as 4-bit weights (:class:`moekit.formats.mxfp4.MXFP4Tensor` or
-        :class:`moekit.formats.nvfp4.NVFP4Tensor`, shapes [E, 2I, H] / [E, H, I]); they are stored as
-        buffers (``w13_data``, ``w13_scales``, ``w13_global_scale``, same for w2) and the dense
-        ``w13`` / ``w2`` parameters are dropped. The kernels dequantize them on the fly (W4A16)."""
-        from .experts import weight_format
+    def load_quantized_experts(self, w13, w2, *, act_quant: str | None = "auto") -> None:
+        """Keep the experts in a low-precision format: :class:`moekit.formats.mxfp4.MXFP4Tensor`,
+        :class:`moekit.formats.nvfp4.NVFP4Tensor` or :class:`moekit.formats.fp8.FP8Tensor` (per
+        tensor, per channel or DeepSeek-V3's 128x128 blocks), both of one format, shapes
+        [E, 2I, H] / [E, H, I]. Their parts become buffers (``w13_data``, ``w13_scales``,
+        ``w13_global_scale`` / ``w13_scale``, same for w2) and the dense ``w13`` / ``w2``
+        parameters are dropped.
 
+        act_quant: what :func:`moekit.fused_experts` gets on every forward. ``"auto"``:
+        ``"fp8_group"`` for FP8 weights (W8A8 on FP8 tensor cores, as DeepSeek-V3 runs), None for
+        4-bit weights (W4A16: dequantized inside the kernels). None with FP8 weights is W8A16 (the
+        torch backend dequantizes them).
+        """
         fmt = weight_format(w13)
         if fmt == "dense" or weight_format(w2) != fmt:
-            raise TypeError(f"w13 and w2 must both be MXFP4Tensor or NVFP4Tensor, got {fmt} and {weight_format(w2)}")
-        for name, q, dense in (("w13", w13, getattr(self, "w13", None)), ("w2", w2, getattr(self, "w2", None))):
-            expect = tuple(dense.shape) if dense is not None else getattr(self, f"_{name}_shape")
+            raise TypeError("w13 and w2 must both be MXFP4Tensor, NVFP4Tensor or FP8Tensor, "
+                            f"got {type(w13).__name__} and {type(w2).__name__}")
+        if act_quant == "auto":
+            act_quant = "fp8_group" if fmt == "fp8" else None
+        check_act_quant(act_quant)
+        for name, q in (("w13", w13), ("w2", w2)):
+            expect = self._expert_shapes[name]
             if tuple(q.shape) != expect:
                 raise ValueError(f"{name} must have shape {expect}, got {tuple(q.shape)}")
-            if name in self._parameters:
-                del self._parameters[name]
-            self.register_buffer(f"{name}_data", q.data)
-            self.register_buffer(f"{name}_scales", q.scales)
-            self.register_buffer(f"{name}_global_scale", getattr(q, "global_scale", None))
-            setattr(self, f"_{name}_shape", tuple(q.shape))
+        for name, q in (("w13", w13), ("w2", w2)):
+            for part in _QUANTIZED_PARTS.values():  # a format loaded before may have left other parts
+                for field in part:
+                    self._buffers.pop(f"{name}_{field}", None)
+            self._parameters.pop(name, None)
+            for field in _QUANTIZED_PARTS[fmt]:
+                self.register_buffer(f"{name}_{field}", getattr(q, field))
+            self._quantized_meta[name] = {k: getattr(q, k) for k in ("shape", "swizzled", "granularity") if hasattr(q, k)}
         self.weight_format = fmt
+        self.act_quant = act_quant
+        self._quantized = None
 
     def expert_weights(self):
-        """(w13, w2) as fused_experts takes them: dense parameters, or the 4-bit weights rebuilt
-        from their buffers."""
+        """(w13, w2) as fused_experts takes them: dense parameters, or the quantized tensors over
+        this module's buffers (built once, again only after the buffers were replaced, e.g. by
+        ``.to()``)."""
         if self.weight_format == "dense":
             return self.w13, self.w2
-        from .formats import mxfp4, nvfp4
-
-        def rebuild(name):
-            data, scales, shape = getattr(self, f"{name}_data"), getattr(self, f"{name}_scales"), getattr(self, f"_{name}_shape")
-            if self.weight_format == "mxfp4":
-                return mxfp4.MXFP4Tensor(data, scales, shape)
-            return nvfp4.NVFP4Tensor(data, scales, getattr(self, f"{name}_global_scale"), shape)
-
-        return rebuild("w13"), rebuild("w2")
+        parts = tuple(getattr(self, f"{name}_{field}") for name in ("w13", "w2")
+                      for field in _QUANTIZED_PARTS[self.weight_format])
+        cached = self._quantized
+        if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
+            cls = _QUANTIZED_TYPES[self.weight_format]
+            built = tuple(cls(**{field: getattr(self, f"{name}_{field}") for field in _QUANTIZED_PARTS[self.weight_format]},
+                              **{k: v for k, v in self._quantized_meta[name].items() if k in cls.__dataclass_fields__})
+                          for name in ("w13", "w2"))
+            cached = self._quantized = (parts, built)
+        return cached[1]
 
     def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) of tokens x2 [T, H]."""
@@ -139,15 +165,31 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
+        self._check_input(x)
         x2 = x.reshape(-1, spec.hidden_size)
         weights, ids = self.route(x2)
         w13, w2 = self.expert_weights()
         out = fused_experts(x2, w13, w2, weights, ids, activation=spec.activation,
-                            w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map)
+                            w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map,
+                            act_quant=self.act_quant)
         if self.shared_w13 is not None:
             gate, up = F.linear(x2, self.shared_w13).float().chunk(2, dim=-1)
             out = out + F.linear((F.silu(gate) * up).to(x2.dtype), self.shared_w2)
         return out.view(x.shape)
+
+    def _check_input(self, x) -> None:
+        """x [..., H] of the layer's dtype; an expert_map of one entry per expert of the router (E)."""
+        H, E = self.spec.hidden_size, self.spec.num_experts
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != H:
+            raise ValueError(f"x must have the layer's hidden size H={H} in its last dimension, got shape {tuple(x.shape)}")
+        if x.dtype != self.gate.weight.dtype:
+            raise TypeError(f"x must have the layer's dtype {self.gate.weight.dtype}, got {x.dtype}")
+        emap = self.expert_map
+        if emap is not None and (emap.dim() != 1 or emap.shape[0] != E):
+            raise ValueError(f"expert_map must have one entry per expert of the router, shape ({E},), "
+                             f"got {tuple(emap.shape)}")
 
     def extra_repr(self) -> str:
         s = self.spec

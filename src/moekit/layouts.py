@@ -88,7 +88,10 @@ def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_
         Pairs keep token order within an expert. Padding rows of ``xb`` are zero.
     """
     check_tensor("x", x, ndim=2)
-    check_tensor("topk_ids", topk_ids, ndim=2, device=x.device)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=x.device)
+    for name, value in (("num_experts", num_experts), ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "num_experts" else 0):
+            raise ValueError(f"{name} must be an int >= {1 if name == 'num_experts' else 0}, got {value!r}")
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids must have {x.shape[0]} rows (x's tokens), got {topk_ids.shape[0]}")
     T, k = topk_ids.shape

@@ -77,8 +77,12 @@ def route(
 
     Methods (semantics.md): softmax_topk, topk_softmax, sigmoid_grouped, sigmoid_top1.
     """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a [T, E] tensor, got {getattr(logits, 'shape', type(logits).__name__)}")
     l64 = logits.to(F64)
     num_tokens, num_experts = l64.shape
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
     if method in ("softmax_topk", "topk_softmax"):
         ids = _rank(l64)[:, :top_k]
         if method == "softmax_topk" and not renormalize:
@@ -189,8 +193,26 @@ def fused_experts(
 
     ``expert_map`` maps global ids to local weight indices (-1: not here, contributes zero).
     """
+    _check_experts(x, 2, w13, w2, topk_weights, topk_ids)
     return _combine(x, w13.shape[0], w2.shape[1], topk_weights, topk_ids, expert_map,
                     lambda e, rows: _expert(e, rows, w13, w2, activation, w13_bias, w2_bias))
+
+
+def _check_experts(x, ndim, w13, w2, topk_weights=None, topk_ids=None) -> None:
+    """Shapes only, so that a wrong call is a clear error rather than a matmul's."""
+    if not isinstance(x, torch.Tensor) or x.dim() != ndim:
+        raise ValueError(f"x must be a {ndim}-dimensional tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if len(w13.shape) != 3 or len(w2.shape) != 3:
+        raise ValueError(f"w13 and w2 must be expert stacks [E, 2I, H] and [E, H, I], got {tuple(w13.shape)} and "
+                         f"{tuple(w2.shape)}")
+    E, two_i, H = w13.shape
+    if tuple(w2.shape) != (E, H, two_i // 2) or x.shape[-1] != H:
+        raise ValueError(f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} and x {tuple(x.shape)} do not fit "
+                         f"(expected w2 {(E, H, two_i // 2)} and x [..., {H}])")
+    if topk_ids is not None and (topk_ids.dim() != 2 or tuple(topk_weights.shape) != tuple(topk_ids.shape)
+                                 or topk_ids.shape[0] != x.shape[0]):
+        raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, k], got {tuple(topk_weights.shape)} "
+                         f"and {tuple(topk_ids.shape)}")
 
 
 def _combine(x, num_experts, hidden, topk_weights, topk_ids, expert_map, expert_fn) -> torch.Tensor:
@@ -225,6 +247,7 @@ def fused_experts_w8a8(
     W4A8 reference."""
     from .formats import expert, fp8
 
+    _check_experts(x, 2, w13, w2, topk_weights, topk_ids)
     def rounded(t):
         return fp8.dequantize(fp8.quantize_groups(t.float(), check_finite=False), torch.float32).to(F64)
 
@@ -253,7 +276,10 @@ def batched_experts(
 
     Padding rows of the reference output are zero (fast paths leave them undefined).
     """
+    _check_experts(x, 3, w13, w2)
     num_experts, max_tokens, _ = x.shape
+    if tuple(expert_num_tokens.shape) != (num_experts,):
+        raise ValueError(f"expert_num_tokens must have shape ({num_experts},), got {tuple(expert_num_tokens.shape)}")
     out = torch.zeros(num_experts, max_tokens, w2.shape[1], dtype=F64, device=x.device)
     for e in range(num_experts):
         n = int(expert_num_tokens[e])

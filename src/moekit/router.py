@@ -34,6 +34,17 @@ class RouterLoRA:
     b: torch.Tensor
     scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        check_tensor("lora.a", self.a, ndim=2, dtypes=INPUT_DTYPES)
+        check_tensor("lora.b", self.b, ndim=2, dtypes=FLOAT_DTYPES, device=self.a.device)
+        rank = self.a.shape[0]
+        if not 1 <= rank <= MAX_LORA_RANK:
+            raise ValueError(f"lora rank must be in [1, {MAX_LORA_RANK}], got {rank} (lora.a is [r, H])")
+        if self.b.shape[1] != rank:
+            raise ValueError(f"lora.b must be [E, r={rank}] (r from lora.a [r, H]), got {tuple(self.b.shape)}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise TypeError(f"lora.scale must be a float, got {type(self.scale).__name__}")
+
 
 @dataclass(frozen=True)
 class _GemmArgs:
@@ -331,8 +342,15 @@ class GateLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
-        """Attach (or with ``a=None`` remove) a LoRA adapter: logits += scale * (x a^T) b^T."""
-        self.lora = None if a is None else RouterLoRA(a, b.float(), float(scale))
+        """Attach (or with ``a=None`` remove) a LoRA adapter: logits += scale * (x a^T) b^T, with
+        a [r, H] in the weight's dtype and b [E, r] (checked now, against this module's H and E)."""
+        if a is None:
+            self.lora = None
+            return
+        check_tensor("b", b)
+        lora = RouterLoRA(a, b.float(), float(scale) if isinstance(scale, (int, float, torch.Tensor)) else scale)
+        _validate_gemm(self.weight.new_empty(0, self.hidden_size), self.weight, None, lora)
+        self.lora = lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return router_gemm(x, self.weight, self.bias, out_dtype=self.out_dtype, lora=self.lora, tier=self.tier)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import layouts, presets, reference
+from .. import _argtypes, layouts, presets, reference
 from ..experts import fused_experts
 from ..verify.metrics import rel_errors
 from .timing import eager_time_us, environment, graph_time_us
@@ -341,8 +341,8 @@ def markdown(records, env, rate, impl_names):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", "--presets", dest="presets", nargs="+", default=PRESETS)
-    p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    p.add_argument("--preset", "--presets", dest="presets", nargs="+", type=_argtypes.preset_name, default=PRESETS)
+    p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count, default=TOKENS)
     p.add_argument("--peers", nargs="*", default=PEERS, help=f"subset of {PEERS}")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--accuracy-tokens", nargs="*", type=int, default=[16, 1024])

@@ -29,6 +29,11 @@ def expert(w, e: int, dtype=None):
     in float (DeepSeek-V3's experts are 7.5e9 weights)."""
     import torch
 
+    if not isinstance(w, (torch.Tensor, fp8.FP8Tensor, mxfp4.MXFP4Tensor, nvfp4.NVFP4Tensor)):
+        raise TypeError(f"cannot take an expert of a {type(w).__name__}")
+    num = w.shape[0] if len(w.shape) else 0
+    if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < num:
+        raise ValueError(f"e must be an expert index in [0, {num}) of the stack {tuple(w.shape)}, got {e!r}")
     if isinstance(w, torch.Tensor):
         return w[e]
     dtype = dtype or torch.float32

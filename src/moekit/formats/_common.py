@@ -22,3 +22,43 @@ def check_quantize_input(name: str, x: torch.Tensor, block: int, check_finite: b
 def blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """[..., K] -> [..., K / block, block] (a view when x is contiguous)."""
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def shape_tuple(owner: str, shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints (a torch.Size or a list is accepted)."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{owner}.shape must be a tuple of ints, got {type(shape).__name__}") from None
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"{owner}.shape must be a non-empty tuple of non-negative ints, got {shape!r}")
+    return dims
+
+
+def check_field(owner: str, field: str, t, dtypes: tuple[torch.dtype, ...], expected_shape, device=None) -> None:
+    """A quantized tensor's part: a tensor of one of ``dtypes``, ``expected_shape`` and on ``device``
+    (the device of its codes)."""
+    name = f"{owner}.{field}"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
+                        f"got {str(t.dtype).removeprefix('torch.')}")
+    if expected_shape is not None and tuple(t.shape) != tuple(expected_shape):
+        raise ValueError(f"{name} must have shape {tuple(expected_shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of the codes, data), got {t.device}")
+
+
+def check_block_multiple(owner: str, shape: tuple[int, ...], block: int) -> None:
+    if shape[-1] % block:
+        raise ValueError(f"{owner}.shape must end in a multiple of {block} (its scale blocks run along the last "
+                         f"axis), got {shape}")
+
+
+def check_format(name: str, t, cls, dtype) -> None:
+    """A dequantize call's arguments: ``t`` of the format's type, ``dtype`` a floating dtype."""
+    if not isinstance(t, cls):
+        raise TypeError(f"{name} must be a {cls.__name__}, got {type(t).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")

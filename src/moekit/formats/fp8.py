@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_quantize_input
+from ._common import check_field, check_format, check_quantize_input
 
 E4M3_MAX = 448.0
 BLOCK = 128
+GRANULARITIES = ("tensor", "channel", "block", "group")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,29 @@ class FP8Tensor:
     data: torch.Tensor
     scale: torch.Tensor
     granularity: str
+
+    def __post_init__(self) -> None:
+        # Checked when built, so that no kernel or reference ever sees parts that disagree.
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"FP8Tensor.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        check_field("FP8Tensor", "data", self.data, (torch.float8_e4m3fn,), None)
+        check_field("FP8Tensor", "scale", self.scale, (torch.float32,), None, self.data.device)
+        shape, scale = tuple(self.data.shape), tuple(self.scale.shape)
+        if self.granularity == "tensor":
+            # one scale, or one per expert of a stack [E, ...] (as [E] or [E, 1, ...])
+            per_expert = len(shape) >= 1 and len(scale) >= 1 and scale[0] == shape[0] and all(d == 1 for d in scale[1:])
+            if self.scale.numel() != 1 and not per_expert:
+                raise ValueError(f"FP8Tensor.scale of granularity 'tensor' must hold one value, or one per expert "
+                                 f"({shape[0] if shape else 1},) for data {shape}, got shape {scale}")
+            return
+        if len(shape) < (2 if self.granularity == "block" else 1):
+            raise ValueError(f"FP8Tensor of granularity {self.granularity!r} needs data [..., N, K], got shape {shape}")
+        n, k = (shape[-2] if len(shape) >= 2 else 1), shape[-1]
+        expected = {"channel": (*shape[:-1], 1), "group": (*shape[:-1], -(-k // BLOCK)),
+                    "block": (*shape[:-2], -(-n // BLOCK), -(-k // BLOCK))}[self.granularity]
+        if scale != expected:
+            raise ValueError(f"FP8Tensor.scale of granularity {self.granularity!r} must have shape {expected} for "
+                             f"data {shape}, got {scale}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -94,6 +118,7 @@ def expert(t: FP8Tensor, e: int) -> FP8Tensor:
 
 def dequantize(t: FP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """q * scale in fp32 (scales broadcast over their block), then ``dtype``."""
+    check_format("t", t, FP8Tensor, dtype)
     q = t.data.float()
     scale = t.scale
     if t.granularity == "block":
@@ -103,6 +128,4 @@ def dequantize(t: FP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tenso
         scale = scale.repeat_interleave(BLOCK, -1)[..., :q.shape[-1]]
     elif t.granularity == "tensor" and scale.numel() > 1:  # one scale per expert of a stack [E, N, K]
         scale = scale.reshape(-1, *([1] * (q.dim() - 1)))
-    elif t.granularity not in ("tensor", "channel"):
-        raise ValueError(f"unknown granularity {t.granularity!r}")
     return (q * scale).to(dtype)

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_tensor
 from . import fp4
-from ._common import blocks, check_quantize_input
+from ._common import blocks, check_block_multiple, check_field, check_format, check_quantize_input, shape_tuple
 
 BLOCK = 32
 BIAS = 127
@@ -33,6 +33,15 @@ class MXFP4Tensor:
     data: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # Checked when built, so that no kernel or reference ever sees parts that disagree.
+        shape = shape_tuple("MXFP4Tensor", self.shape)
+        object.__setattr__(self, "shape", shape)
+        check_block_multiple("MXFP4Tensor", shape, BLOCK)
+        lead, k = shape[:-1], shape[-1]
+        check_field("MXFP4Tensor", "data", self.data, (torch.uint8,), (*lead, k // 2))
+        check_field("MXFP4Tensor", "scales", self.scales, (torch.uint8,), (*lead, k // BLOCK), self.data.device)
 
     def scales_e8m0(self) -> torch.Tensor:
         """The scales as torch.float8_e8m0fnu (same bytes)."""
@@ -61,6 +70,7 @@ def quantize(x: torch.Tensor, *, check_finite: bool = True) -> MXFP4Tensor:
 def dequantize(t: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """e2m1(q) * 2^(s - 127); a scale byte of 255 gives NaN for its block. Exact in fp32 up to its
     range (codes of 4 and 6 under the two largest scales leave it: inf) and exact in float64."""
+    check_format("t", t, MXFP4Tensor, dtype)
     values = blocks(fp4.decode(fp4.unpack(t.data)), BLOCK)
     if dtype == torch.float64:
         values = values.double()

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_tensor
 from . import fp4
-from ._common import blocks, check_quantize_input
+from ._common import blocks, check_block_multiple, check_field, check_format, check_quantize_input, shape_tuple
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -34,6 +34,29 @@ class NVFP4Tensor:
     global_scale: torch.Tensor
     shape: tuple[int, ...]
     swizzled: bool = False
+
+    def __post_init__(self) -> None:
+        # Checked when built, so that no kernel or reference ever sees parts that disagree.
+        shape = shape_tuple("NVFP4Tensor", self.shape)
+        object.__setattr__(self, "shape", shape)
+        if not isinstance(self.swizzled, bool):
+            raise TypeError(f"NVFP4Tensor.swizzled must be a bool, got {type(self.swizzled).__name__}")
+        check_block_multiple("NVFP4Tensor", shape, BLOCK)
+        lead, k = shape[:-1], shape[-1]
+        check_field("NVFP4Tensor", "data", self.data, (torch.uint8,), (*lead, k // 2))
+        device = self.data.device
+        if self.swizzled:
+            if len(shape) < 2:
+                raise ValueError(f"NVFP4Tensor with swizzled scales needs a shape [..., R, K], got {shape}")
+            expected = (*shape[:-2], swizzled_size(shape[-2], k // BLOCK))
+            check_field("NVFP4Tensor", "scales", self.scales, (torch.uint8,), expected, device)
+        else:
+            check_field("NVFP4Tensor", "scales", self.scales, (torch.float8_e4m3fn,), (*lead, k // BLOCK), device)
+        gs = self.global_scale
+        check_field("NVFP4Tensor", "global_scale", gs, (torch.float32,), None, device)
+        if gs.dim() > len(shape) or any(g not in (1, d) for g, d in zip(gs.shape, shape)):
+            raise ValueError(f"NVFP4Tensor.global_scale must be a scalar or broadcast over the leading dims of "
+                             f"shape {shape} (e.g. one per expert), got shape {tuple(gs.shape)}")
 
     def linear_scales(self) -> torch.Tensor:
         """float8_e4m3fn [..., K/16], whatever the stored layout."""
@@ -89,6 +112,7 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """e2m1(q) * sf / gs in fp32, then ``dtype``; shape t.shape."""
+    check_format("t", t, NVFP4Tensor, dtype)
     values = blocks(fp4.decode(fp4.unpack(t.data)), BLOCK)
     sf = t.linear_scales().float().unsqueeze(-1)
     out = values * sf / _expand(t.global_scale.float(), values.dim())

@@ -10,8 +10,10 @@ The 2I axis is interleaved (row 2j gate j, row 2j+1 up j): moekit's swiglu_oai l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,43 +22,72 @@ from .. import presets
 from ..formats import mxfp4
 from ..layer import FusedMoE
 
+NAN_SCALE_POLICIES = ("error", "warn", "allow")
 EXPERT_KEYS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
                "down_proj_blocks", "down_proj_scales", "down_proj_bias")
 
 
 def _files(source: Path) -> dict[str, Path]:
     """tensor name -> file holding it (from model.safetensors.index.json, else every *.safetensors)."""
-    from safetensors import safe_open
-
     if source.is_file():
         candidates = [source]
     else:
         index = source / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map'): {exc}") from None
             return {name: source / fname for name, fname in weight_map.items()}
         candidates = sorted(source.glob("*.safetensors"))
     if not candidates:
         raise FileNotFoundError(f"no .safetensors files in {source}")
     where = {}
     for path in candidates:
-        with safe_open(str(path), framework="pt") as f:
+        with _opened(path) as f:
             where.update({name: path for name in f.keys()})
     return where
 
 
-def _read(where: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
-    """Only the named tensors, each from its own file."""
+@contextlib.contextmanager
+def _opened(path: Path):
+    """safe_open, with errors that name the file (safetensors' own do not)."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such checkpoint file (named by the checkpoint's index)") from None
+    except Exception as exc:
+        if isinstance(exc, (KeyError, ValueError)) and str(path) in str(exc):
+            raise
+        raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+
+
+def _read(where: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """Only the named tensors, each from its own file."""
     missing = [n for n in names if n not in where]
     if missing:
         raise KeyError(f"checkpoint lacks {missing}")
     out = {}
     for path in sorted({where[n] for n in names}):
-        with safe_open(str(path), framework="pt") as f:
+        with _opened(path) as f:
             out.update({n: f.get_tensor(n) for n in names if where[n] == path})
     return out
+
+
+def _check_scales(name: str, scales: torch.Tensor, nan_scales: str) -> None:
+    """A scale byte of 255 is E8M0's NaN: every weight of its block is NaN, and so is every output
+    of a token routed to that expert. A released checkpoint holds none; one that does is broken."""
+    bad = int((scales == mxfp4.NAN_SCALE).sum())
+    if not bad or nan_scales == "allow":
+        return
+    what = (f"{name} holds {bad} NaN scales (E8M0 byte 255) of {scales.numel()}: the weights of those blocks are NaN, "
+            "and so is the output of every token routed to them")
+    if nan_scales == "error":
+        raise ValueError(what + " (pass nan_scales='warn' or 'allow' to load it anyway)")
+    warnings.warn(what, RuntimeWarning, stacklevel=3)
 
 
 def _top_k(source: Path, default: int) -> int:
@@ -67,18 +98,30 @@ def _top_k(source: Path, default: int) -> int:
 
 
 def load_gpt_oss_layer(source: str | Path, layer_index: int, *, keep_mxfp4: bool = True,
-                       dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> FusedMoE:
+                       dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                       nan_scales: str = "error") -> FusedMoE:
     """The MoE block of layer ``layer_index`` as a FusedMoE (router + top-4 softmax routing + experts).
 
     keep_mxfp4: keep the experts in MXFP4 (dequantized inside the kernels; the torch backend
     dequantizes on the fly) or dequantize them to ``dtype`` once. Shapes come from the tensors,
     top_k from config.json (default 4).
+    nan_scales: what a scale byte of 255 (E8M0's NaN, which makes its whole block NaN) does:
+    ``"error"`` (default: a ValueError naming the tensor; a released checkpoint has none),
+    ``"warn"`` (a RuntimeWarning, then load), ``"allow"`` (load; NaN propagates as MXFP4 defines).
+    Errors name the file: a missing, truncated or foreign file is a ValueError or FileNotFoundError
+    with its path.
     """
+    if nan_scales not in NAN_SCALE_POLICIES:
+        raise ValueError(f"nan_scales must be one of {NAN_SCALE_POLICIES}, got {nan_scales!r}")
     source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no such checkpoint file or directory")
     where = _files(source)
     prefix = f"model.layers.{layer_index}.mlp."
     names = [prefix + "router.weight", prefix + "router.bias"] + [prefix + "experts." + k for k in EXPERT_KEYS]
     t = _read(where, names)
+    for key in ("gate_up_proj_scales", "down_proj_scales"):
+        _check_scales(prefix + "experts." + key, t[prefix + "experts." + key], nan_scales)
     router_w = t[prefix + "router.weight"]
     num_experts, hidden = router_w.shape
     blocks13, scales13 = t[prefix + "experts.gate_up_proj_blocks"], t[prefix + "experts.gate_up_proj_scales"]

@@ -29,7 +29,9 @@ _RESULTS: dict = {}
 def set_verification(enabled: bool | None) -> None:
     """Turn the gate on or off for this process (None: follow MOEKIT_VERIFY again)."""
     global _ENABLED
-    _ENABLED = None if enabled is None else bool(enabled)
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True, False or None, got {enabled!r}")
+    _ENABLED = enabled
 
 
 def enabled() -> bool:

@@ -25,6 +25,7 @@ from .router_checks import CheckResult, check_router
 
 ROUTER_GROUP = {"torch": "torch", "unfused": "torch", "triton": "triton", "fused": "triton", "cublas": "cublas"}
 LAYER_GROUP = "layer"  # the whole FusedMoE, served by whatever auto picks
+PROGRESS = "moekit-verify-case"  # a child's line per finished case
 
 
 def load_plugins() -> None:
@@ -41,8 +42,8 @@ def groups(device: torch.device, dtype: torch.dtype, router_impls: dict[str, lis
 
 
 def run_group(group: str, names: list[str], tokens: list[int], dtype: torch.dtype, device: torch.device,
-              router_impls: dict[str, list[str]], on_gpu: bool) -> list[CheckResult]:
-    """The checks of one group, in this process."""
+              router_impls: dict[str, list[str]], on_gpu: bool, on_case=None) -> list[CheckResult]:
+    """The checks of one group, in this process; ``on_case(preset, T)`` after each (preset, T) case."""
     mine = {op: [i for i in v if ROUTER_GROUP.get(i) == group] for op, v in router_impls.items()}
     results = []
     for n, (name, T) in enumerate((n, T) for n in names for T in tokens):
@@ -61,20 +62,38 @@ def run_group(group: str, names: list[str], tokens: list[int], dtype: torch.dtyp
         except Exception as exc:  # a raising check fails that case; the group's other cases still run
             results.append(CheckResult("(case)", group, spec.name, T, float("inf"), float("inf"), 0.0, False,
                                        f"raised {type(exc).__name__}: {exc}"[:300]))
+        if on_case is not None:
+            on_case(name, T)
     return results
 
 
-def run_isolated(group: str, argv: list[str]) -> tuple[list[CheckResult], str]:
+def report_case(name: str, tokens: int) -> None:
+    """A child's progress line for its parent (see :func:`run_isolated`)."""
+    print(f"{PROGRESS} {name} {tokens}", file=sys.stderr, flush=True)
+
+
+def run_isolated(group: str, argv: list[str], on_case=None) -> tuple[list[CheckResult], str]:
     """Run one group in a child process (`moekit verify --backend group --no-isolate ...`); a child
-    that dies yields one FAILED row with its exit status and stderr tail."""
+    that dies yields one FAILED row with its exit status and output tail. The child reports each
+    finished case on its output, and ``on_case(preset, T)`` hears of it as it happens."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "rows.json"
-        cmd = [sys.executable, "-m", "moekit", "verify", "--backend", group, "--no-isolate", "--json", str(report)] + argv
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "moekit", "verify", "--backend", group, "--no-isolate", "--progress-lines",
+               "--json", str(report)] + argv
+        output = []
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                if line.startswith(PROGRESS):
+                    _, name, tokens = line.split()
+                    if on_case is not None:
+                        on_case(name, int(tokens))
+                else:
+                    output.append(line)
+        text = "".join(output)
         if report.exists():
-            return [CheckResult(**row) for row in json.loads(report.read_text())], proc.stderr
+            return [CheckResult(**row) for row in json.loads(report.read_text())], text
     how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
            else f"exit status {proc.returncode}")
-    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-300:]
+    tail = " | ".join(text.strip().splitlines()[-3:])[-300:]
     return [CheckResult("(every op)", group, "-", 0, float("inf"), float("inf"), 0.0, False,
-                        f"child process died ({how}): {tail}")], proc.stderr
+                        f"child process died ({how}): {tail}")], text
