@@ -262,6 +262,47 @@ LAYOUTS_AND_REFERENCE = [
 ]
 
 
+INTEGRATIONS = [
+    ("patch of a string", lambda v: _transformers().patch("model"), TypeError,
+     "model must be a torch.nn.Module .a transformers model., got str"),
+    ("patch to an integer dtype", lambda v: _transformers().patch(torch.nn.Linear(2, 2), dtype=torch.int8), TypeError,
+     "dtype must be None or a floating torch.dtype"),
+    ("unpatch of a string", lambda v: _transformers().unpatch("model"), TypeError, "model must be a torch.nn.Module"),
+    ("shard_layer with rank past the world", lambda v: _distributed().shard_layer(_layer(v), 5, 2), ValueError,
+     r"rank must be in \[0, world_size\) with world_size >= 1, got rank=5, world_size=2"),
+    ("shard_layer over no ranks", lambda v: _distributed().shard_layer(_layer(v), 0, 0), ValueError,
+     "rank must be in"),
+    ("shard_layer of a string", lambda v: _distributed().shard_layer("layer", 0, 2), TypeError,
+     "layer must be a FusedMoE, got str"),
+    ("shard_layer over a world that does not divide E", lambda v: _distributed().shard_layer(_layer(v), 0, 3),
+     ValueError, "num_experts=16 must be divisible by world_size=3"),
+    ("ExpertParallelMoE of an unknown mode", lambda v: _distributed().ExpertParallelMoE(
+        _distributed().shard_layer(_layer(v), 0, 2), mode="ring"), ValueError, "mode must be one of"),
+    ("ExpertParallelMoE of an unsharded layer", lambda v: _distributed().ExpertParallelMoE(_layer(v)), ValueError,
+     "local must hold a shard of the experts with its expert_map"),
+    ("load_gpt_oss_layer of layer 'a'", lambda v: _gpt_oss().load_gpt_oss_layer("/nonexistent", "a"), ValueError,
+     "layer_index must be an int >= 0, got 'a'"),
+]
+
+
+def _transformers():
+    from moekit.integrations import transformers
+
+    return transformers
+
+
+def _distributed():
+    from moekit import distributed
+
+    return distributed
+
+
+def _gpt_oss():
+    from moekit.integrations import gpt_oss
+
+    return gpt_oss
+
+
 def _t(shape, fill=0, dtype=torch.uint8):
     return torch.full(shape, fill, dtype=dtype)
 
@@ -367,7 +408,7 @@ def test_ops_refuse_bad_input(device, why, call, error, match):
     _check(_valid(device), call, error, match)
 
 
-@pytest.mark.parametrize("why,call,error,match", LAYOUTS_AND_REFERENCE + FORMATS,
-                         ids=[c[0] for c in LAYOUTS_AND_REFERENCE + FORMATS])
+@pytest.mark.parametrize("why,call,error,match", LAYOUTS_AND_REFERENCE + FORMATS + INTEGRATIONS,
+                         ids=[c[0] for c in LAYOUTS_AND_REFERENCE + FORMATS + INTEGRATIONS])
 def test_host_routines_refuse_bad_input(why, call, error, match):
     _check(_valid("cpu"), call, error, match)

@@ -33,6 +33,13 @@ MODES = ("allgather", "all_to_all")
 def shard_layer(layer: FusedMoE, rank: int, world_size: int) -> FusedMoE:
     """A copy of ``layer`` holding only rank ``rank``'s contiguous block of E / world experts, with
     its ``expert_map`` (global id -> local index, -1 elsewhere). Router and shared expert are kept."""
+    if not isinstance(layer, FusedMoE):
+        raise TypeError(f"layer must be a FusedMoE, got {type(layer).__name__}")
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size) with world_size >= 1, got rank={rank}, world_size={world_size}")
     E = layer.spec.num_experts
     if E % world_size:
         raise ValueError(f"num_experts={E} must be divisible by world_size={world_size}")

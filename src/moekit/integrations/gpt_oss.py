@@ -111,6 +111,8 @@ def load_gpt_oss_layer(source: str | Path, layer_index: int, *, keep_mxfp4: bool
     Errors name the file: a missing, truncated or foreign file is a ValueError or FileNotFoundError
     with its path.
     """
+    if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
+        raise ValueError(f"layer_index must be an int >= 0, got {layer_index!r}")
     if nan_scales not in NAN_SCALE_POLICIES:
         raise ValueError(f"nan_scales must be one of {NAN_SCALE_POLICIES}, got {nan_scales!r}")
     source = Path(source)

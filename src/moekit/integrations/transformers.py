@@ -119,8 +119,16 @@ CONVERTERS = {  # transformers class name -> (converter, returns (hidden, router
 }
 
 
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+
+
 def patch(model: nn.Module, *, dtype: torch.dtype | None = None) -> PatchReport:
     """Replace every supported MoE block of ``model`` in place; returns what was done and why."""
+    _check_model(model)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
     report = PatchReport()
     cfg = getattr(model, "config", None)
     for path, module in list(model.named_modules()):
@@ -143,6 +151,7 @@ def patch(model: nn.Module, *, dtype: torch.dtype | None = None) -> PatchReport:
 
 def unpatch(model: nn.Module) -> int:
     """Put the original transformers blocks back; returns how many were restored."""
+    _check_model(model)
     restored = 0
     for path, module in list(model.named_modules()):
         if isinstance(module, MoekitBlock):
