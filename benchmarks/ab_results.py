@@ -1,4 +1,4 @@
-"""A same-run A/B's log as results: JSON, markdown and the log itself under benchmarks/results/.
+"""A same-run A/B's log as results: JSON, markdown and the log itself under benchmarks/results/archive/.
 
 The log is what a device call prints when it runs ab_configs.py for two source trees in turn
 (benchmarks/ab_trees.sh), each line prefixed with ``ROUND TREE PRESET`` (TREE OLD or NEW, PRESET gpt-oss / qwen3 /
@@ -6,10 +6,11 @@ deepseek, in its checkpoint format, or PRESET/WEIGHTS for another, e.g. gpt-oss/
 
     1 OLD gpt-oss T=  4096 table      3210.5 us   diff vs table 0.0
 
-    python benchmarks/ab_results.py ab.log ab_w4_words_s13 --change "..." --old b039009 --new 54acb20
+    python benchmarks/ab_results.py ab.log ab_w4_words_2026-12-03 --change "..." --old b039009 --new 54acb20 --date 2026-12-03
 
 Rows timed in both trees give NEW / OLD per round; rows timed in one tree only (configs compared within it)
 are listed apart. GPU, date and versions are written as given (defaults: the H200 runs of this project).
+Name a result by what it tried and the date it was measured, and add its line to results/archive/INDEX.md.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log", type=Path)
-    p.add_argument("name", help="results/<name>.{json,md,txt}")
+    p.add_argument("name", help="results/archive/<name>.{json,md,txt}: what was tried and the date, e.g. ab_w4_words_2026-12-03")
     p.add_argument("--change", required=True)
     p.add_argument("--old", default="-", help="the OLD tree (commit and what it is); none where the log has one tree")
     p.add_argument("--new", required=True)
@@ -72,11 +73,11 @@ def main(argv=None) -> None:
     p.add_argument("--date", required=True)
     p.add_argument("--torch", default="2.11.0+cu130")
     p.add_argument("--triton", default="3.6.0")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "archive")
     args = p.parse_args(argv)
     meta = dict(gpu=args.gpu, date=args.date, torch=args.torch, triton=args.triton,
                 method="benchmarks/ab_configs.py, whole fused_experts calls, CUDA-graph replay over two layers",
-                change=args.change, old=args.old, new=args.new, source=f"results/{args.name}.txt (the run's log)")
+                change=args.change, old=args.old, new=args.new, source=f"results/archive/{args.name}.txt (the run's log)")
     rows = parse(args.log)
     (args.out / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     shutil.copy(args.log, args.out / f"{args.name}.txt")

@@ -212,7 +212,7 @@ def markdown(records, env, cross):
     return "\n".join(lines) + "\n"
 
 
-WHY = [  # what sets the crossovers (benchmarks/NOTES.md has the measurements behind each line)
+WHY = [  # what sets the crossovers (benchmarks/LIMITS.md and results/archive/INDEX.md point to the measurements)
     "Why the tiers take over where they do:",
     "- Router GEMM: up to a few tokens moekit's kernel is a GEMV on the CUDA cores (fp32 FMAs, one launch, "
     "bias in its epilogue); above, 16-token tensor-core blocks split over K, whose partial sums the block's "
