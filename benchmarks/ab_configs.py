@@ -16,7 +16,7 @@ the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``; ``
 option in one GEMM only, e.g. ``table+g2.stages3``. ``table@N`` is the table's config for N tokens (its bucket's
 entry, or the heuristic where the bucket has none), timed at the run's T: e.g. a neighbouring bucket's entry
 where T's own bucket has none; options follow as above (``table@16+half``). ``FILE.json@N`` is the entry for
-bucket N of a tuner output (``moekit.tune --out``), for this preset's shape and weight format: how a retune's
+bucket N of a tuner output (``moekit tune --out``), for this preset's shape and weight format: how a retune's
 picks, decode modes included, are A/B'd against the table before they are merged. ``heuristic`` is
 expert_configs.heuristic's config at the run's T (what a shape without table entries gets).
 """
@@ -33,12 +33,14 @@ from pathlib import Path
 import torch
 import triton
 
-from moekit import expert_configs, presets
-from moekit.bench.experts import routes
-from moekit.bench.timing import graph_time_us
-from moekit.expert_configs import ExpertsConfig, GemmConfig
+from moekit import presets
+from moekit.experts import configs as expert_configs
+from moekit.tools.bench.experts import routes
+from moekit.tools.bench.timing import graph_time_us
+from moekit.experts.configs import ExpertsConfig, GemmConfig
 from moekit.experts import fused_experts
-from moekit.tune import config_family, random_weights
+from moekit.experts.configs import config_family
+from moekit.tools.tune import random_weights
 
 
 def _option(word: str) -> dict:

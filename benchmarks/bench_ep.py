@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from moekit import FusedMoE  # noqa: E402
-from moekit.bench.timing import eager_time_us, environment, graph_time_us  # noqa: E402
+from moekit.tools.bench.timing import eager_time_us, environment, graph_time_us  # noqa: E402
 from moekit.distributed import ExpertParallelMoE, shard_layer  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Experts benchmark (GPU): see moekit.bench.experts (also `moekit bench`).
+"""Experts benchmark (GPU): see moekit.tools.bench.experts (also `moekit bench`).
 
   python benchmarks/bench_experts.py --out benchmarks/results
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from moekit.bench.experts import main  # noqa: E402
+from moekit.tools.bench.experts import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from moekit import presets, reference  # noqa: E402
-from moekit.bench.timing import environment, graph_time_us  # noqa: E402
-from moekit.router import fused_router, router_gemm  # noqa: E402
-from moekit.verify.metrics import routes_agree, separable_tokens  # noqa: E402
+from moekit.tools.bench.timing import environment, graph_time_us  # noqa: E402
+from moekit.routing.router import fused_router, router_gemm  # noqa: E402
+from moekit.metrics import routes_agree, separable_tokens  # noqa: E402
 
 PRESETS = ["gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2", "qwen3-30b-a3b"]
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]

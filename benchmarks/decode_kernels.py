@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from moekit import _experts_triton as ext  # noqa: E402
-from moekit import expert_configs, presets  # noqa: E402
-from moekit.bench.experts import routes  # noqa: E402
-from moekit.bench.timing import graph_time_us  # noqa: E402
-from moekit.tune import gemv_candidates, random_weights  # noqa: E402
+from moekit.experts import triton_backend as ext  # noqa: E402
+from moekit import presets  # noqa: E402
+from moekit.experts import configs as expert_configs  # noqa: E402
+from moekit.tools.bench.experts import routes  # noqa: E402
+from moekit.tools.bench.timing import graph_time_us  # noqa: E402
+from moekit.tools.tune import gemv_candidates, random_weights  # noqa: E402
 
 LAYERS = 4
 CALLS = 8
@@ -59,10 +60,10 @@ def profile(preset: str, weights: str, num_tokens: int, sweep: bool) -> dict:
     flat_ids = ids.reshape(-1)
 
     def gemv1(w, c=cfg.gemm1):
-        ext._gemv1(x, w[0], None, h, flat_ids, None, E, spec.activation, k, c)
+        ext.gemv1(x, w[0], None, h, flat_ids, None, E, spec.activation, k, c)
 
     def gemv2(w, c=cfg.gemm2):
-        ext._gemv2_tokens(h, w[1], None, tw, flat_ids, None, E, out, k, c)
+        ext.gemv2_tokens(h, w[1], None, tw, flat_ids, None, E, out, k, c)
 
     experts_hit = ids.unique().numel()
     bytes1, bytes2 = (experts_hit * _stack_bytes(layers[0][j]) for j in (0, 1))

@@ -17,7 +17,7 @@ if [ -n "${2:-}" ]; then
   timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_experts.py --out "$OUT" $2 2>&1 | tee "$OUT/bench.log" | grep -v "^|" | tail -80
 fi
 if [ -n "${3:-}" ]; then
-  timeout "${TUNE_LIMIT:-300}" python3 -m moekit.tune --out "$OUT/experts_tuned.json" $3 2>&1 | tee "$OUT/tune.log" | grep -v skip | tail -60
+  timeout "${TUNE_LIMIT:-300}" python3 -m moekit.tools.tune --out "$OUT/experts_tuned.json" $3 2>&1 | tee "$OUT/tune.log" | grep -v skip | tail -60
 fi
 tar czf "$OUT/triton_cache.tgz" .triton_cache 2>/dev/null
 ls -la "$OUT"

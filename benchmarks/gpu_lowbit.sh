@@ -15,17 +15,17 @@ since pytest
 for fmt_preset in mxfp4:gpt-oss-120b nvfp4:qwen3-30b-a3b; do
   fmt=${fmt_preset%%:*}; preset=${fmt_preset##*:}
   if [ "$modes" = gemv ] || [ "$modes" = both ]; then
-    timeout "${TUNE_LIMIT:-120}" python3 -m moekit.tune --format "$fmt" --preset "$preset" --tokens 1 4 16 \
+    timeout "${TUNE_LIMIT:-120}" python3 -m moekit.tools.tune --format "$fmt" --preset "$preset" --tokens 1 4 16 \
       --modes gemv --merge --out "$OUT/tune_gemv_$fmt.json" > "$OUT/tune_gemv_$fmt.log" 2>&1
     since "tune gemv $fmt"; grep "whole call" "$OUT/tune_gemv_$fmt.log" | cut -c1-90
   fi
   if [ "$modes" = aligned ] || [ "$modes" = both ]; then
-    timeout "${TUNE_LIMIT:-120}" python3 -m moekit.tune --format "$fmt" --preset "$preset" --tokens 64 256 1024 4096 \
+    timeout "${TUNE_LIMIT:-120}" python3 -m moekit.tools.tune --format "$fmt" --preset "$preset" --tokens 64 256 1024 4096 \
       --modes aligned --merge --out "$OUT/tune_aligned_$fmt.json" > "$OUT/tune_aligned_$fmt.log" 2>&1
     since "tune aligned $fmt"; grep "BLOCK_M" "$OUT/tune_aligned_$fmt.log" | cut -c1-90
   fi
 done
-cp src/moekit/configs/experts_tuned.json "$OUT/experts_tuned.json"
+cp src/moekit/experts/tuned_configs.json "$OUT/tuned_configs.json"
 if [ $# -gt 0 ]; then
   timeout "${BENCH_LIMIT:-240}" python3 benchmarks/bench_lowbit.py --preset "$@" --out "$OUT" --name lowbit > "$OUT/bench.log" 2>&1
   since bench; grep "^| [a-z]" "$OUT/lowbit.md" | cut -d'|' -f2-10

@@ -7,7 +7,7 @@ import torch
 # Without a GPU, Triton kernels run through its interpreter (must be set before kernels import).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from moekit import _interpreter
+    from moekit.tools import _interpreter
 
     _interpreter.speed_up()
 

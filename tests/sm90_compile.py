@@ -51,7 +51,7 @@ MAX_SPILL_BYTES = 16
 # Variants whose spills inside loops were measured and kept: each was faster than every spill-free config tried.
 LOOP_SPILLS_MEASURED = {
     # W4A8 GEMM1 at 128-row blocks on 16 warps (128 registers): 3737 us at T=4096 against 5194 for 64-row blocks
-    # without spills (results/w4a8_s17, calls G and I)
+    # without spills (benchmarks/results/archive/w4a8_configs_2026-12-04.md, 2026-12-04)
     ("w4a8 gpt-oss-120b T=4096", "gemm1_act_kernel"),
 }
 
@@ -91,7 +91,7 @@ def _ptxas_usage(kernel) -> dict:
 def variants():
     """(label, thunk) pairs: every kernel family at the shapes that pick different constexprs."""
     from moekit import presets
-    from moekit.router import RouterLoRA, fused_router, router_gemm
+    from moekit.routing.router import RouterLoRA, fused_router, router_gemm
     from moekit.routing import route
 
     def inputs(T, spec, H=None):
@@ -194,9 +194,9 @@ def expert_variants():
             ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
             yield f"fp8 {gran} {spec.name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2: fused_experts(
                 x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton")
-    from moekit.expert_configs import ExpertsConfig, GemmConfig
+    from moekit.experts.configs import ExpertsConfig, GemmConfig
 
-    decode = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True, pdl=True)
+    decode = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), mode="gemv", pdl=True)
     for name, mod in (("qwen3-30b-a3b", None), ("gpt-oss-120b", mxfp4)):  # GEMM2 as GEMM1's dependent launch
         spec = presets.get(name)
         E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
@@ -252,7 +252,8 @@ def _expand_quantized(mod, one, num_experts):
 
 
 def main() -> int:
-    from moekit import _sass, _triton
+    from moekit import _triton
+    from moekit.tools import _sass
 
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only

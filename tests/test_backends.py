@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moekit import backends
-from moekit.backends import ExpertsCall, select_backend
+from moekit.experts.backends import ExpertsCall, select_backend
 from moekit.experts import fused_experts
 
 CPU = torch.device("cpu")

@@ -12,9 +12,9 @@ import torch
 
 import moekit
 from moekit import backends, layouts, presets, reference
-from moekit.expert_configs import ExpertsConfig, GemmConfig
+from moekit.experts.configs import ExpertsConfig, GemmConfig
 from moekit.formats import dequantize, expert, fp4, fp8, mxfp4, nvfp4, quantize_experts
-from moekit.router import RouterLoRA
+from moekit.routing.router import RouterLoRA
 
 E, H, I, T, K = 4, 64, 32, 3, 2
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -92,7 +92,7 @@ EXPERTS = [
     ("an unknown backend", lambda v: moekit.fused_experts(v.x, v.w13, v.w2, v.tw, v.tid, backend="cuda"),
      ValueError, "backend must be 'auto' or one of"),
     ("config of another type", lambda v: moekit.fused_experts(v.x, v.w13, v.w2, v.tw, v.tid, config="fast"),
-     TypeError, "config must be a moekit.expert_configs.ExpertsConfig or None, got str"),
+     TypeError, "config must be a moekit.experts.ExpertsConfig or None, got str"),
     ("an unknown act_quant", lambda v: moekit.fused_experts(v.x, v.w13, v.w2, v.tw, v.tid, act_quant="int8"),
      ValueError, "act_quant must be one of"),
     ("expert_map in int64", lambda v: moekit.fused_experts(v.x, v.w13, v.w2, v.tw, v.tid,

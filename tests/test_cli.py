@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from moekit.cli import main
+from moekit.tools.cli import main
 
 
 def test_verify_default_job_passes_and_writes_json(tmp_path, capsys):
@@ -136,7 +136,7 @@ def test_bench_needs_a_gpu_and_says_so(capsys):
 
 
 def test_bench_plot_has_one_line_per_implementation(tmp_path):
-    from moekit.bench.plot import plot
+    from moekit.tools.bench.plot import plot
 
     records = [{"preset": "p", "T": T, "floor_us": 10.0, "moekit": 12.0 * T, "torch_grouped_mm": 20.0 * T,
                 "liger": None} for T in (1, 4, 16)]
@@ -151,10 +151,10 @@ def test_bench_low_bit_weights_name_their_format_first(capsys):
     # a preset without a checkpoint format is refused before any GPU work, on any machine
     assert main(["bench", "--weights", "native", "--preset", "mixtral-8x7b"]) == 2
     assert "mixtral-8x7b has no low-bit checkpoint format" in capsys.readouterr().err
-    from moekit.bench import lowbit
+    from moekit.tools.bench import lowbit
 
-    assert [lowbit.weight_format(p, "native") for p in lowbit.DEFAULT_PRESETS] == ["mxfp4", "nvfp4", "fp8_block"]
-    assert lowbit.weight_format("mixtral-8x7b", "nvfp4") == "nvfp4"
+    assert [lowbit.preset_recipe(p, "native") for p in lowbit.DEFAULT_PRESETS] == ["mxfp4", "nvfp4", "fp8_block"]
+    assert lowbit.preset_recipe("mixtral-8x7b", "nvfp4") == "nvfp4"
     rows = [{"preset": "gpt-oss-120b", "format": "mxfp4", "T": 1, "moekit_lowbit": 50.0, "moekit_bf16": 60.0,
              "torch_grouped_mm": 170.0, "speedup_vs_bf16": 1.2, "floor_lowbit_us": 12.6, "lowbit_floor_ratio": 3.97,
              "lowbit_err_vs_dequantized": 2e-3, "lowbit_err_vs_bf16_layer": 0.19}]
@@ -174,8 +174,9 @@ def test_bench_low_bit_weights_name_their_format_first(capsys):
 def test_verify_router_checks_past_the_fused_kernels_limit():
     # The GPU default token list has 129 and 1000: the one-launch fused kernel refuses them by design,
     # so verify checks only the unfused path there (it once raised and lost the whole Triton group).
-    from moekit import presets, router_tiers
-    from moekit.verify.router_checks import check_router
+    from moekit import presets
+    from moekit.routing import tiers as router_tiers
+    from moekit.tools.verify.router_checks import check_router
 
     spec = presets.get("qwen3-30b-a3b").scaled()
     impls = {"router_gemm": [], "route": [], "fused_router": ["unfused", "fused"]}
@@ -185,7 +186,7 @@ def test_verify_router_checks_past_the_fused_kernels_limit():
 
 
 def test_verify_a_raising_check_fails_its_case_and_the_group_goes_on(monkeypatch):
-    from moekit.verify import runner
+    from moekit.tools.verify import runner
 
     calls = []
 
@@ -206,7 +207,7 @@ def test_verify_a_raising_check_fails_its_case_and_the_group_goes_on(monkeypatch
 def test_bench_experts_merge_joins_runs_without_a_gpu(tmp_path):
     # A sweep split over time-limited device calls becomes one table: presets in the bench's order, T
     # ascending, a later run's (preset, T) replacing an earlier one's, each run's matmul rate named.
-    from moekit.bench import experts
+    from moekit.tools.bench import experts
 
     env = {"gpu": "H200", "date": "d1", "torch": "t", "triton": "3.6.0", "cuda": "13.0"}
     row = lambda p, T, us: {"preset": p, "T": T, "experts_hit": 8, "floor_us": 10.0, "floor_kind": "bytes",  # noqa: E731
@@ -228,7 +229,7 @@ def test_bench_experts_merge_joins_runs_without_a_gpu(tmp_path):
 
 def test_bench_cases_do_not_depend_on_what_ran_before():
     # a row of two bench runs with other --tokens lists must see the same routes and inputs (experts hit, floor)
-    from moekit.bench import experts
+    from moekit.tools.bench import experts
 
     g = experts._gen("cpu")
     experts.reseed("qwen3-30b-a3b T=16", "cpu")
@@ -236,3 +237,13 @@ def test_bench_cases_do_not_depend_on_what_ran_before():
     torch.rand(100, generator=g)                      # another case drew in between
     experts.reseed("qwen3-30b-a3b T=16", "cpu")
     assert torch.equal(torch.rand(4, generator=g), first)
+
+
+def test_explain_asks_the_oracle_for_each_presets_checkpoint_format(capsys):
+    # the same question fused_experts asks: the preset's own format (gpt-oss MXFP4, DeepSeek FP8 blocks as W8A8)
+    assert main(["explain", "--preset", "gpt-oss-120b", "deepseek-v3", "--tokens", "4", "--weights", "native"]) == 0
+    out = capsys.readouterr().out
+    assert "mxfp4 weights" in out and "fp8 weights, bfloat16 rounded to fp8_group activations" in out
+    assert main(["explain", "--preset", "gpt-oss-120b", "mixtral-8x7b", "--weights", "native"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "mixtral-8x7b has no low-bit checkpoint format" in captured.err

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moekit
-from moekit.verify.metrics import Tolerance, check_close
+from moekit.metrics import Tolerance, check_close
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from moekit import FusedMoE
 from moekit.distributed import ExpertParallelMoE, shard_layer
-from moekit.verify.metrics import Tolerance, check_close
+from moekit.metrics import Tolerance, check_close
 
 TOKENS_PER_RANK = 5
 

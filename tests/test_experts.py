@@ -9,10 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moekit import _experts_triton, expert_configs, layouts, presets, reference
-from moekit.expert_configs import ExpertsConfig, GemmConfig
+from moekit import layouts, presets, reference
+from moekit.experts import configs as expert_configs
+from moekit.experts import triton_backend as _experts_triton
+from moekit.experts.configs import ExpertsConfig, GemmConfig
 from moekit.experts import batched_experts, fused_experts
-from moekit.verify.metrics import Tolerance, check_close
+from moekit.metrics import Tolerance, check_close
 
 # Relative Frobenius budgets of the issue (bf16 5e-3; fp32 1e-5). fp16 keeps the activations and
 # per-slot outputs in fp16 (2^-11 rounding): 2e-3. max_rel is looser: one element's rounding.
@@ -82,14 +84,14 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
     (ExpertsConfig(32, GemmConfig(16, 16, group_m=2), GemmConfig(32, 16, group_m=2)), "K spans several blocks, grouped order"),
     (ExpertsConfig(64, GemmConfig(32, 64, group_m=4), _TILE), "64-row blocks, one K block wider than H"),
     (ExpertsConfig(128, _TILE, GemmConfig(64, 32, group_m=8)), "prefill row block"),
-    (ExpertsConfig(16, _TILE, GemmConfig(16, 16), per_pair=True), "per-pair decode mode, K in several blocks"),
-    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), per_pair=True, gemv=True),
+    (ExpertsConfig(16, _TILE, GemmConfig(16, 16), mode="per_pair"), "per-pair decode mode, K in several blocks"),
+    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), mode="gemv"),
      "CUDA-core decode kernels, K in several chunks, partial last N tile"),
-    (ExpertsConfig(16, GemmConfig(16, 32, slots=2), GemmConfig(32, 16, slots=2), per_pair=True, gemv=True),
+    (ExpertsConfig(16, GemmConfig(16, 32, slots=2), GemmConfig(32, 16, slots=2), mode="gemv"),
      "CUDA-core, two slots per GEMM1 program and GEMM2 step: k = 3 leaves the second group's second slot empty"),
-    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, slots=0), per_pair=True, gemv=True),
+    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, slots=0), mode="gemv"),
      "CUDA-core GEMM2, a loop per slot for dense weights"),
-    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), per_pair=True, gemv=True, split_slots=True),
+    (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), mode="gemv", split_slots=True),
      "CUDA-core GEMM2 per pair into fp32 rows, the slots summed by the combine"),
 ])
 def test_every_block_shape(config, why):
@@ -188,7 +190,7 @@ def _check_expert_map_and_invalid_ids(T, cfg: ExpertsConfig, why: str):
 ])
 @pytest.mark.parametrize("T", [1, 2, 5])
 def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots, split):
-    cfg = ExpertsConfig(16, replace(_TILE, slots=slots), replace(_TILE, slots=slots), per_pair=True, gemv=gemv,
+    cfg = ExpertsConfig(16, replace(_TILE, slots=slots), replace(_TILE, slots=slots), mode="gemv" if gemv else "per_pair",
                         split_slots=split)
     _check_expert_map_and_invalid_ids(T, cfg, "per pair")
 
@@ -301,7 +303,7 @@ def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
 
 def test_configs_round_trip_through_the_table_format():
     # every field reaches the table and back; entries written before a field existed read as its default
-    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1, tma=True), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True,
+    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1, tma=True), GemmConfig(8, 512, 8, 1), mode="gemv",
                         pdl=True)
     assert ExpertsConfig.from_dict(cfg.to_dict()) == cfg
     old = {"block_m": 64, "gemm1": {"block_n": 64, "block_k": 64}, "gemm2": {"block_n": 128, "block_k": 64}}
@@ -360,7 +362,7 @@ def test_gpu_fused_experts_bf16(T, E, H, I, k, act, biases, why):
 def test_gpu_decode_modes(per_pair, T, E, H, I, k, act, biases, why):
     tile = GemmConfig(block_n=32, block_k=128, num_stages=4)
     _run_case("triton", torch.bfloat16, T, E, H, I, k, act, biases, why, device="cuda",
-              config=ExpertsConfig(16, tile, tile, per_pair=per_pair))
+              config=ExpertsConfig(16, tile, tile, mode="per_pair" if per_pair else "aligned"))
 
 
 @pytest.mark.gpu
@@ -396,11 +398,11 @@ def test_gpu_past_2_pow_31_elements():
     tw = torch.softmax(torch.randn(T, k, device="cuda"), -1)
     ref = reference.fused_experts(x, w13, w2, tw, tid)
     tile, tma = GemmConfig(block_n=64, block_k=128), GemmConfig(block_n=64, block_k=128, tma=True)
-    for cfg in (None, ExpertsConfig(16, tile, tile, per_pair=True), ExpertsConfig(64, tile, tile),
+    for cfg in (None, ExpertsConfig(16, tile, tile, mode="per_pair"), ExpertsConfig(64, tile, tile),
                 ExpertsConfig(64, tma, tma),  # TMA boxes: row coordinates up to E * 2I, 64-bit addresses
-                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), per_pair=True, gemv=True),
-                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(4, 512, 8, 1, slots=8), per_pair=True,
-                              gemv=True)):  # eight experts' offsets in one step
+                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), mode="gemv"),
+                # eight experts' offsets in one step
+                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(4, 512, 8, 1, slots=8), mode="gemv")):
         out = _poisoned((T, H), torch.bfloat16, "cuda")
         fused_experts(x, w13, w2, tw, tid, out=out, config=cfg)
         check_close(f"past 2^31 {cfg}", out, ref, TOL[torch.bfloat16])
@@ -489,7 +491,7 @@ def test_gpu_dependent_launch_decode_in_a_graph(fmt):
         w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, True, "cuda")
         q13, q2, d13, d2 = _quantized(fmt, w13, w2) if fmt != "dense" else (w13, w2, w13, w2)
         layers.append((q13, q2, d13, d2, b13, b2))
-    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 4, 1), per_pair=True, gemv=True, pdl=True)
+    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 4, 1), mode="gemv", pdl=True)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     tw, tid = _routes(T, E, k, "cuda")
     outs = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in layers]
@@ -562,7 +564,7 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     q13, q2, d13, d2 = _quantized(fmt, w13, w2)
     x = torch.randn(T, H + 3)[:, 3:]                                  # strided, offset rows
     tw, tid = _routes(T, E, k)
-    cfg = ExpertsConfig(16, GemmConfig(16, 32, slots=slots), GemmConfig(32, 32, slots=slots), per_pair=True, gemv=gemv)
+    cfg = ExpertsConfig(16, GemmConfig(16, 32, slots=slots), GemmConfig(32, 32, slots=slots), mode="gemv" if gemv else "per_pair")
     out = _poisoned((T, H), torch.float32)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
     check_close(f"gemv={gemv} slots={slots}", out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2),
@@ -585,8 +587,8 @@ def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, wh
     x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
     tw, tid = _routes(T, E, k)
     b13, b2 = b13.half(), b2.half()
-    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32, packed=packed2), per_pair=True,
-                        gemv=True, split_slots=split)
+    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32, packed=packed2), mode="gemv",
+                        split_slots=split)
     out = _poisoned((T, H), torch.float16)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
     check_close(why, out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2), TOL[torch.float16])
@@ -594,14 +596,14 @@ def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, wh
 
 _GPU_4BIT_CONFIGS = {
     "heuristic": None,
-    "tensor-core per pair": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64), per_pair=True),
-    "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True),
+    "tensor-core per pair": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64), mode="per_pair"),
+    "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), mode="gemv"),
     "CUDA-core, fp32 products": ExpertsConfig(16, GemmConfig(16, 512, packed=False), GemmConfig(32, 256),
-                                              per_pair=True, gemv=True),
-    "CUDA-core, GEMM2 per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), per_pair=True, gemv=True,
+                                              mode="gemv"),
+    "CUDA-core, GEMM2 per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), mode="gemv",
                                                split_slots=True),
     "CUDA-core, 4 slots together": ExpertsConfig(16, GemmConfig(4, 256, slots=4), GemmConfig(4, 512, slots=4),
-                                                 per_pair=True, gemv=True),
+                                                 mode="gemv"),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 
@@ -628,11 +630,11 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,preset,T,why", [
-    ("mxfp4", "gpt-oss-120b", 2, "the T<=2 entry: its own CUDA-core config (session 15's retune)"),
+    ("mxfp4", "gpt-oss-120b", 2, "the T<=2 entry: its own CUDA-core config (the decode retune of 2026-12-04)"),
     ("mxfp4", "gpt-oss-120b", 3, "the T<=4 entry at an odd token count"),
     ("mxfp4", "gpt-oss-120b", 7, "the T<=8 entry: T<=4's CUDA-core config at 7 tokens"),
-    ("mxfp4", "gpt-oss-120b", 16, "the T<=16 entry: session 12's T<=4 config (packed GEMM2) at 16 tokens"),
-    ("mxfp4", "gpt-oss-120b", 32, "the T<=32 entry: session 12's T<=4 CUDA-core config at 32 tokens"),
+    ("mxfp4", "gpt-oss-120b", 16, "the T<=16 entry: the T<=4 config of 2026-12-03 (packed GEMM2) at 16 tokens"),
+    ("mxfp4", "gpt-oss-120b", 32, "the T<=32 entry: the T<=4 CUDA-core config of 2026-12-03 at 32 tokens"),
     ("mxfp4", "gpt-oss-120b", 129, "the T<=256 entry: T<=1024's tensor-core config at about 4 rows per expert"),
     ("nvfp4", "qwen3-30b-a3b", 2, "the T<=2 entry: two slots per CUDA-core program"),
     ("nvfp4", "qwen3-30b-a3b", 7, "the T<=8 entry: CUDA-core GEMM2 as GEMM1's dependent launch"),
@@ -640,7 +642,7 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
     ("nvfp4", "qwen3-30b-a3b", 513, "the T<=1024 entry at a bucket's lower end"),
 ])
 def test_gpu_four_bit_table_entries_at_their_token_counts(fmt, preset, T, why):
-    # entries copied from a neighbouring bucket (results/ab_bucket_gaps_s14, ab_decode_retune_s15) serve token counts
+    # entries copied from a neighbouring bucket (benchmarks/results/archive/ab_bucket_gaps_2026-12-03.md, ab_decode_retune_2026-12-04.md) serve token counts
     # they were not tuned at
     spec = presets.get(preset)
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
@@ -721,7 +723,7 @@ def test_gemm1_writes_h_in_the_paired_order(fmt, act, biases, why):
     hs = []
     for paired in (False, True):
         h = _poisoned((blocks * bm, I), torch.float32)
-        _experts_triton._gemm1(x, op, b13, h, (block_expert, sorted_pairs, block_expert), act, blocks,
+        _experts_triton.gemm1(x, op, b13, h, (block_expert, sorted_pairs, block_expert), act, blocks,
                                GemmConfig(16, 32), bm, _experts_triton.ROWS_ALIGNED, T * k, k, 0, h_paired=paired)
         # blocks past the used ones have expert -1 and positions that were never written
         hs.append(h[(sorted_pairs < T * k) & (block_expert.repeat_interleave(bm) >= 0)])
@@ -762,8 +764,8 @@ def test_gpu_four_bit_past_2_pow_31_bytes(fmt):
     ref = reference.fused_experts(x, last(q13, 2 * I, H), last(q2, H, I), tw, tid - (E - used))
     for cfg in (None,                                                     # the heuristic: CUDA-core decode
                 ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128)),  # tensor cores, the word decode
-                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(4, 512, 8, 1, slots=8), per_pair=True,
-                              gemv=True)):                                # eight experts' offsets in one step
+                # eight experts' offsets in one step
+                ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(4, 512, 8, 1, slots=8), mode="gemv")):
         out = _poisoned((T, H), torch.bfloat16, "cuda")
         fused_experts(x, q13, q2, tw, tid, out=out, config=cfg)
         check_close(f"4-bit past 2^31 bytes {cfg}", out, ref, TOL[torch.bfloat16])
@@ -961,7 +963,7 @@ W8A8_TOL = Tolerance(3e-2, 3e-2)  # the issue's budget; fp32 sums of identical E
     (9, 4, 256, 128, 2, "swiglu_oai", True, None, "two groups along H, gpt-oss activation, biases"),
     (0, 4, 256, 128, 2, "silu_and_mul", False, None, "no tokens"),
     (7, 7, 200, 135, 6, "silu_and_mul", False, None, "prime E, odd I, H and I end in partial groups, k=6"),
-    (2, 3, 256, 136, 3, "silu_and_mul", True, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), per_pair=True),
+    (2, 3, 256, 136, 3, "silu_and_mul", True, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), mode="per_pair"),
      "per-pair decode mode"),
     (40, 6, 128, 256, 2, "swiglu_oai", False, ExpertsConfig(32, GemmConfig(64, 64), GemmConfig(32, 64)),
      "aligned 32-row blocks, I in two groups (GEMM1 tile forced to 128 columns)"),
@@ -1094,7 +1096,7 @@ def _recoded(q):
     (8, 5, 128, 64, 2, "silu_and_mul", False, None, "8 tokens: 16-row blocks"),
     (127, 4, 128, 64, 2, "swiglu_oai", True, None, "127 tokens: 64-row blocks, the last one partial"),
     (128, 4, 128, 64, 2, "silu_and_mul", False, None, "128 tokens: 64-row blocks"),
-    (2, 3, 256, 160, 3, "swiglu_oai", True, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), per_pair=True),
+    (2, 3, 256, 160, 3, "swiglu_oai", True, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), mode="per_pair"),
      "per-pair decode mode (GEMM2 per token)"),
     (40, 6, 128, 256, 2, "silu_and_mul", False, ExpertsConfig(32, GemmConfig(64, 64), GemmConfig(32, 64)),
      "aligned 32-row blocks, GEMM2 tiles of 32 rows, I in two 128-groups"),

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from moekit.formats import fp4, fp8, mxfp4, nvfp4
-from moekit.kernels.moe_gemm import _w4a8_steps
+from moekit.experts.kernels.moe_gemm import _w4a8_steps
 
 # ------------------------------------------------------------------------------------- fp4
 def test_every_code_decodes_to_its_value():

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from moekit import backends, reference
-from moekit.backends import Backend
+from moekit.experts.backends import Backend
 from moekit.experts import batched_experts, batched_torch, fused_experts, fused_torch
-from moekit.verify import gate
-from moekit.verify.metrics import Tolerance, check_close
+from moekit import gate
+from moekit.experts import gate_case
+from moekit.metrics import Tolerance, check_close
 
 
 def _fused_only(call, explicit):
@@ -157,8 +158,8 @@ def test_the_gate_checks_fp8_activations_against_their_own_reference(op, weights
     call = backends.ExpertsCall(weights, torch.float32, torch.device("cpu"), 9, "fp8_group", op=op,
                                 activation="swiglu_oai")
     triton = next(b for b in backends.BACKENDS if b.name == "triton")
-    passed, detail = gate.check(triton, call)
+    passed, detail = gate_case.check(triton, call)
     assert passed and "rms_rel" in detail, detail
     if op == "fused":
-        passed, detail = gate.check(Backend(broken.__name__, _fused_only, "broken", broken), call)
+        passed, detail = gate_case.check(Backend(broken.__name__, _fused_only, "broken", broken), call)
         assert not passed and "rms_rel" in detail

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from moekit import reference
 from moekit.formats import fp4, mxfp4
 from moekit.integrations.gpt_oss import load_gpt_oss_layer
-from moekit.verify.metrics import Tolerance, check_close
+from moekit.metrics import Tolerance, check_close
 
 E, H, I = 4, 64, 64  # 2I != H: orientation mistakes cannot hide
 

@@ -7,9 +7,9 @@ import triton
 import triton.language as tl
 
 from moekit import _triton
-from moekit._experts_triton import paired_k
+from moekit.experts.triton_backend import paired_k
 from moekit.formats import fp4
-from moekit.kernels import moe_gemm, moe_gemv
+from moekit.experts.kernels import moe_gemm, moe_gemv
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -240,7 +240,7 @@ def test_packed_group_sums_for_every_scale(device, fmt, why):
     """fp16x2 products and fp16 sums inside a group: within 2^-9 of the group's sum of |terms| (32 roundings of
     2^-11 at most), whatever the scale and the activations' magnitude; sums below fp32's normal range (2^-126)
     may flush to zero (a scale and an activation exponent both near 2^-127 multiply out of fp32)."""
-    from moekit._experts_triton import scaled_fp16
+    from moekit.experts.triton_backend import scaled_fp16
 
     if not _triton.can_launch(torch.device(device)):
         pytest.skip("no Triton launch here")
@@ -277,7 +277,7 @@ def test_packed_group_sums_for_every_scale(device, fmt, why):
     (80, 512, torch.bfloat16, "padded to a decode chunk: 432 zeros past K, every padding group's byte written"),
 ])
 def test_scaled_fp16_activations(device, K, multiple, dtype, why):
-    from moekit._experts_triton import scaled_fp16
+    from moekit.experts.triton_backend import scaled_fp16
 
     if not _triton.can_launch(torch.device(device)):
         pytest.skip("no Triton launch here")

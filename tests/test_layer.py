@@ -5,7 +5,7 @@ import torch
 
 import moekit
 from moekit import presets, reference
-from moekit.verify.metrics import Tolerance, check_close
+from moekit.metrics import Tolerance, check_close
 
 
 def _reference(layer, x):
@@ -135,7 +135,7 @@ def test_expert_map_values_are_checked_once_per_version():
 def test_ids_past_a_short_expert_map_are_caught_by_the_gate():
     # fused_experts cannot know the global expert count; with the gate on, every eager call checks the ids
     from moekit.experts import fused_experts
-    from moekit.verify import gate
+    from moekit import gate
 
     E, H, I = 4, 32, 16
     w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)

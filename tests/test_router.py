@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from moekit import presets, reference, router_tiers
-from moekit.router import GateLinear, RouterLoRA, fused_router, router_gemm
-from moekit.verify.metrics import Tolerance, check_close, routes_agree, separable_tokens
+from moekit import presets, reference
+from moekit.routing import tiers as router_tiers
+from moekit.routing.router import GateLinear, RouterLoRA, fused_router, router_gemm
+from moekit.metrics import Tolerance, check_close, routes_agree, separable_tokens
 
 TOKENS = [0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129]
 # fp32 accumulation of exact bf16/fp16 products: errors are fp32 summation noise (cuBLAS at

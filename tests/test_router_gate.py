@@ -7,10 +7,12 @@ would be on a GPU."""
 import pytest
 import torch
 
-from moekit import reference, router, router_tiers, routing
-from moekit.router import fused_router, router_gemm
-from moekit.verify import gate
-from moekit.verify.metrics import Tolerance, check_close
+from moekit import reference
+from moekit.routing import router, topk as routing, triton_backend
+from moekit.routing import tiers as router_tiers
+from moekit.routing.router import fused_router, router_gemm
+from moekit import gate
+from moekit.metrics import Tolerance, check_close
 
 
 @pytest.fixture
@@ -78,14 +80,12 @@ def test_the_real_router_kernels_pass_and_are_checked_once_per_regime(fast_paths
 
 
 def test_a_broken_fused_router_is_disabled(fast_paths):
-    launch = router._launch
+    launch = triton_backend.launch_router
 
-    def drops_bias(args, *, routing=None, **kw):       # routes from the logits without the router bias
-        if routing is None:
-            return launch(args, **kw)
-        return launch(router._GemmArgs(args.x, args.weight, None, args.lora), routing=routing, **kw)
+    def drops_bias(x, weight, bias, lora, *, routing=None, **kw):   # routes from the logits without the router bias
+        return launch(x, weight, bias if routing is None else None, lora, routing=routing, **kw)
 
-    fast_paths.setattr(router, "_launch", drops_bias)
+    fast_paths.setattr(triton_backend, "launch_router", drops_bias)
     x, w, b, ref = _gemm_case(T=9, E=16)
     b = b * 3
     with pytest.warns(RuntimeWarning, match="'fused router' failed its accuracy check"):
@@ -95,12 +95,12 @@ def test_a_broken_fused_router_is_disabled(fast_paths):
 
 
 def test_a_routing_kernel_on_bf16_scores_is_disabled(fast_paths):
-    real = routing._route_triton
+    real = triton_backend.route_triton
 
     def bf16_scores(logits, opts, corr):               # near-tied choices flip in bf16
         return real(logits.bfloat16().float(), opts, corr)
 
-    fast_paths.setattr(routing, "_route_triton", bf16_scores)
+    fast_paths.setattr(triton_backend, "route_triton", bf16_scores)
     logits = torch.randn(20, 32)
     with pytest.warns(RuntimeWarning, match="'triton routing' failed its accuracy check"):
         tw, tid = routing.route(logits, 4, "softmax_topk")

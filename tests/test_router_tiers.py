@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moekit import router_tiers
-from moekit.router_tiers import kernel_config
+from moekit.routing import tiers as router_tiers
+from moekit.routing.tiers import kernel_config
 
 
 def test_cpu_calls_use_torch_and_say_why():

@@ -5,7 +5,7 @@ import torch
 
 import moekit
 from moekit import reference
-from moekit.verify.metrics import routes_agree, separable_tokens
+from moekit.metrics import routes_agree, separable_tokens
 
 TOKENS = [0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129]
 

@@ -1,6 +1,6 @@
 """moekit._sass: the tuner and the sm_90 compile check tell spills inside a loop from spills around it."""
 
-from moekit import _sass
+from moekit.tools import _sass
 
 # nvdisasm's shape: addressed instructions, labels on their own lines, branches naming a label
 AROUND = """

@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from moekit.integrations.transformers import MoekitBlock, patch, unpatch  # noqa: E402
-from moekit.verify.metrics import Tolerance, check_close  # noqa: E402
+from moekit.metrics import Tolerance, check_close  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128)

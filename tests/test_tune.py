@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from moekit import tune
+from moekit.tools import tune
 
 
 def test_each_tuned_bucket_is_merged_at_once_and_keeps_the_other_entries(tmp_path):
@@ -21,8 +21,8 @@ def test_each_tuned_bucket_is_merged_at_once_and_keeps_the_other_entries(tmp_pat
 
 def test_gemv2_packed_rule_the_kernel_and_the_tuner_share():
     # GEMM2's fp16x2 products: only asked for, 4-bit weights, 16-bit h, and the loop per slot (slots 0 or unset)
-    from moekit._experts_triton import gemv2_packed
-    from moekit.expert_configs import GemmConfig
+    from moekit.experts.triton_backend import gemv2_packed
+    from moekit.experts.configs import GemmConfig
 
     on = GemmConfig(16, 256, packed=True)
     assert gemv2_packed(on, "mxfp4", torch.bfloat16, 4) and gemv2_packed(on, "nvfp4", torch.float16, 8)
@@ -35,10 +35,10 @@ def test_gemv2_packed_rule_the_kernel_and_the_tuner_share():
 
 def test_incumbents_are_the_shipped_entries_and_the_heuristic_once_each():
     # a bucket's sweep must beat, in whole calls, every config that would serve the bucket without it
-    from moekit.expert_configs import ExpertsConfig, GemmConfig
+    from moekit.experts.configs import ExpertsConfig, GemmConfig
 
     a = ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 8), GemmConfig(64, 64, 4, 3, 8, half_tails=True))
-    b = ExpertsConfig(16, GemmConfig(16, 256), GemmConfig(16, 512), per_pair=True, gemv=True)
+    b = ExpertsConfig(16, GemmConfig(16, 256), GemmConfig(16, 512), mode="gemv")
     heur = ExpertsConfig(128, GemmConfig(128, 64, 8, 4, 8), GemmConfig(128, 64, 8, 4, 8))
     entries = {"4": b.to_dict(), "1024": a.to_dict() | {"measured": {"gemm_us": 1.0}}, "4096": a.to_dict()}
     assert tune.incumbents(entries, heur) == {"table T<=4": b, "table T<=1024": a, "heuristic": heur}
@@ -48,12 +48,17 @@ def test_incumbents_are_the_shipped_entries_and_the_heuristic_once_each():
 
 def test_w4a8_is_tuned_as_its_own_table_family_and_bad_pairs_are_refused(capsys):
     # the "w4a8" entries serve MXFP4 with FP8 activation groups; FP8 weights are W8A8 with or without the flag
-    assert tune.config_family("mxfp4", "fp8_group") == "w4a8"
-    assert tune.config_family("mxfp4") == "mxfp4"
-    assert tune.config_family("fp8_block", "fp8_group") == tune.config_family("fp8_channel") == "fp8"
+    from moekit.experts.configs import config_family
+    from moekit.tools.cli import main
+
+    assert config_family("mxfp4", "fp8_group") == "w4a8"
+    assert config_family("mxfp4") == "mxfp4"
+    assert config_family("fp8_block", "fp8_group") == config_family("fp8_channel") == "fp8"
     for weights in ("nvfp4", "dense"):  # no FP8-activation kernel for these weights
         with pytest.raises(ValueError, match=f"act_quant='fp8_group'.*'{weights}'"):
-            tune.config_family(weights, "fp8_group")
-    with pytest.raises(SystemExit) as exc:  # refused from the command line before any GPU is needed
-        tune.main(["--format", "nvfp4", "--act-quant", "fp8_group"])
-    assert exc.value.code == 2 and "'nvfp4'" in capsys.readouterr().err
+            config_family(weights, "fp8_group")
+    for run in (tune.main, lambda argv: main(["tune", *argv])):  # refused before any GPU is needed, in one line
+        with pytest.raises(SystemExit) as exc:
+            run(["--format", "nvfp4", "--act-quant", "fp8_group"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("moekit tune: error: ") and "'nvfp4'" in err

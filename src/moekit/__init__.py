@@ -1,13 +1,19 @@
-"""moekit: accurate, fast Mixture-of-Experts inference layers (PyTorch + Triton)."""
+"""moekit: accurate, fast Mixture-of-Experts inference layers (PyTorch + Triton).
 
-from . import backends, formats, layouts, presets, reference
-from .backends import explain, select_backend
-from .verify.gate import set_verification
-from .experts import batched_experts, fused_experts
+The runtime is layered, each layer importing only those below it: ``formats`` (the weight formats
+and their vocabulary), ``reference`` (float64 definitions), ``metrics`` and ``gate`` (the accuracy
+gate), the ops ``routing`` and ``experts``, then ``layer`` (FusedMoE), ``distributed`` and
+``integrations``. ``moekit.tools`` (the `moekit` command: verify, bench, tune) sits on top and
+nothing in the runtime imports it.
+"""
+
+from . import formats, layouts, presets, reference
+from .experts import backends, batched_experts, fused_experts
+from .experts.backends import explain, select_backend
+from .gate import set_verification
 from .layer import FusedMoE
 from .presets import MoESpec
-from .router import GateLinear, RouterLoRA, fused_router, router_gemm
-from .routing import route
+from .routing import GateLinear, RouterLoRA, fused_router, route, router_gemm
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from .experts import fused_experts
 from .layer import FusedMoE
-from .router import fused_router
+from .routing import fused_router
 
 MODES = ("allgather", "all_to_all")
 

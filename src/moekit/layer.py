@@ -11,7 +11,7 @@ from ._checks import check_shape, check_tensor
 from .experts import check_act_quant, fused_experts, weight_format
 from .formats import fp8, mxfp4, nvfp4
 from .presets import MoESpec
-from .router import GateLinear, fused_router
+from .routing import GateLinear, fused_router
 
 
 # The tensors of each quantized type that become buffers (names as the types' fields).

@@ -1,6 +1,6 @@
 """Float64 references for every moekit op.
 
-These are the definitions (../shared/reference/semantics.md) written as plainly as possible, in
+These are the definitions (docs/semantics.md) written as plainly as possible, in
 float64, on whatever device the inputs live on. Every fast path is tested against them. They are
 slow by design; never call them on a hot path.
 
@@ -14,6 +14,8 @@ Selection rules shared by all routing methods (the fast paths follow the same ru
 from __future__ import annotations
 
 import torch
+
+from .formats import expert, fp8
 
 F64 = torch.float64
 
@@ -75,7 +77,7 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference routing. Returns (weights float64 [T, k], ids int64 [T, k]).
 
-    Methods (semantics.md): softmax_topk, topk_softmax, sigmoid_grouped, sigmoid_top1.
+    Methods (docs/semantics.md): softmax_topk, topk_softmax, sigmoid_grouped, sigmoid_top1.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a [T, E] tensor, got {getattr(logits, 'shape', type(logits).__name__)}")
@@ -171,8 +173,6 @@ def expert_mlp(
 def _expert(e, rows, w13, w2, activation, w13_bias, w2_bias) -> torch.Tensor:
     """Expert ``e`` of stacked [E, ...] weights (and optional stacked biases) on ``rows``; quantized
     stacks (moekit.formats) are dequantized one expert at a time."""
-    from .formats import expert
-
     return expert_mlp(rows, expert(w13, e), expert(w2, e), activation,
                       None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
 
@@ -245,8 +245,6 @@ def fused_experts_w8a8(
     and group: formats.fp8.quantize_groups). Weights are dequantized one expert at a time, so a
     DeepSeek-V3 stack never exists in float. Any moekit weight works: MXFP4 stacks make it the
     W4A8 reference."""
-    from .formats import expert, fp8
-
     _check_experts(x, 2, w13, w2, topk_weights, topk_ids)
     def rounded(t):
         return fp8.dequantize(fp8.quantize_groups(t.float(), check_finite=False), torch.float32).to(F64)

@@ -1,20 +1,50 @@
-"""Low-precision weight formats, bit-exact to ../shared/reference/formats.md (see each module):
-:mod:`fp4` (E2M1 codes and nibble packing), :mod:`nvfp4`, :mod:`mxfp4`, :mod:`fp8`.
+"""Low-precision weight formats, bit-exact to docs/formats.md (see each module): :mod:`fp4` (E2M1
+codes and nibble packing), :mod:`nvfp4`, :mod:`mxfp4`, :mod:`fp8`; and the format vocabulary every
+other part of moekit speaks (:data:`WEIGHT_FORMATS`, :func:`format_of`, :data:`RECIPES`).
 
 These are host-side format routines (quantize at load time, dequantize for references and
 fallbacks); they run on any device with plain torch.
 """
 
+import torch
+
 from . import fp4, fp8, mxfp4, nvfp4
 
-__all__ = ["dequantize", "expert", "fp4", "fp8", "mxfp4", "nvfp4", "quantize_experts"]
+__all__ = ["FP8_ACTIVATION_FORMATS", "RECIPES", "WEIGHT_FORMATS", "dequantize", "expert", "format_of", "fp4", "fp8",
+           "mxfp4", "nvfp4", "quantize_experts", "recipe_format"]
+
+WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
+"""What an expert stack can be: a plain tensor, or one of the quantized types below."""
+TYPES = {"mxfp4": mxfp4.MXFP4Tensor, "nvfp4": nvfp4.NVFP4Tensor, "fp8": fp8.FP8Tensor}
+RECIPES = {"mxfp4": "mxfp4", "nvfp4": "nvfp4", "fp8_block": "fp8", "fp8_channel": "fp8", "fp8_tensor": "fp8"}
+"""How :func:`quantize_experts` can quantize a stack, and the weight format each recipe makes."""
+EXPERT_FORMATS = tuple(RECIPES)  # the recipes' names (the argument of quantize_experts)
+FP8_ACTIVATION_FORMATS = ("fp8", "mxfp4")
+"""Weights that can meet FP8 activations on FP8 tensor cores: FP8 itself (W8A8) and MXFP4, whose power-of-two
+scales recode its codes to E4M3 exactly (W4A8). NVFP4's E4M3 block scales do not: a code times its scale is
+in general no E4M3 value."""
+
+
+def format_of(w) -> str:
+    """"dense" for a torch.Tensor, "mxfp4" / "nvfp4" / "fp8" for this package's quantized tensors."""
+    if isinstance(w, torch.Tensor):
+        return "dense"
+    for name, cls in TYPES.items():
+        if isinstance(w, cls):
+            return name
+    raise TypeError(f"expert weights must be torch.Tensor, MXFP4Tensor, NVFP4Tensor or FP8Tensor, got {type(w).__name__}")
+
+
+def recipe_format(recipe: str) -> str:
+    """The weight format a :func:`quantize_experts` recipe makes ("fp8_block" -> "fp8")."""
+    if recipe not in RECIPES:
+        raise ValueError(f"weight_format must be one of {EXPERT_FORMATS}, got {recipe!r}")
+    return RECIPES[recipe]
 
 
 def dequantize(w, dtype=None):
     """Any moekit weight (MXFP4Tensor, NVFP4Tensor, FP8Tensor; a plain tensor is returned as is)
     dequantized to ``dtype`` (default float32)."""
-    import torch
-
     if isinstance(w, torch.Tensor):
         return w
     for mod, cls in ((mxfp4, mxfp4.MXFP4Tensor), (nvfp4, nvfp4.NVFP4Tensor), (fp8, fp8.FP8Tensor)):
@@ -27,8 +57,6 @@ def expert(w, e: int, dtype=None):
     """Expert ``e`` [N, K] of a stack [E, N, K]: a plain tensor's slice as is, a quantized stack's
     expert dequantized to ``dtype`` (default float32), so a reference never holds the whole stack
     in float (DeepSeek-V3's experts are 7.5e9 weights)."""
-    import torch
-
     if not isinstance(w, (torch.Tensor, fp8.FP8Tensor, mxfp4.MXFP4Tensor, nvfp4.NVFP4Tensor)):
         raise TypeError(f"cannot take an expert of a {type(w).__name__}")
     num = w.shape[0] if len(w.shape) else 0
@@ -49,17 +77,11 @@ def expert(w, e: int, dtype=None):
     raise TypeError(f"cannot take an expert of a {type(w).__name__}")
 
 
-EXPERT_FORMATS = ("mxfp4", "nvfp4", "fp8_block", "fp8_channel", "fp8_tensor")
-
-
 def quantize_experts(w, weight_format: str):
     """Expert stack [E, N, K] -> MXFP4Tensor, NVFP4Tensor with one global scale per expert, or
     FP8Tensor (128x128 blocks, per channel, or per tensor with one scale per expert); quantized one
     expert at a time so fp32 temporaries stay one expert large (GPU-friendly)."""
-    import torch
-
-    if weight_format not in EXPERT_FORMATS:
-        raise ValueError(f"weight_format must be one of {EXPERT_FORMATS}, got {weight_format!r}")
+    recipe_format(weight_format)
     if w.dim() != 3:
         raise ValueError(f"w must be an expert stack [E, N, K], got shape {tuple(w.shape)}")
     if weight_format.startswith("fp8"):

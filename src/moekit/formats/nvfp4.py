@@ -59,10 +59,19 @@ class NVFP4Tensor:
                              f"shape {shape} (e.g. one per expert), got shape {tuple(gs.shape)}")
 
     def linear_scales(self) -> torch.Tensor:
-        """float8_e4m3fn [..., K/16], whatever the stored layout."""
+        """float8_e4m3fn [..., K/16], whatever the stored layout (swizzled scales are unswizzled once per
+        tensor: the kernels read the linear layout on every call)."""
         if not self.swizzled:
             return self.scales
-        return unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK)
+        try:
+            version = self.scales._version
+        except RuntimeError:  # an inference-mode tensor keeps no version counter
+            version = -1
+        cached = self.__dict__.get("_linear")
+        if cached is None or cached[0] != version:
+            cached = (version, unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK))
+            object.__setattr__(self, "_linear", cached)  # a cache beside the frozen fields, not one of them
+        return cached[1]
 
 
 def _expand(gs: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -121,7 +130,7 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
 
 # ------------------------------------------------------------------------ 128x4 swizzled scales
 def swizzled_offsets(rows: int, cols: int, device=None) -> torch.Tensor:
-    """int64 [rows, cols]: byte offset of scale (r, c) in the 128x4 layout (formats.md)."""
+    """int64 [rows, cols]: byte offset of scale (r, c) in the 128x4 layout (docs/formats.md)."""
     padded_cols = -(-cols // SWIZZLE_COLS) * SWIZZLE_COLS
     r = torch.arange(rows, device=device)[:, None]
     c = torch.arange(cols, device=device)[None, :]

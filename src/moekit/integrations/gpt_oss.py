@@ -1,4 +1,4 @@
-"""Load one MoE layer of a gpt-oss checkpoint (safetensors, the MXFP4 layout of formats.md) into a
+"""Load one MoE layer of a gpt-oss checkpoint (safetensors, the MXFP4 layout of docs/formats.md) into a
 :class:`moekit.FusedMoE`, reading only that layer's tensors.
 
 Names (prefix ``model.layers.{i}.mlp.``): ``router.weight`` [E, H] bf16, ``router.bias`` [E],
@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from .. import presets
 from ..formats import mxfp4
@@ -52,8 +53,6 @@ def _files(source: Path) -> dict[str, Path]:
 @contextlib.contextmanager
 def _opened(path: Path):
     """safe_open, with errors that name the file (safetensors' own do not)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             yield f

@@ -1,0 +1,290 @@
+"""Fused MoE experts: y = sum_j w_j * W2_e act(W13_e x + b13_e) + b2_e, in the standard and the
+batched (masked) activation format.
+
+This module holds the public API, its validation and the ``out=`` contract; the backend oracle
+(:mod:`moekit.experts.backends`) picks the implementation: the Triton kernels
+(:mod:`moekit.experts.triton_backend`) on CUDA, the torch implementation
+(:mod:`moekit.experts.torch_backend`) elsewhere.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import gate
+from .._checks import check_out, check_shape, check_tensor
+from ..formats import format_of
+from ..presets import ACTIVATIONS
+from .backends import ExpertsCall, select_backend
+from .configs import ExpertsConfig
+
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+weight_format = format_of  # the name this module has always exported
+
+
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config must be a moekit.experts.ExpertsConfig or None, got {type(config).__name__}")
+
+
+def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None, *,
+                   op: str = "fused", activation: str = "silu_and_mul"):
+    """The :class:`moekit.experts.backends.Backend` that serves this call (the oracle explains why)."""
+    return select_backend(ExpertsCall.of(x, w13, act_quant, op=op, activation=activation), backend)
+
+
+def _check_quantized(name, w, ndim, device):
+    """What an expert stack adds to its type's own invariants (checked when it was built)."""
+    if len(w.shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(w.shape)}")
+    if w.data.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of the input), got {w.data.device}")
+    fmt = format_of(w)
+    if fmt == "fp8" and w.granularity not in FP8_WEIGHT_GRANULARITIES:
+        raise ValueError(f"{name}: FP8 expert weights are per tensor, per channel or in 128x128 blocks "
+                         f"{FP8_WEIGHT_GRANULARITIES}, got granularity {w.granularity!r}")
+    if fmt == "nvfp4":
+        gs = w.global_scale
+        if gs.numel() != 1 and (gs.dim() == 0 or gs.shape[0] != w.shape[0] or gs.numel() != w.shape[0]):
+            raise ValueError(f"{name}: NVFP4 expert weights take one global scale, or one per expert "
+                             f"({w.shape[0]},); got global_scale of shape {tuple(gs.shape)}")
+
+
+FP8_WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
+
+
+def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    fmt = format_of(w13)
+    if format_of(w2) != fmt:
+        raise TypeError(f"w13 and w2 must share one format, got {fmt} and {format_of(w2)}")
+    if fmt == "dense":
+        check_tensor("w13", w13, ndim=3, dtypes=WEIGHT_DTYPES, device=x.device)
+        check_tensor("w2", w2, ndim=3, dtypes=(w13.dtype,), device=x.device)
+        if x.dtype != w13.dtype:
+            raise TypeError(f"x must have the weights' dtype {w13.dtype}, got {x.dtype}")
+    else:
+        _check_quantized("w13", w13, 3, x.device)
+        _check_quantized("w2", w2, 3, x.device)
+    E, two_i, H = w13.shape
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"w13 must be [E, 2I, H] with 2I even and > 0, got {tuple(w13.shape)}")
+    if fmt != "dense" and H == 0:  # no scale groups to read (dense weights with H = 0 give zero rows)
+        raise ValueError(f"4-bit w13 must have H > 0 (its scale groups run along H), got {tuple(w13.shape)}")
+    if x.shape[-1] != H:
+        raise ValueError(f"x must have hidden size H={H} (from w13 [E, 2I, H]) in its last dim, got {tuple(x.shape)}")
+    if tuple(w2.shape) != (E, H, two_i // 2):
+        raise ValueError(f"w2 must have shape {(E, H, two_i // 2)}, got {tuple(w2.shape)}")
+    if w13_bias is not None:
+        check_tensor("w13_bias", w13_bias, ndim=2, dtypes=BIAS_DTYPES, device=x.device)
+        check_shape("w13_bias", w13_bias, (E, two_i))
+    if w2_bias is not None:
+        check_tensor("w2_bias", w2_bias, ndim=2, dtypes=BIAS_DTYPES, device=x.device)
+        check_shape("w2_bias", w2_bias, (E, H))
+    return E, two_i // 2, H
+
+
+_CHECKED_MAPS: dict[int, tuple] = {}  # id(expert_map) -> (weakref to it, its version, local experts)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: checked once
+        return -1
+
+
+def check_expert_map_values(expert_map: torch.Tensor, num_local: int) -> None:
+    """Every value of ``expert_map`` is -1 (not on this rank) or a local expert index in
+    [0, num_local). A value past the local experts would drop its tokens silently, so it is refused;
+    reading the values costs one host sync, made once per map and version (an in-place change of
+    the map is checked again at the next call), never while a CUDA graph is captured or
+    torch.compile traces (the eager call before them checked it)."""
+    key = id(expert_map)
+    seen = _CHECKED_MAPS.get(key)
+    if seen is not None and seen[0]() is expert_map and seen[1:] == (_version(expert_map), num_local):
+        return
+    if torch.compiler.is_compiling() or (expert_map.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if expert_map.numel():
+        lo, hi = (int(v) for v in torch.aminmax(expert_map))
+        if lo < -1 or hi >= num_local:
+            raise ValueError(f"expert_map values must be -1 (expert not on this rank) or a local expert index in "
+                             f"[0, {num_local}) (E={num_local} from w13), got values in [{lo}, {hi}]")
+    if len(_CHECKED_MAPS) >= 256:  # forget maps that are gone
+        for k in [k for k, v in _CHECKED_MAPS.items() if v[0]() is None]:
+            del _CHECKED_MAPS[k]
+    _CHECKED_MAPS[key] = (weakref.ref(expert_map), _version(expert_map), num_local)
+
+
+def check_ids_within_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> None:
+    """With the verification gate on (eager calls): every id is -1 or indexes ``expert_map`` (one entry
+    per global expert). An id past a short map would contribute nothing, silently. One host sync per
+    call, so only in the gate's mode."""
+    if torch.compiler.is_compiling() or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if topk_ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+        if lo < -1 or hi >= expert_map.shape[0]:
+            raise ValueError(f"topk_ids must be global expert ids in [0, {expert_map.shape[0]}) (the length of "
+                             f"expert_map: one entry per global expert) or -1, got ids in [{lo}, {hi}]")
+
+
+def _storage(w) -> torch.Tensor:
+    """The tensor holding a weight's values (a quantized weight's packed bytes), for alias checks."""
+    return w if isinstance(w, torch.Tensor) else w.data
+
+
+ACT_QUANTS = (None, "nvfp4", "fp8_group")
+
+
+def check_act_quant(act_quant, hidden: int | None = None, inter: int | None = None) -> None:
+    """``act_quant`` is one of ACT_QUANTS (and, given the sizes, fits them)."""
+    if act_quant not in ACT_QUANTS:
+        raise ValueError(f"act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
+    if act_quant == "nvfp4" and hidden is not None and (hidden % 16 or inter % 16):
+        raise ValueError(f"act_quant='nvfp4' needs H and I multiples of 16 (NVFP4 blocks), got H={hidden}, I={inter}")
+
+
+def _check_out(out, x, inputs) -> None:
+    """``out=`` must be x's shape, dtype and device, contiguous, and must not alias any input."""
+    if out is not None:
+        check_out("out", out, tuple(x.shape), x.dtype, x.device, inputs)
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu_and_mul",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    config: ExpertsConfig | None = None,
+    act_quant: str | None = None,
+) -> torch.Tensor:
+    """Standard format: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+
+    Args:
+        x: [T, H] bf16/fp16/fp32, any strides.
+        w13: [E, 2I, H] (K contiguous): rows [gate; up] for silu_and_mul, interleaved for swiglu_oai.
+            Either a tensor of x's dtype, or 4-bit weights (:class:`moekit.formats.mxfp4.MXFP4Tensor`,
+            :class:`moekit.formats.nvfp4.NVFP4Tensor` with a per-expert global scale), dequantized
+            inside the kernels (W4A16; x bf16/fp16/fp32).
+        w2: [E, H, I], same type/dtype as w13.
+        topk_weights: [T, k] float32; topk_ids: [T, k] int32 (global expert ids).
+        activation: ``"silu_and_mul"`` or ``"swiglu_oai"``.
+        w13_bias: [E, 2I]; w2_bias: [E, H] (any float dtype; added in fp32).
+        expert_map: int32 [E_global]: global id -> local weight index, -1 = not on this rank
+            (contributes zero). Without it, ids index w13/w2 directly. Its values must be -1 or in
+            [0, E): checked once per map (one host sync; again after an in-place change), a
+            ValueError otherwise. It needs one entry per global expert: an id past its end would
+            contribute zero, so with the verification gate on (``MOEKIT_VERIFY=1``) every eager call
+            checks the ids against its length (a host sync per call, in that mode only).
+        out: optional [T, H] tensor of x's dtype, contiguous; written in place and returned.
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
+        config: block configuration for the Triton kernels (default: the tuned table or the
+            heuristic of :mod:`moekit.expert_configs`).
+        act_quant: ``"nvfp4"`` emulates NVFP4 W4A4 (Blackwell): each expert's GEMM inputs are
+            NVFP4-rounded with a global scale from the amax of the tokens routed to it (torch
+            backend; with NVFP4 weights this reproduces a W4A4 deployment's numerics).
+            ``"fp8_group"``: FP8 W8A8 as DeepSeek-V3 runs it: both GEMM inputs in E4M3 with one
+            scale per row and 1x128 group (scale = amax / 448), weights a
+            :class:`moekit.formats.fp8.FP8Tensor` [E, N, K] with 128x128 block, per-channel
+            [E, N, 1] or per-tensor (1 or E values) scales. The Triton backend runs it on FP8
+            tensor cores (compute capability >= 8.9), quantizing x in one small kernel and GEMM1's
+            output in its epilogue; products are summed in fp32 per 128-deep step. FP8 weights
+            without ``act_quant`` run W8A16 on the torch backend. With MXFP4 weights,
+            ``"fp8_group"`` is W4A8: the same FP8 activations, and the weights recoded to E4M3 in
+            the kernel under one power of two per row (exact where each row's scales lie within
+            2^14 of each other; :func:`moekit.formats.mxfp4.to_e4m3` defines the result
+            otherwise). On the H200 it is correct but slower than W4A16 (benchmarks/LIMITS.md,
+            "W4A8"); it serves those numerics, not speed.
+
+    Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
+    bounds. The k slots are summed in fp32 in slot order, without atomics: results are the same
+    bits on every run. The Triton backend keeps the GEMM1 activations and the weighted per-slot
+    outputs in x's dtype (fp32 accumulation inside each GEMM). The torch backend runs every expert
+    on every token (static shapes, no host sync): it is meant for CPUs and small shapes.
+
+    Returns:
+        [T, H] in x's dtype.
+    """
+    check_tensor("x", x, ndim=2, dtypes=WEIGHT_DTYPES)
+    E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=x.device)
+    check_shape("topk_ids", topk_ids, (x.shape[0], topk_weights.shape[1]))
+    check_shape("topk_weights", topk_weights, (x.shape[0], topk_ids.shape[1]))
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
+        check_expert_map_values(expert_map, E)
+        if gate.active():
+            check_ids_within_map(topk_ids, expert_map)
+    check_act_quant(act_quant, H, w2.shape[2])
+    _check_config(config)
+    _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    runner = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation).fused
+    runner(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map, config,
+           act_quant)
+    return out  # the caller's tensor itself, whatever a runner returned
+
+
+def batched_experts(
+    x: torch.Tensor,
+    expert_num_tokens: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: str = "silu_and_mul",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    config: ExpertsConfig | None = None,
+    act_quant: str | None = None,
+) -> torch.Tensor:
+    """Batched (masked) format: out[e, m] = expert_e(x[e, m]) for m < expert_num_tokens[e].
+
+    Args:
+        x: [E, M, H]; rows at or past expert_num_tokens[e] are padding and may hold anything,
+            NaN included: they never influence valid rows.
+        expert_num_tokens: int32 [E] (values above M are treated as M, negative ones as 0).
+        w13, w2, activation, biases: as :func:`fused_experts` (no router weights here: they are
+            applied when combining back to tokens, see :func:`moekit.layouts.combine_batched`).
+        out: optional [E, M, H] contiguous tensor of x's dtype, written in place and returned.
+        backend, config, act_quant: as :func:`fused_experts` (NVFP4 activation scales come from
+            valid rows only: padding never moves them).
+
+    Returns:
+        [E, M, H] in x's dtype. Padding rows of the output are unspecified: the Triton backend
+        never writes them (an ``out=`` keeps what it held there, a fresh output is uninitialized),
+        the torch backend writes zeros.
+    """
+    check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
+    E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
+    if x.shape[0] != E:
+        raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
+    check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
+    check_shape("expert_num_tokens", expert_num_tokens, (E,))
+    check_act_quant(act_quant, x.shape[2], w2.shape[2])
+    _check_config(config)
+    _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    runner = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation).batched
+    runner(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant)
+    return out

@@ -1,0 +1,201 @@
+"""Which implementation serves an experts call, and why: the backend oracle.
+
+Each backend declares what it supports (weight format, activation dtype, device); candidates are
+tried in a fixed priority order and the first that supports the call serves it. An explicit
+``backend="name"`` that cannot serve the call raises a ValueError that says why. The torch backend
+(dequantize + fp32 torch) supports every call on every device: it is the float reference.
+
+    >>> print(moekit.explain(moekit.backends.ExpertsCall.of(x, w13)))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import _triton
+from ..formats import FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of
+from . import gate_case, torch_backend
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ExpertsCall:
+    """What a call asks of a backend (hashable; no tensors)."""
+
+    weight_format: str
+    act_dtype: torch.dtype
+    device: torch.device
+    num_tokens: int = 0
+    act_quant: str | None = None
+    op: str = "fused"  # "fused" (standard format) or "batched"
+    activation: str = "silu_and_mul"
+
+    @classmethod
+    def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
+           activation: str = "silu_and_mul") -> "ExpertsCall":
+        tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
+        return cls(format_of(w13), x.dtype, x.device, tokens, act_quant, op, activation)
+
+    def shape_class(self) -> "ExpertsCall":
+        """What the verification gate checks once: the call without its token count."""
+        return dataclasses.replace(self, num_tokens=0)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A candidate: ``rejects(call, explicit)`` returns None when it can serve the call, else why
+    not. ``fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+    expert_map, config, act_quant)`` and ``batched(out, x, expert_num_tokens, w13, w2, activation,
+    w13_bias, w2_bias, config, act_quant)`` compute validated calls INTO ``out``."""
+
+    name: str
+    rejects: Callable[[ExpertsCall, bool], str | None]
+    summary: str
+    fused: Callable = None
+    batched: Callable = None
+
+
+def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
+    if not _triton.triton_importable():
+        return "triton is not installed"
+    if call.weight_format not in WEIGHT_FORMATS:
+        return f"no kernel for {call.weight_format} weights yet (the torch backend dequantizes them)"
+    if call.act_dtype not in ACTIVATION_DTYPES:
+        return f"activations must be one of bf16/fp16/fp32, got {call.act_dtype}"
+    if call.weight_format == "fp8" and call.act_quant != "fp8_group":
+        return ("FP8 weights run as W8A8 with act_quant='fp8_group' (1x128 activation groups); "
+                f"got act_quant={call.act_quant!r} (the torch backend dequantizes them)")
+    fp8_act = call.act_quant == "fp8_group"
+    if fp8_act and call.weight_format == "nvfp4":
+        return ("no W4A8 kernel for NVFP4 weights: an E2M1 code times its E4M3 block scale is in general not an E4M3 "
+                "value, so recoding would round the weights (MXFP4's power-of-two scales recode exactly; the torch "
+                "backend computes NVFP4 with FP8 activations)")
+    if call.act_quant is not None and not (fp8_act and call.weight_format in FP8_ACTIVATION_FORMATS):
+        return f"no kernel emulates {call.act_quant} activations on {call.weight_format} weights (the torch backend does)"
+    if call.device.type == "cuda":
+        if torch.compiler.is_compiling():
+            return None  # the eager call before tracing asked the device; dynamo need not
+        major, minor = _capability(call.device)
+        if fp8_act and (major, minor) < (8, 9):
+            kind = "W8A8" if call.weight_format == "fp8" else "W4A8"
+            return f"FP8 {kind} needs FP8 tensor cores (compute capability >= 8.9), got {major}.{minor}"
+        return None if major >= 8 else f"needs compute capability >= 8.0 (bf16 tensor cores), got {major}.x"
+    if not explicit or not _triton.can_launch(call.device):
+        # The interpreter (TRITON_INTERPRET=1) is correct but numpy-slow: only on request (tests, `moekit verify`).
+        return (f"the Triton kernels need a CUDA GPU, this call is on {call.device.type} (on a CPU they run only "
+                "through Triton's interpreter, when asked for: backend='triton' with TRITON_INTERPRET=1, for tests)")
+    if _triton.interpreting() and call.act_dtype == torch.bfloat16:
+        return "Triton 3.6's interpreter computes bf16 dots wrongly (use fp16/fp32 on the CPU)"
+    return None
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITY[index]
+
+
+def _torch_rejects(call: ExpertsCall, explicit: bool) -> str | None:
+    if call.weight_format not in WEIGHT_FORMATS:
+        return f"cannot dequantize {call.weight_format} weights"
+    return None
+
+
+def _triton_fused(*args, **kwargs):
+    from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
+
+    triton_backend.run_fused(*args, **kwargs)
+
+
+def _triton_batched(*args, **kwargs):
+    from . import triton_backend
+
+    triton_backend.run_batched(*args, **kwargs)
+
+
+BUILTIN = (
+    Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
+                                       "weight, fixed-order combine; 4-bit weights dequantized in the kernel, "
+                                       "FP8 W8A8 and MXFP4 W4A8 on FP8 tensor cores",
+            _triton_fused, _triton_batched),
+    Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
+            torch_backend.fused_torch, torch_backend.batched_torch),
+)
+BACKENDS: tuple[Backend, ...] = BUILTIN
+"""Priority order: the first candidate that supports a call serves it."""
+
+
+def register(backend: Backend, *, first: bool = True) -> None:
+    """Add a backend (e.g. a vendor kernel, or in tests a deliberately broken one): ahead of the
+    built-ins (``first``) or after them. Its name must be new."""
+    global BACKENDS
+    if backend.name in names():
+        raise ValueError(f"a backend named {backend.name!r} exists already")
+    BACKENDS = (backend,) + BACKENDS if first else BACKENDS + (backend,)
+
+
+def unregister(name: str) -> None:
+    global BACKENDS
+    BACKENDS = tuple(b for b in BACKENDS if b.name != name)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(b.name for b in BACKENDS)
+
+
+def _check_call(call) -> None:
+    if not isinstance(call, ExpertsCall):
+        raise TypeError(f"call must be a moekit.backends.ExpertsCall (ExpertsCall.of(x, w13)), got {type(call).__name__}")
+
+
+def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
+    """The backend that serves ``call``: ``backend="auto"`` takes the first supporting candidate;
+    a named backend is checked and refused with its reason (ValueError)."""
+    _check_call(call)
+    if backend != "auto":
+        match = [b for b in BACKENDS if b.name == backend]
+        if not match:
+            raise ValueError(f"backend must be 'auto' or one of {names()}, got {backend!r}")
+        why = match[0].rejects(call, True)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot serve this call: {why}")
+        return match[0]
+    reasons = []
+    for b in BACKENDS:
+        why = b.rejects(call, False) or gate_case.refusal(b, call)
+        if why is None:
+            return b
+        reasons.append(f"{b.name}: {why}")
+    raise ValueError("no backend supports this call: " + "; ".join(reasons))
+
+
+def explain(call: ExpertsCall, backend: str = "auto") -> str:
+    """One line per candidate, in priority order: taken, rejected (why), or not reached."""
+    _check_call(call)
+    chosen = select_backend(call, backend).name
+    act = str(call.act_dtype).removeprefix("torch.") + (f" rounded to {call.act_quant}" if call.act_quant else "")
+    lines = [f"experts call: {call.weight_format} weights, {act} activations, "
+             f"{call.device}, T={call.num_tokens}, backend={backend!r}"]
+    taken = False
+    for b in BACKENDS:
+        if taken:
+            lines.append(f"  {b.name:7s} not reached")
+            continue
+        why = b.rejects(call, backend == b.name) or gate_case.known_failure(b, call)
+        if b.name == chosen:
+            lines.append(f"  {b.name:7s} TAKEN: {b.summary}")
+            taken = True
+        elif backend not in ("auto", b.name):
+            lines.append(f"  {b.name:7s} skipped: backend={backend!r} was asked for")
+        else:
+            lines.append(f"  {b.name:7s} rejected: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,272 @@
+"""Block configurations of the expert GEMMs: a tuned table shipped as data, and a heuristic.
+
+The table (``experts/tuned_configs.json``) is written by ``moekit tune`` on a GPU and
+keyed by GPU name, Triton version, dtype, (E, N, K) of GEMM1 and a token bucket; shapes it lacks
+fall back to :func:`heuristic`. :func:`explain` says which one served a call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+import torch
+
+from ..formats import WEIGHT_FORMATS, recipe_format
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+TABLE_FILE = "tuned_configs.json"
+PER_PAIR_MAX_TOKENS = 2  # heuristic: the per-pair decode mode up to this many tokens
+FOUR_BIT_GEMV_MAX_TOKENS = 16  # heuristic: 4-bit weights on the CUDA-core decode kernels up to here
+
+
+def _check_pow2(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}: expected a power of two, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch shape of one grouped GEMM (kernels/moe_gemm.py). GEMM1 computes BLOCK_N gate and
+    BLOCK_N up columns per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 1
+    tma: bool = False
+    """Weight tiles by Hopper TMA copies (dense and FP8 weights in the aligned and batched modes,
+    where the stack allows it; elsewhere the per-thread copies run)."""
+    half_tails: bool = False
+    """Aligned row blocks (BLOCK_M >= 32) whose second half is padding compute BLOCK_M // 2 rows:
+    each expert's last block is one about half the time at prefill sizes. Both row counts compile
+    into the kernel (twice its code); the block picks at run time."""
+    slots: int | None = None
+    """On the CUDA cores (ExpertsConfig mode "gemv"), a token's slots (pairs) handled together, a power of
+    two. GEMM1: pairs per program, their experts' rows loaded together and the token's activation
+    chunk shared (None: 1). GEMM2: slots read per step of one loop over (group of slots, K chunk),
+    or 0 for a loop per slot (None: the weight format's default, dense 1, 4-bit 0). Ignored elsewhere."""
+    packed: bool | None = None
+    """On the CUDA cores with 4-bit weights and 16-bit activations: the products as fp16x2 FMAs, a group's
+    sum widened to fp32 once, on activations prepared as fp16 with an exponent per 32 (one more launch).
+    GEMM1: None is on; GEMM2 (its loop per slot, on GEMM1's output): only True. fp32 activations keep fp32
+    products. Ignored elsewhere."""
+    scales_ahead: bool | None = None
+    """Tensor-core GEMMs with 4-bit weights: each K step's block-scale codes loaded one step ahead (single
+    bytes, which the software pipeline does not copy asynchronously). None: on for MXFP4, off for NVFP4, as
+    measured on the H200 (benchmarks/results/archive/ab_scales_ahead_2026-12-03.md, 2026-12-03: gpt-oss MXFP4 T=256..4096 7-14% faster; qwen3 NVFP4 T=256/1024 16-24%
+    slower, T=4096 4% faster). Ignored elsewhere."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):  # tl.arange and warp counts take powers of two
+            _check_pow2(f"GemmConfig.{name}", getattr(self, name))
+        for name in ("num_stages", "group_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GemmConfig.{name}: expected an int >= 1, got {value!r}")
+        if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):
+            raise ValueError(f"GemmConfig.slots: expected None, 0 or a power of two, got {self.slots}")
+
+
+MODES = ("aligned", "per_pair", "gemv")
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Both GEMMs of one fused_experts call; they share the row block (the alignment's BLOCK_M)."""
+
+    block_m: int
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+    mode: str = "aligned"
+    """How the pairs reach the GEMMs:
+    - "aligned": pairs sorted by expert into BLOCK_M-row blocks (the alignment kernel), tensor-core GEMMs, the
+      k slots summed by the combine kernel (four launches);
+    - "per_pair": the decode mode without alignment: GEMM1 per (token, slot) pair on 16-row tensor-core tiles,
+      GEMM2 per token over its slots (block_m unused); two launches, an expert picked by several tokens is read
+      once per pick;
+    - "gemv": "per_pair" on the CUDA cores (kernels/moe_gemv.py): one activation row per program instead of a
+      16-row tile; block_k is then the K chunk per step."""
+    pdl: bool = False
+    """"gemv" only: GEMM2 is launched as GEMM1's programmatic dependent (Hopper and later; ignored elsewhere): its
+    programs start while GEMM1's last ones run, load their first weights, and wait for GEMM1's grid before
+    reading its output."""
+    split_slots: bool = False
+    """"gemv" only: GEMM2 runs one program per (pair, BLOCK_N columns) instead of per token, each slot's weighted
+    output into an fp32 [T*k, H] buffer that the combine kernel sums in slot order: k times GEMM2's programs and
+    a serial loop over one slot's K instead of all k, for one more launch."""
+
+    def __post_init__(self) -> None:
+        _check_pow2("ExpertsConfig.block_m", self.block_m)
+        if self.block_m < 16:
+            raise ValueError(f"ExpertsConfig.block_m: expected a power of two >= 16 (the MMA's rows), got {self.block_m}")
+        for name in ("gemm1", "gemm2"):
+            if not isinstance(getattr(self, name), GemmConfig):
+                raise TypeError(f"ExpertsConfig.{name} must be a GemmConfig, got {type(getattr(self, name)).__name__}")
+        if self.mode not in MODES:
+            raise ValueError(f"ExpertsConfig.mode: expected one of {MODES}, got {self.mode!r}")
+        for name in ("pdl", "split_slots"):
+            if getattr(self, name) and self.mode != "gemv":
+                raise ValueError(f"ExpertsConfig.{name} applies to mode 'gemv' only, got mode {self.mode!r}")
+
+    @property
+    def per_pair(self) -> bool:
+        """No alignment: the "per_pair" and "gemv" modes."""
+        return self.mode != "aligned"
+
+    @property
+    def gemv(self) -> bool:
+        """The CUDA-core decode kernels."""
+        return self.mode == "gemv"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ExpertsConfig":
+        """From :meth:`to_dict`'s form (tables written before modes had a name spell them with the booleans
+        ``per_pair`` and ``gemv``)."""
+        mode = d.get("mode") or ("gemv" if d.get("gemv") else "per_pair" if d.get("per_pair") else "aligned")
+        return cls(d["block_m"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]), mode, d.get("pdl", False),
+                   d.get("split_slots", False))
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The smallest bucket >= num_tokens (the largest bucket beyond it)."""
+    for b in TOKEN_BUCKETS:
+        if num_tokens <= b:
+            return b
+    return TOKEN_BUCKETS[-1]
+
+
+def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
+              weight_format: str = "dense") -> ExpertsConfig:
+    """Rows per expert decide the regime: about one row per expert streams weights (small row
+    block, narrow columns so many programs share the bytes), many rows reuse each weight tile
+    (128-row blocks, wide tiles, L2-grouped ordering). 4-bit weights at decode sizes go to the
+    CUDA-core kernels; above, tensor-core tiles hold 64 or 128 weight rows as the MMA's M side."""
+    rows = num_tokens * top_k / max(num_experts, 1)
+    if weight_format in ("mxfp4", "nvfp4") and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
+        chunk = lambda k: min(256, max(32, 1 << (k - 1).bit_length()))  # noqa: E731 - no chunk wider than K
+        return ExpertsConfig(16, GemmConfig(block_n=16, block_k=chunk(k1), num_warps=4, num_stages=1),
+                             GemmConfig(block_n=16, block_k=chunk(n1 // 2), num_warps=4, num_stages=1),
+                             mode="gemv")
+    if weight_format in ("mxfp4", "nvfp4"):
+        # The weight tile is the MMA's A operand: 64 or 128 weight rows per tile, the tokens on the
+        # MMA's N side. Past these sizes GEMM1's two accumulators spill (tests/sm90_compile.py).
+        if rows <= 24:
+            return ExpertsConfig(16 if rows <= 12 else 32, GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
+                                 GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4))
+        if rows <= 96:
+            tile = GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=4)
+            return ExpertsConfig(64, tile, tile)
+        tile = GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8)
+        return ExpertsConfig(128, tile, tile)
+    if weight_format == "w4a8":
+        # MXFP4 recoded for FP8 tensor cores (K steps of one 128-group, GEMM1 tiles of 128 columns), gpt-oss-120b on
+        # the H200 (benchmarks/results/archive/w4a8_configs_2026-12-04.md, 2026-12-04): 16-row blocks up to 64 tokens (the per-pair mode and 32-row blocks slower;
+        # GEMM1 on 8 warps, where 4 spill inside the K loop: T=1 96.3 against 118.8 us, T=16 679.1 against 663.3),
+        # 64 rows to T = 1024, then 128 rows, GEMM1 on 16 warps (its two 128 x 128 accumulators spill 792 bytes at
+        # 8 warps, 236 at 16: 3769 against 4421 us at T = 4096; 64-row blocks without spills 5194) and GEMM2 on 8
+        if rows <= 4:
+            return ExpertsConfig(16, GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8),
+                                 GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, group_m=8))
+        if rows > 96:
+            return ExpertsConfig(128, GemmConfig(block_n=128, block_k=128, num_warps=16, num_stages=3, group_m=8),
+                                 GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8))
+    if num_tokens <= PER_PAIR_MAX_TOKENS:
+        return ExpertsConfig(16, GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4),
+                             GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4), mode="per_pair")
+    if rows <= 4:
+        tile = GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+        return ExpertsConfig(16, tile, tile)
+    if rows <= 24:
+        tile = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return ExpertsConfig(32 if rows > 12 else 16, tile, tile)
+    if weight_format in ("fp8", "w4a8"):
+        # GEMM1's two 128-column FP8 accumulators spill at 128 rows (H200: 2.8x slower) and with
+        # 4 warps or 4 stages at 64 rows (tests/sm90_compile.py)
+        return ExpertsConfig(64, GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=8),
+                             GemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=8))
+    if rows <= 96:
+        tile = GemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=4, group_m=4)
+        return ExpertsConfig(64, tile, GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=4))
+    return ExpertsConfig(128, GemmConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, group_m=8),
+                         GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8))
+
+
+@functools.cache
+def _table() -> dict:
+    try:
+        return json.loads(resources.files("moekit.experts").joinpath(TABLE_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def config_family(weights: str, act_quant: str | None = None) -> str:
+    """The table's and the heuristic's name for a call's kernels: the weight format (a quantize recipe such as
+    fp8_block names its format: one kernel, the scales' granularity a runtime choice), or "w4a8" for MXFP4 weights
+    with FP8 activation groups."""
+    family = weights if weights in WEIGHT_FORMATS else recipe_format(weights)
+    if act_quant is None or family == "fp8":  # FP8 weights run W8A8 whether or not it is spelled out
+        return family
+    if act_quant != "fp8_group" or family != "mxfp4":
+        raise ValueError(f"act_quant={act_quant!r} runs on the kernels only as 'fp8_group' with FP8 or MXFP4 weights "
+                         f"(W8A8, W4A8), got weights {weights!r}")
+    return "w4a8"
+
+
+def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "dense") -> str:
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    fmt = "" if weight_format == "dense" else f"|{weight_format}"
+    return f"{gpu}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}{fmt}"
+
+
+def shape_key(num_experts: int, n1: int, k1: int) -> str:
+    return f"E{num_experts}_N{n1}_K{k1}"
+
+
+def shipped_entries(key: str, shape: str) -> dict:
+    """The package table's entries for one table key and shape: {bucket as str: entry dict} (empty if none)."""
+    return _table().get(key, {}).get(shape, {})
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
+            weight_format: str):
+    entry = shipped_entries(key, shape)
+    bucket = token_bucket(num_tokens)
+    if str(bucket) in entry:
+        return ExpertsConfig.from_dict(entry[str(bucket)]), f"tuned for {shape} at T<={bucket} ({key})"
+    near = nearest_tuned_bucket(bucket, [int(b) for b in entry])
+    if near is not None:
+        return (ExpertsConfig.from_dict(entry[str(near)]),
+                f"tuned for {shape} at T<={near}, the nearest tuned bucket to T<={bucket} ({key})")
+    return (heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format),
+            f"heuristic (no tuned entry for {shape} at or below T<={bucket} in {key!r})")
+
+
+def nearest_tuned_bucket(bucket: int, tuned: list[int]) -> int | None:
+    """The tuned bucket that serves a bucket without an entry: between two tuned buckets the one above, past the
+    largest the largest; below the smallest none (the heuristic: no entry was measured in that regime, e.g. the
+    decode sizes of a table tuned from T=256 up). Between entries a neighbour beat the heuristic in most of the
+    gaps measured on the H200 (by up to 40% at gpt-oss MXFP4 T=2048), the one above more often than the one
+    below: its row blocks and tiles suit more rows, which a bucket's upper end has (benchmarks/results/archive/ab_bucket_gaps_2026-12-03.md, 2026-12-03)."""
+    above = [b for b in tuned if b > bucket]
+    below = [b for b in tuned if b < bucket]
+    if not below:
+        return None
+    return min(above) if above else max(below)
+
+
+def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
+           dtype: torch.dtype, weight_format: str = "dense") -> tuple[ExpertsConfig, str]:
+    """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens, with
+    activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4")."""
+    return _choose(table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens, num_experts,
+                   top_k, n1, k1, weight_format)

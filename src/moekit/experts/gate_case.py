@@ -1,0 +1,107 @@
+"""The experts' case for the verification gate (:mod:`moekit.gate`): a backend is checked once per
+shape class (op, weight format, dtype, activation, device) on a small random case against the
+float64 reference before it serves an automatic call.
+
+The case exercises what broke engines' kernels: biases, a strided input, a token count that leaves
+a partial tile, an expert with no tokens, NaN padding rows (batched), and ``out`` poisoned with NaN
+so that an unwritten or rebound output shows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import gate, reference
+from ..formats import FP8_ACTIVATION_FORMATS, dequantize, quantize_experts
+from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
+
+
+def refusal(backend, call) -> str | None:
+    """None when ``backend`` may serve ``call`` (gate off, or its check passed), else why not."""
+    if not gate.active():
+        return None
+    return gate.verdict(_key(backend, call), backend.name, _describe(call), lambda: check(backend, call))
+
+
+def known_failure(backend, call) -> str | None:
+    """The gate's refusal if this backend already failed for the call's shape class (no new check)."""
+    return gate.known_failure(_key(backend, call))
+
+
+def _key(backend, call) -> tuple:
+    return (backend.name, call.shape_class())
+
+
+def _describe(call) -> str:
+    dtype = str(call.act_dtype).removeprefix("torch.")
+    return f"{call.op} experts, {call.weight_format} weights, {dtype}, {call.activation}, {call.device}"
+
+
+def _case(call, gen):
+    """Small random weights and inputs in the call's format, plus their float reference weights."""
+    E, H, I, dev, dt = 6, 64, 32, call.device, call.act_dtype
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
+    w13, w2 = rnd(E, 2 * I, H) * H ** -0.5, rnd(E, H, I) * I ** -0.5
+    if call.weight_format == "dense":
+        w13, w2 = w13.to(dt), w2.to(dt)
+        ref13, ref2 = w13, w2
+    else:
+        fmt = "fp8_block" if call.weight_format == "fp8" else call.weight_format
+        w13, w2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+        ref13, ref2 = dequantize(w13), dequantize(w2)
+    biases = (rnd(E, 2 * I).mul(0.1).to(dt), rnd(E, H).mul(0.1).to(dt))
+    return E, H, w13, w2, ref13, ref2, biases
+
+
+def check(backend, call) -> tuple[bool, str]:
+    """(passed, detail) of ``backend`` on a small random case shaped like ``call``. FP8 W8A8 and
+    MXFP4 W4A8 calls are checked against the W8A8 float64 reference (activations rounded to E4M3
+    1x128 groups)."""
+    w8a8 = call.act_quant == "fp8_group" and call.weight_format in FP8_ACTIVATION_FORMATS
+    if call.act_quant is not None and not w8a8:
+        return True, "activation emulation: the torch reference is the definition"
+    gen = torch.Generator().manual_seed(1234)
+    dt, dev = call.act_dtype, call.device
+    E, H, w13, w2, ref13, ref2, (b13, b2) = _case(call, gen)
+    try:
+        if call.op == "batched":
+            M = 9
+            x = torch.randn(E, M, H, generator=gen).to(dev, dt)
+            counts = torch.tensor([9, 0, 3, 1, 8, 5], dtype=torch.int32, device=dev)   # full, empty, partial
+            valid = torch.arange(M, device=dev)[None, :] < counts[:, None].long()
+            x[~valid] = float("nan")                                                      # padding must not leak
+            out = torch.full_like(x, float("nan"))
+            backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, None, call.act_quant)
+            if w8a8:
+                ref = torch.stack([_w8a8_one_expert(x[e], w13, w2, e, call.activation, b13, b2) for e in range(E)])
+            else:
+                ref = reference.batched_experts(x, counts, ref13, ref2, activation=call.activation, w13_bias=b13,
+                                                w2_bias=b2)
+            got, ref = out[valid], ref[valid]
+        else:
+            T, k = 9, 2                                                                   # a partial row block
+            x = torch.randn(T, H + 3, generator=gen).to(dev, dt)[:, 3:]                    # row stride H + 3, offset
+            first = torch.arange(T) % (E - 1)                                             # expert E-1 gets no token
+            second = (first + 1 + torch.randint(0, E - 2, (T,), generator=gen)) % (E - 1)  # distinct from first
+            ids = torch.stack([first, second], dim=1).to(dev, torch.int32)
+            tw = torch.rand(T, k, generator=gen).to(dev)
+            out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
+            backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, None, None, call.act_quant)
+            got = out
+            ref_fn = reference.fused_experts_w8a8 if w8a8 else reference.fused_experts
+            ref = ref_fn(x, w13 if w8a8 else ref13, w2 if w8a8 else ref2, tw, ids, activation=call.activation,
+                         w13_bias=b13, w2_bias=b2)
+    except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
+        return False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    max_rel, rms_rel = rel_errors(got, ref)
+    tol = W8A8_TOL if w8a8 else EXPERTS_TOL[dt]
+    detail = f"max_rel={max_rel:.2e} rms_rel={rms_rel:.2e} (budget {tol.max_rel:.0e}/{tol.rms_rel:.0e})"
+    return max_rel <= tol.max_rel and rms_rel <= tol.rms_rel, detail
+
+
+def _w8a8_one_expert(rows, w13, w2, e, activation, b13, b2) -> torch.Tensor:
+    """Expert ``e`` of FP8 stacks on every row (float64 W8A8): the batched format's reference."""
+    n = rows.shape[0]
+    ones = torch.ones(n, 1, device=rows.device)
+    ids = torch.full((n, 1), e, dtype=torch.int32, device=rows.device)
+    return reference.fused_experts_w8a8(rows, w13, w2, ones, ids, activation=activation, w13_bias=b13, w2_bias=b2)

@@ -1,0 +1,627 @@
+"""Host side of the Triton expert kernels: buffers sized from upper bounds, launches, and the
+torch.library custom ops that make them opaque (and traceable with fake kernels) to torch.compile.
+
+Arguments arrive validated by :mod:`moekit.experts`; nothing here synchronizes with the host, so
+a call can be captured in a CUDA graph and replayed with new inputs.
+
+A call runs in stages: :func:`align` (aligned mode), :func:`gemm1` / :func:`gemv1`, :func:`gemm2` /
+:func:`gemm2_tokens` / :func:`gemv2_tokens`, and the combine. The stages are public for the tuner
+(``moekit tune`` times each GEMM's candidates alone) and the decode benchmark; a caller of the stages
+passes arguments as :func:`fused_experts_into` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import _triton
+from ..formats import format_of
+from . import configs as expert_configs
+from .configs import ExpertsConfig, GemmConfig
+from .kernels import align as align_kernels
+from .kernels import moe_gemm
+from .kernels.fp8_quant import quantize_groups_kernel
+from .kernels.moe_gemm import combine_kernel, gemm1_act_kernel, gemm2_kernel, gemm2_tokens_kernel
+from .kernels.moe_gemv import gemv1_act_kernel, gemv2_tokens_kernel
+from .kernels.scaled_fp16 import scaled_fp16_kernel
+
+ACTIVATION_IDS = {"silu_and_mul": moe_gemm.SILU_AND_MUL.value, "swiglu_oai": moe_gemm.SWIGLU_OAI.value}
+ALIGN_CHUNK = 64  # pairs per step of the alignment: its rank tile is CHUNK x CHUNK
+ALIGN_TILE = 8192  # elements of the alignment's [blocks x experts] owner tile
+ALIGN_WARPS = 8
+ALIGN_ONE_PROGRAM_MAX = 256  # pairs: above, one program's serial chunk steps cost more than 2 extra launches
+ALIGN_PAIRS_PER_PROGRAM = 256
+ALIGN_PREFIX_EXPERTS = 16  # experts per program of the alignment's prefix step (its tile: chunks x these)
+COMBINE_BLOCK_H = 1024
+
+
+def num_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the BLOCK_M row blocks after padding each expert's run: each of the at most
+    min(E, pairs) non-empty experts wastes less than one block."""
+    return _triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def _gate_up(activation: str, inter: int) -> tuple[int, int]:
+    """(row step, up offset) of gate column n in w13: [gate; up] halves or interleaved rows."""
+    return (1, inter) if activation == "silu_and_mul" else (2, 1)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor):
+    return (bias, bias.stride(0), bias.stride(1)) if bias is not None else (fallback, 0, 0)
+
+
+FORMAT_IDS = {name: getattr(moe_gemm, name.upper()).value  # the kernels' weight formats
+              for name in ("dense", "mxfp4", "nvfp4", "fp8", "fp8_emulated", "w4a8", "w4a8_emulated")}
+FP8_GROUP = moe_gemm.FP8_GROUP.value  # activation groups and weight blocks along K
+FOUR_BIT_MIN_BLOCK_K = 32  # a K tile must hold whole scale groups (32 for MXFP4, 16 for NVFP4)
+FOUR_BIT_TILE_BUDGET = 16384  # dequantized weight elements per K step for 4 warps (16-bit, in MMA registers)
+
+
+@dataclass(frozen=True)
+class WeightOperand:
+    """One expert stack as the kernels read it: (data, strides), (scales, strides, global scales), format."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    format: str
+    shape: tuple[int, ...]
+    blocked: bool = False  # FP8: 128x128 block scales [E, N/128, K/128] (else one scale per output column)
+    fp8_act: bool = False  # MXFP4 for FP8 activations (W4A8): recoded to E4M3 in the kernels
+
+    @property
+    def format_id(self) -> int:
+        """The kernels' FORMAT: FP8 without FP8 tensor cores (the interpreter) decodes its bytes."""
+        name = self.config_format
+        if name in ("fp8", "w4a8") and not _triton.fp8_tensor_cores(self.data.device):
+            return FORMAT_IDS[name + "_emulated"]
+        return FORMAT_IDS[name]
+
+    @property
+    def config_format(self) -> str:
+        """The format as the config table and heuristic name it: "w4a8" for MXFP4 with FP8 activations."""
+        return expert_configs.config_family(self.format, "fp8_group" if self.fp8_act else None)
+
+    @classmethod
+    def of(cls, w, fp8_act: bool = False) -> "WeightOperand":
+        """``fp8_act``: the activations are FP8 groups (act_quant="fp8_group"): MXFP4 runs as W4A8."""
+        fmt = format_of(w)
+        if fmt == "dense":
+            return cls(w, w, w, fmt, tuple(w.shape))
+        if fmt == "fp8":
+            return cls._fp8(w)
+        if fp8_act and fmt != "mxfp4":
+            raise ValueError(f"FP8 activations run with FP8 or MXFP4 weights (W8A8, W4A8), got {fmt}")
+        data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
+        if fmt == "mxfp4" and fp8_act:  # read as int32 words of 8 codes: rows and experts start on whole words
+            if not _on_words(data):
+                data = data.contiguous()
+            return cls(data, w.scales, data, fmt, tuple(w.shape), fp8_act=True)
+        if fmt == "mxfp4":
+            return cls(data, w.scales, data, fmt, tuple(w.shape))
+        # The kernels read linear [E, N, K/16] scale bytes (a swizzled stack is unswizzled once, by the tensor).
+        scales = w.linear_scales().view(torch.uint8)
+        gs = w.global_scale.float().reshape(-1).expand(w.shape[0]).contiguous()
+        return cls(data, scales, gs, fmt, tuple(w.shape))
+
+    @classmethod
+    def _fp8(cls, w) -> "WeightOperand":
+        E, N, K = w.shape
+        data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
+        if not _triton.fp8_tensor_cores(data.device):
+            data = data.view(torch.uint8)  # decoded from its bytes (the interpreter has no FP8 type)
+        scale = w.scale.float()
+        if w.granularity == "block":
+            return cls(data, scale.contiguous(), scale, "fp8", (E, N, K), blocked=True)
+        if w.granularity == "channel":
+            return cls(data, scale.reshape(E, N), scale, "fp8", (E, N, K))
+        # Per tensor: one scale for the stack or one per expert, read as a column scale of stride 0.
+        return cls(data, scale.reshape(-1, 1).expand(E, N), scale, "fp8", (E, N, K))
+
+    def args(self) -> tuple:
+        d, s = self.data, self.scales
+        if self.format == "dense":
+            return (d, d.stride(0), d.stride(1), d.stride(2), d, 0, 0, d)
+        if self.format == "fp8":
+            return (d, d.stride(0), d.stride(1), d.stride(2), s, s.stride(0), s.stride(1), s)
+        return (d, d.stride(0), d.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
+
+    def gemv_args(self) -> tuple:
+        """args() for the CUDA-core kernels: 4-bit codes read as int32 words of 8 (K % 8 == 0 in
+        both formats; a view whose offset or strides are not whole words is copied first)."""
+        if self.format == "dense":
+            return self.args()
+        d = self.data
+        per_group = (32 if self.format == "mxfp4" else 16) // 8
+        try:
+            words = d.view(torch.int32)
+        except RuntimeError:
+            words = d.contiguous().view(torch.int32)
+        if words.stride(0) % per_group or words.stride(1) % per_group:  # experts and rows start on whole groups
+            words = d.contiguous().view(torch.int32)
+        s = self.scales
+        return (words, words.stride(0), words.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
+
+    def gemv_block_k(self, block_k: int) -> int:
+        """A 4-bit K chunk holds whole scale groups."""
+        return block_k if self.format == "dense" else max(block_k, FOUR_BIT_MIN_BLOCK_K)
+
+    def config(self, cfg: GemmConfig, tiles: int = 1) -> GemmConfig:
+        """4-bit tiles hold whole scale groups along K, and their dequantized 16-bit values (``tiles``
+        of them per K step) must fit in registers (tests/sm90_compile.py shows spills past this)."""
+        if self.format == "dense":
+            return cfg
+        if self.format == "fp8" or self.fp8_act:  # one activation group per K step; GEMM1 quantizes one group per row
+            return replace(cfg, block_k=FP8_GROUP, block_n=FP8_GROUP if tiles == 2 else cfg.block_n)
+        block_k = max(cfg.block_k, FOUR_BIT_MIN_BLOCK_K)
+        while block_k > FOUR_BIT_MIN_BLOCK_K and tiles * cfg.block_n * block_k > FOUR_BIT_TILE_BUDGET * cfg.num_warps // 4:
+            block_k //= 2
+        return replace(cfg, block_k=block_k)
+
+
+# CUDA-core GEMM2 formats that by default (GemmConfig.slots unset) run a token's slots as one loop
+# over (slot, K chunk): on the H200 that took qwen3 bf16 T=1 from 33.5 to 30.3 us, but gpt-oss
+# MXFP4 T=1 from 37.6 to 40.2 us (benchmarks/results/archive/ab_tile_scale_even_k_2026-12-03.json, 2026-12-03), so 4-bit weights keep
+# the loop per slot unless a tuned config says otherwise.
+FLAT_SLOT_FORMATS = ("dense",)
+
+ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = moe_gemm.ALIGNED.value, moe_gemm.BATCHED.value, moe_gemm.PER_PAIR.value
+PER_PAIR_BLOCK_M = 16  # the smallest tensor-core tile; row 0 is the pair
+
+
+def _scale_args(scales: torch.Tensor | None, fallback: torch.Tensor):
+    return (scales, scales.stride(0)) if scales is not None else (fallback, 0)
+
+
+def _tile_scale(w: WeightOperand, block_n: int, row_step: int = 1, up_offset: int = 0) -> bool:
+    """FP8 128x128 blocks: every weight tile of BLOCK_N rows (gate and up alike) lies in one 128-row
+    block, so the kernels promote with one scale per tile (kernels/moe_gemm.py _fp8_step)."""
+    return w.blocked and row_step == 1 and FP8_GROUP % block_n == 0 and up_offset % FP8_GROUP == 0
+
+
+def _paired(w: WeightOperand, cfg: GemmConfig, row_step: int) -> bool:
+    """GEMM1 reads interleaved gate/up rows (dense) as one tile of 2 * BLOCK_N adjacent rows, the
+    TMA box shape of that layout: with ``cfg.tma``."""
+    return cfg.tma and row_step == 2 and w.format == "dense"
+
+
+def _gemm1_weights(w: WeightOperand, cfg: GemmConfig, row_step: int):
+    """(TMA descriptor or the weights, TMA taken, paired) for GEMM1's weight tiles."""
+    paired = _paired(w, cfg, row_step)
+    if row_step == 1 or paired:  # [gate; up] rows: a box per half; interleaved rows: one box of both
+        return (*_weight_descriptor(w, cfg, 2 * cfg.block_n if paired else cfg.block_n), paired)
+    return w.data, False, False  # interleaved rows, not paired: no box holds a gate tile alone
+
+
+def _weight_descriptor(w: WeightOperand, cfg: GemmConfig, box_rows: int | None = None):
+    """(TMA descriptor of the stack as [E*N, K] rows, box [box_rows (BLOCK_N), BLOCK_K], True) where
+    ``cfg.tma`` asks for it and the stack allows it: dense or FP8 weights on Hopper or later (or the
+    interpreter), K contiguous, rows of whole 16-byte units, experts back to back, a 16-byte
+    aligned start. Otherwise (the weights, False): per-thread copies."""
+    d = w.data
+    E, N, K = d.shape
+    ok = (cfg.tma and w.format_id in (FORMAT_IDS["dense"], FORMAT_IDS["fp8"]) and d.stride(2) == 1
+          and d.stride(0) == N * d.stride(1) and (d.stride(1) * d.element_size()) % 16 == 0 and d.data_ptr() % 16 == 0
+          and _triton.tma_copies(d.device))
+    if not ok:
+        return d, False
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Hopper only: imported when taken
+
+    rows = d.as_strided((E * N, K), (d.stride(1), 1))
+    box = [box_rows or cfg.block_n, cfg.block_k]
+    return TensorDescriptor(rows, shape=[E * N, K], strides=[d.stride(1), 1], block_shape=box), True
+
+
+def _half_tails(cfg: GemmConfig, mode: int, block_m: int) -> bool:
+    """GemmConfig.half_tails where it applies: aligned rows, half blocks of at least 16 rows (the
+    smallest tensor-core tile)."""
+    return cfg.half_tails and mode == ROWS_ALIGNED and block_m >= 32
+
+
+def _scales_ahead(cfg: GemmConfig, w: WeightOperand) -> bool:
+    """GemmConfig.scales_ahead as launched (4-bit weights only)."""
+    if w.format not in ("mxfp4", "nvfp4"):
+        return False
+    return w.format == "mxfp4" if cfg.scales_ahead is None else cfg.scales_ahead
+
+
+def _on_words(d: torch.Tensor) -> bool:
+    """Packed 4-bit codes [E, N, K/2] whose every row and expert starts on a whole int32 word (8 codes)."""
+    return d.data_ptr() % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0
+
+
+def _w4_words(w: WeightOperand, dtype: torch.dtype) -> bool:
+    """The tensor-core GEMMs decode 4-bit codes a word (8 codes) at a time: bf16 on the GPU (the decode's halves
+    move by PTX) with the codes of every row and expert starting on whole int32 words."""
+    return (w.format in ("mxfp4", "nvfp4") and dtype == torch.bfloat16 and not _triton.interpreting()
+            and _on_words(w.data))
+
+
+def paired_k(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x [..., K] (K % 8 == 0) with each 8 columns in the order 0, 4, 1, 5, 2, 6, 3, 7: the K
+    order of the word-decoded 4-bit tiles (kernels/moe_gemm.py _paired_columns), which their other operand
+    follows."""
+    return x.unflatten(-1, (-1, 2, 4)).transpose(-1, -2).flatten(-3)
+
+
+def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
+    """GEMM1's (expert, row, column) strides of x: [T, H] (standard) or [E, M, H] (batched)."""
+    return (0, x3.stride(0), x3.stride(1)) if x3.dim() == 2 else (x3.stride(0), x3.stride(1), x3.stride(2))
+
+
+def gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
+           num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None,
+           h_paired=False):
+    """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
+    ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2)."""
+    words = _w4_words(w, x3.dtype)
+    if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
+        x3 = paired_k(x3)
+    cfg = w.config(cfg, tiles=2)  # gate and up
+    inter, hidden = w.shape[1] // 2, w.shape[2]
+    step, up_off = _gate_up(activation, inter)
+    grid = (num_m_blocks * _triton.cdiv(inter, cfg.block_n),)
+    w_desc, tma, paired = _gemm1_weights(w, cfg, step)
+    tile_scale = _tile_scale(w, cfg.block_n, step, up_off)
+    if h_paired and (tma or paired or tile_scale):  # those read a tile's rows as one natural run
+        raise ValueError("h_paired: GEMM1's tiles must be gathered row by row (no TMA boxes, paired rows or "
+                         "per-tile FP8 scales)")
+    d, sd0, sd1, sd2, *scales = w.args()
+    return gemm1_act_kernel[grid](
+        x3, *_x_strides(x3),
+        d, sd0, sd1, sd2, w_desc, *scales,
+        *_bias_args(b13, x3),
+        h, h.stride(0),
+        *_scale_args(x_scales, x3), *_scale_args(h_scales, x3),
+        *rows,
+        num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w.shape[0],
+        inter, hidden, step, up_off,
+        HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
+        DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
+        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=tile_scale,
+        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
+        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, mode,
+           num_pairs, rows_per_expert, h_scales=None):
+    cfg = w.config(cfg)
+    hidden, inter = w.shape[1], w.shape[2]
+    grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
+    w_desc, tma = _weight_descriptor(w, cfg)
+    d, sd0, sd1, sd2, *scales = w.args()
+    return gemm2_kernel[grid](
+        h, h.stride(0), *_scale_args(h_scales, h),
+        d, sd0, sd1, sd2, w_desc, *scales,
+        *_bias_args(b2, h),
+        weights,
+        y, *y_strides,
+        *rows,
+        num_pairs, rows_per_expert, num_m_blocks,
+        hidden, inter,
+        HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
+        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, mode, block_m),
+        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=_w4_words(w, h.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
+                  h_scales=None):
+    cfg = w.config(cfg)
+    hidden, inter = w.shape[1], w.shape[2]
+    grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
+    return gemm2_tokens_kernel[grid](
+        h, h.stride(0), *_scale_args(h_scales, h),
+        *w.args(),
+        *_bias_args(b2, h),
+        weights, ids, expert_map if expert_map is not None else ids,
+        out, out.stride(0),
+        top_k, num_global, w.shape[0], hidden, inter,
+        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(h.dtype),
+        FORMAT=w.format_id, W_BLOCKED=w.blocked,
+        HALVES_ASM=not _triton.interpreting(), W_TILE_SCALE=_tile_scale(w, cfg.block_n),
+        EVEN_K=inter % cfg.block_k == 0,
+        BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
+           pdl: bool = False):
+    inter, hidden = w.shape[1] // 2, w.shape[2]
+    step, up_off = _gate_up(activation, inter)
+    slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
+    programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
+    packed = cfg.packed is not False and w.format in ("mxfp4", "nvfp4") and x.dtype != torch.float32
+    if packed:
+        pairs, exps = scaled_fp16(x, w.gemv_block_k(cfg.block_k))  # whole chunks: the kernel's loads need no mask
+        x_args = (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
+    else:
+        x_args = (x, x.stride(0), x.stride(1), x, 0)
+    return gemv1_act_kernel[(programs,)](
+        *x_args,
+        *w.gemv_args(),
+        *_bias_args(b13, x),
+        h, h.stride(0),
+        ids, expert_map if expert_map is not None else ids,
+        top_k, num_global, w.shape[0], inter, hidden, step, up_off,
+        HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
+        FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
+        HALVES_ASM=not _triton.interpreting(), PDL=pdl, SLOTS=slots, PACKED=packed,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
+
+
+def scaled_fp16(x2d: torch.Tensor, multiple: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (fp16 [rows, Kp] pair-major per 32-block, uint8 exponents [rows, Kp / 32]) with Kp = K rounded
+    up to ``multiple`` (a multiple of 32, at least one; the decode kernels pass their K chunk, so that they read
+    whole chunks without masks): slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 +
+    4 (s & 1)] * 2^(127 - u), u its group's byte (see kernels/scaled_fp16.py); zeros (and u = 1) past K. The
+    packed 4-bit decode's operand."""
+    if multiple <= 0 or multiple % 32:
+        raise ValueError(f"scaled_fp16: multiple must be a multiple of 32, got {multiple}")
+    rows, k = x2d.shape
+    kp = max(_triton.cdiv(k, multiple), 1) * multiple  # K = 0 gets a chunk too: the kernels' first read stays inside
+    pairs = torch.empty(rows, kp, dtype=torch.float16, device=x2d.device)
+    exps = torch.empty(rows, kp // 32, dtype=torch.uint8, device=x2d.device)
+    if rows:
+        scaled_fp16_kernel[(rows, _triton.cdiv(kp, SCALED_FP16_BLOCK))](
+            x2d, x2d.stride(0), x2d.stride(1), pairs, pairs.stride(0), exps, exps.stride(0), k, kp,
+            BLOCK=SCALED_FP16_BLOCK, num_warps=4)
+    return pairs, exps
+
+
+def _gemv_slots(cfg: GemmConfig, top_k: int, default: int) -> int:
+    """GemmConfig.slots as launched: ``default`` when unset, at most top_k's power of two."""
+    return min(default if cfg.slots is None else cfg.slots, _triton.next_pow2(top_k))
+
+
+def gemv2_packed(cfg: GemmConfig, weight_format: str, h_dtype: torch.dtype, top_k: int) -> bool:
+    """Whether gemv2_tokens runs fp16x2 products on prepared h: only on request (GemmConfig.packed), for 4-bit
+    weights and 16-bit h, and in the loop per slot."""
+    slots = _gemv_slots(cfg, top_k, 1 if weight_format in FLAT_SLOT_FORMATS else 0)
+    return cfg.packed is True and weight_format in ("mxfp4", "nvfp4") and h_dtype != torch.float32 and slots == 0
+
+
+def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
+                  pdl: bool = False):
+    """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent."""
+    hidden, inter = w.shape[1], w.shape[2]
+    slots = _gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0)
+    packed = gemv2_packed(cfg, w.format, h.dtype, top_k)
+    if packed:
+        pairs, exps = scaled_fp16(h, w.gemv_block_k(cfg.block_k))
+        h_args = (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))
+    else:
+        h_args = (h, h.stride(0), h, 0)
+    return gemv2_tokens_kernel[(out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)](
+        *h_args,
+        *w.gemv_args(),
+        *_bias_args(b2, h),
+        weights, ids, expert_map if expert_map is not None else ids,
+        out, out.stride(0),
+        top_k, num_global, w.shape[0], hidden, inter,
+        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
+        BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=not _triton.interpreting(),
+        SLOTS=slots, PDL=pdl, PACKED=packed, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int,
+          split: bool | None = None):
+    """(pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks]) for the GEMMs; the
+    blocks in use come first.
+
+    ``split``: the three-launch version (default: above ALIGN_ONE_PROGRAM_MAX pairs)."""
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    blocks = num_row_blocks(num_pairs, num_local, block_m)
+    dev = topk_ids.device
+    pair_expert = torch.empty(num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    num_global = expert_map.shape[0] if expert_map is not None else num_local
+    e_pad = _triton.next_pow2(max(num_local, 2))
+    emap = expert_map if expert_map is not None else ids
+    layout = dict(PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad))
+    if not (num_pairs > ALIGN_ONE_PROGRAM_MAX if split is None else split):
+        align_kernels.align_kernel[(1,)](
+            ids, emap, pair_expert, sorted_pairs, block_expert, num_pairs, num_global, num_local, blocks,
+            HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, **layout,
+            num_warps=ALIGN_WARPS,
+        )
+        return pair_expert, sorted_pairs, block_expert
+    chunks = _triton.cdiv(num_pairs, ALIGN_PAIRS_PER_PROGRAM)
+    chunk_counts = torch.empty(chunks + 1, e_pad, dtype=torch.int32, device=dev)  # a row per chunk, then the counts
+    per_chunk = dict(PAIRS_PER_PROGRAM=ALIGN_PAIRS_PER_PROGRAM, HAS_MAP=expert_map is not None, E_PAD=e_pad,
+                     CHUNK=ALIGN_CHUNK, num_warps=ALIGN_WARPS)
+    align_kernels.align_count_kernel[(chunks,)](ids, emap, pair_expert, chunk_counts, num_pairs, num_global, num_local, **per_chunk)
+    prefix_experts = min(e_pad, ALIGN_PREFIX_EXPERTS)
+    align_kernels.align_offsets_kernel[(e_pad // prefix_experts,)](
+        chunk_counts, chunks, E_PAD=e_pad, EXPERTS=prefix_experts,
+        CHUNK_ROWS=min(_triton.next_pow2(chunks), ALIGN_TILE // prefix_experts), num_warps=ALIGN_WARPS)
+    align_kernels.align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, block_expert, chunk_counts, num_pairs, num_global,
+                                      num_local, blocks, BLOCK_M=block_m, **layout, **per_chunk)
+    return pair_expert, sorted_pairs, block_expert
+
+
+def _fp8_codes_dtype(device: torch.device) -> torch.dtype:
+    # the interpreter keeps the codes' fp32 values
+    return torch.float8_e4m3fn if _triton.fp8_tensor_cores(device) else torch.float32
+
+
+def fp8_groups(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (E4M3 codes [rows, K], fp32 scales [rows, K/128]) in 1x128 groups, on the device."""
+    rows, k = x2d.shape
+    groups = _triton.cdiv(k, FP8_GROUP)
+    q = torch.empty(rows, k, dtype=_fp8_codes_dtype(x2d.device), device=x2d.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x2d.device)
+    if rows:
+        quantize_groups_kernel[(rows, groups)](x2d, x2d.stride(0), x2d.stride(1), q, q.stride(0), scales,
+                                               scales.stride(0), k, EMULATED=not _triton.fp8_tensor_cores(x2d.device),
+                                               num_warps=4)
+    return q, scales
+
+
+def activation_buffers(rows: int, inter: int, dtype: torch.dtype, device: torch.device, fp8: bool):
+    """GEMM1's output: [rows, I] in the activations' dtype, or FP8 codes and their group scales."""
+    if not fp8:
+        return torch.empty(rows, inter, dtype=dtype, device=device), None
+    return (torch.empty(rows, inter, dtype=_fp8_codes_dtype(device), device=device),
+            torch.empty(rows, _triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=device))
+
+
+def fp8_activations(w13, act_quant: str | None) -> bool:
+    """W8A8 (FP8 weights) or W4A8 (MXFP4 weights, act_quant="fp8_group"): the GEMMs take FP8 groups."""
+    return format_of(w13) == "fp8" or act_quant == "fp8_group"
+
+
+def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
+                       config: ExpertsConfig | None = None, act_quant: str | None = None) -> None:
+    """Standard format, written into ``out`` [T, H] (contiguous)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return
+    fp8 = fp8_activations(w13, act_quant)
+    # once per call (NVFP4: scales unswizzled here)
+    w13, w2 = WeightOperand.of(w13, fp8), WeightOperand.of(w2, fp8)
+    if config is None:
+        config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype,
+                                          w13.config_format)
+    weights = topk_weights.reshape(-1).contiguous()
+    ids = topk_ids.reshape(-1)
+    num_global = expert_map.shape[0] if expert_map is not None else num_experts
+    dtype = x.dtype
+    xs = None
+    if fp8:  # W8A8/W4A8: x in 1x128 E4M3 groups once, before GEMM1 (GEMM1 quantizes its own output)
+        x, xs = fp8_groups(x)
+    if config.per_pair:
+        # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
+        h, hs = activation_buffers(num_pairs, two_i // 2, dtype, x.device, fp8)
+        if config.gemv and not fp8:
+            pdl = config.pdl and _triton.dependent_launches(x.device)
+            gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl)
+            if not config.split_slots:
+                gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl)
+                return
+            # each pair as a token of one slot (zeros for pairs not computed here), then the slots summed in order
+            y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+            gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl)
+            _combine(y, ids, out, top_k)
+            return
+        emap = expert_map if expert_map is not None else ids
+        gemm1(x, w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
+               config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global, xs, hs)
+        gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
+        return
+    bm = config.block_m
+    pair_expert, sorted_pairs, block_expert = align(topk_ids, expert_map, num_experts, bm)
+    blocks = block_expert.shape[0]
+    h, hs = activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
+    y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
+    rows = (block_expert, sorted_pairs, block_expert)
+    gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_ALIGNED, num_pairs, top_k, 0,
+           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype))
+    gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,
+           hs)
+    _combine(y, pair_expert, out, top_k)
+
+
+def _combine(y, pair_expert, out, top_k) -> None:
+    """out[t] = sum over slots j in order of y[t * k + j] (pairs whose pair_expert is -1 skipped)."""
+    num_tokens, hidden = out.shape
+    combine_kernel[(num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H))](
+        y, pair_expert, out, out.stride(0), hidden, top_k, BLOCK_H=COMBINE_BLOCK_H, num_warps=4)
+
+
+def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias,
+                         config: ExpertsConfig | None = None, act_quant: str | None = None) -> None:
+    """Batched format, valid rows written into ``out`` [E, M, H] (contiguous); padding rows untouched."""
+    num_experts, rows_per_expert, hidden = x.shape
+    two_i = w13.shape[1]
+    if rows_per_expert == 0:
+        return
+    fp8 = fp8_activations(w13, act_quant)
+    w13, w2 = WeightOperand.of(w13, fp8), WeightOperand.of(w2, fp8)
+    if config is None:
+        # Each expert runs up to M rows: the regime of M rows per expert.
+        config, _ = expert_configs.choose(rows_per_expert * num_experts, num_experts, 1, two_i, hidden,
+                                          x.device, x.dtype, w13.config_format)
+    bm = config.block_m
+    blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
+    h, hs = activation_buffers(num_experts * rows_per_expert, two_i // 2, x.dtype, x.device, fp8)
+    xs = None
+    if fp8:  # every row its own groups: padding rows (garbage, NaN) only ever scale themselves
+        xq, xs = fp8_groups(x.reshape(num_experts * rows_per_expert, hidden))
+        x = xq.view(num_experts, rows_per_expert, hidden)
+    rows = (expert_num_tokens, expert_num_tokens, expert_num_tokens)
+    gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_BATCHED, 0, 1, rows_per_expert,
+           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype))
+    gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, ROWS_BATCHED,
+           0, rows_per_expert, hs)
+
+
+# torch.compile sees each call as one opaque op with a fake (shape-only) implementation.
+
+@torch.library.custom_op("moekit::fused_experts_into", mutates_args=("out",))
+def _fused_experts_op(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                      w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                      expert_map: torch.Tensor | None) -> None:
+    fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map)
+
+
+@_fused_experts_op.register_fake
+def _(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map) -> None:
+    return None
+
+
+@torch.library.custom_op("moekit::batched_experts_into", mutates_args=("out",))
+def _batched_experts_op(out: torch.Tensor, x: torch.Tensor, expert_num_tokens: torch.Tensor, w13: torch.Tensor,
+                        w2: torch.Tensor, activation: str, w13_bias: torch.Tensor | None,
+                        w2_bias: torch.Tensor | None) -> None:
+    batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
+
+
+@_batched_experts_op.register_fake
+def _(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias) -> None:
+    return None
+
+
+def _dense_weights(*ws) -> bool:
+    return all(format_of(w) == "dense" for w in ws)
+
+
+def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None,
+              act_quant=None):
+    if config is None and act_quant is None and _dense_weights(w13, w2):
+        torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
+                                            w2_bias, expert_map)
+    else:  # explicit configs and 4-bit weight objects skip the op: they are not part of its schema
+        fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config,
+                           act_quant)
+
+
+def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None):
+    if config is None and act_quant is None and _dense_weights(w13, w2):
+        torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
+    else:
+        batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config, act_quant)

@@ -1,0 +1,142 @@
+"""The router's case for the verification gate (:mod:`moekit.gate`): the router's fast paths: the
+small-batch Triton router GEMM, the one-launch fused router and the Triton routing kernel. Each
+is checked once per shape class against the float64 reference before it serves an automatic
+call; one that fails is disabled for the process and the call goes to cuBLAS (plain torch off
+CUDA), the unfused router, or torch routing.
+
+A shape class is what selects kernel code: H, E, dtypes, bias / correction bias / LoRA rank,
+the routing options, the device, and the token regime (the GEMV, small and wide kernel configs
+of router_tiers.kernel_config); the check runs a token count of that regime on fresh random
+data with a strided, offset input and a NaN-poisoned ``out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import gate, reference
+from ..metrics import LOGITS_TOL, WEIGHT_TOL, CheckResult, score_routes, score_values, separable_tokens
+from . import tiers as router_tiers
+
+
+def _regime_tokens(num_tokens: int) -> int:
+    """The token count the check runs: one per kernel-config regime, with a partial token tile."""
+    if num_tokens <= router_tiers.GEMV_MAX_TOKENS:
+        return 2
+    return 9 if num_tokens <= 16 else 33
+
+
+def _rand(gen, *shape, device, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _inputs(gen, num_tokens, weight, bias, lora):
+    """Random stand-ins shaped like the call's: x strided and offset, bias and LoRA if it has them."""
+    E, H = weight.shape
+    dev, dt = weight.device, weight.dtype
+    x = _rand(gen, num_tokens, H + 8, device=dev, dtype=dt)[:, 8:]
+    w = _rand(gen, E, H, device=dev, dtype=dt, scale=H ** -0.5)
+    b = None if bias is None else _rand(gen, E, device=dev, dtype=bias.dtype)
+    lr = None if lora is None else dataclasses.replace(
+        lora, a=_rand(gen, *lora.a.shape, device=dev, dtype=lora.a.dtype, scale=0.1),
+        b=_rand(gen, *lora.b.shape, device=dev, dtype=lora.b.dtype, scale=0.1))
+    return x, w, b, lr
+
+
+def _logits64(x, w, b, lora):
+    return reference.router_logits(x, w, b, *(() if lora is None else (lora.a, lora.b, lora.scale)))
+
+
+def gemm_refusal(num_tokens: int, weight, bias, lora, out_dtype, router_gemm) -> str | None:
+    """None when the Triton router GEMM may serve this auto call, else why not (``router_gemm``: the op,
+    which the check calls with tier="triton")."""
+    if not gate.active():
+        return None
+    E, H = weight.shape
+    T = _regime_tokens(num_tokens)
+    rank = 0 if lora is None else lora.a.shape[0]
+    key = ("router_gemm:triton", H, E, weight.dtype, bias is not None and bias.dtype, rank, out_dtype, weight.device, T)
+    describe = f"router GEMM H={H} E={E} {weight.dtype}, T~{T}, bias={bias is not None}, LoRA rank {rank}"
+
+    def run():
+        x, w, b, lr = _inputs(torch.Generator().manual_seed(4321), T, weight, bias, lora)
+        out = torch.full((T, E), float("nan"), dtype=out_dtype, device=weight.device)
+        got = router_gemm(x, w, b, out_dtype=out_dtype, out=out, lora=lr, tier="triton")
+        return _values_verdict(got, _logits64(x, w, b, lr), got is out)
+
+    return gate.verdict(key, "triton router GEMM", describe, run)
+
+
+def _values_verdict(got, ref, in_place: bool) -> tuple[bool, str]:
+    r = score_values(CheckResult("router_gemm", "triton", "gate", got.shape[0]), got, ref, LOGITS_TOL, in_place)
+    detail = f"max_rel={r.max_rel:.2e} rms_rel={r.rms_rel:.2e} (budget {LOGITS_TOL.max_rel:.0e}/{LOGITS_TOL.rms_rel:.0e})"
+    return r.ok, (r.detail + "; " if r.detail else "") + detail
+
+
+def _routes_verdict(tw, tid, logits64, opts, corr) -> tuple[bool, str]:
+    kwargs = dict(renormalize=opts.renormalize, correction_bias=corr, num_groups=opts.num_groups,
+                  topk_groups=opts.topk_groups, scaling=opts.scaling)
+    ref_w, ref_ids = reference.route(logits64, opts.top_k, opts.method, **kwargs)
+    separable = separable_tokens(logits64, opts.top_k, opts.method, **kwargs)
+    r = score_routes(CheckResult("route", "gate", "gate", tid.shape[0]), tw, tid, ref_w, ref_ids, separable,
+                     logits64.shape[1])
+    return r.ok, f"top-k agreement {r.agree:.3f} on separable tokens, max weight error {r.max_rel:.2e} " \
+                 f"(budget {WEIGHT_TOL:.0e})"
+
+
+def fused_refusal(num_tokens: int, weight, bias, corr_bias, lora, opts, fused_router) -> str | None:
+    """None when the one-launch fused router may serve this auto call, else why not (``fused_router``: the op,
+    which the check calls with impl="fused")."""
+    if not gate.active():
+        return None
+    E, H = weight.shape
+    T = _regime_tokens(num_tokens)
+    rank = 0 if lora is None else lora.a.shape[0]
+    key = ("fused_router:fused", H, E, weight.dtype, bias is not None, corr_bias is not None, rank, opts,
+           weight.device, T)
+    describe = f"fused router H={H} E={E} {weight.dtype} {opts.method} k={opts.top_k}, T~{T}"
+
+    def run():
+        gen = torch.Generator().manual_seed(8765)
+        x, w, b, lr = _inputs(gen, T, weight, bias, lora)
+        corr = None if corr_bias is None else _rand(gen, E, device=weight.device, scale=0.1).abs()
+        tw, tid = fused_router(x, w, b, top_k=opts.top_k, method=opts.method, renormalize=opts.renormalize,
+                               correction_bias=corr, num_groups=opts.num_groups, topk_groups=opts.topk_groups,
+                               scaling=opts.scaling, lora=lr, impl="fused")
+        return _routes_verdict(tw, tid, _logits64(x, w, b, lr), opts, corr)
+
+    return gate.verdict(key, "fused router", describe, run)
+
+
+def _near_ties(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Every other token's (k+1)-th logit moved to 2e-3 * max|logit| below its k-th: separable for
+    the reference (gap > 1e-4 of the max) but inside one bf16 step, so bf16-rounded scores pick wrong."""
+    if top_k >= logits.shape[1]:
+        return logits
+    lg = logits.clone()
+    order = lg.argsort(dim=1, descending=True)
+    rows = torch.arange(0, lg.shape[0], 2, device=lg.device)
+    kth = lg[rows, order[rows, top_k - 1]]
+    lg[rows, order[rows, top_k]] = kth - 2e-3 * lg[rows].abs().amax(dim=1)
+    return lg
+
+
+def route_refusal(logits: torch.Tensor, corr_bias, opts, route_with) -> str | None:
+    """None when the Triton routing kernel may serve this auto call, else why not (``route_with``: the op on
+    validated arguments, which the check calls with impl="triton")."""
+    if not gate.active():
+        return None
+    E = logits.shape[-1]
+    key = ("route:triton", E, logits.dtype, corr_bias is not None, opts, logits.device)
+    describe = f"routing E={E} {opts.method} k={opts.top_k}"
+
+    def run():
+        gen = torch.Generator().manual_seed(2468)
+        lg = _near_ties(_rand(gen, 33, E, device=logits.device, dtype=logits.dtype), opts.top_k)
+        corr = None if corr_bias is None else _rand(gen, E, device=logits.device, scale=0.1).abs()
+        tw, tid = route_with(lg, opts, corr, impl="triton")
+        return _routes_verdict(tw, tid, lg.to(torch.float64), opts, corr)
+
+    return gate.verdict(key, "triton routing", describe, run)

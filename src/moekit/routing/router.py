@@ -1,0 +1,317 @@
+"""The router: logits = x @ W^T + b (+ LoRA) in fp32, and the fused router (GEMM + top-k).
+
+Logits are produced in fp32 with fp32 accumulation and the bias added in fp32: rounding logits
+to bf16 flips expert choices on near-ties (the accuracy loss that got a serving engine's router
+kernel reverted). Tiers: a small-batch Triton kernel at decode sizes, cuBLAS above the measured
+crossover, plain torch on other devices (see :mod:`moekit.routing.tiers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import _triton
+from .._checks import check_out, check_shape, check_tensor
+from . import gate_case
+from . import tiers as router_tiers
+from .topk import FLOAT_DTYPES, RoutingOptions, empty_routes, route_with, validate_routing
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_LORA_RANK = 64
+
+
+@dataclass(frozen=True)
+class RouterLoRA:
+    """Low-rank adapter on the router: logits += scale * (x @ a^T) @ b^T.
+
+    a: [r, H] in the router weight's dtype; b: [E, r] any float dtype; r <= 64.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_tensor("lora.a", self.a, ndim=2, dtypes=INPUT_DTYPES)
+        check_tensor("lora.b", self.b, ndim=2, dtypes=FLOAT_DTYPES, device=self.a.device)
+        rank = self.a.shape[0]
+        if not 1 <= rank <= MAX_LORA_RANK:
+            raise ValueError(f"lora rank must be in [1, {MAX_LORA_RANK}], got {rank} (lora.a is [r, H])")
+        if self.b.shape[1] != rank:
+            raise ValueError(f"lora.b must be [E, r={rank}] (r from lora.a [r, H]), got {tuple(self.b.shape)}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise TypeError(f"lora.scale must be a float, got {type(self.scale).__name__}")
+
+
+@dataclass(frozen=True)
+class _GemmArgs:
+    x: torch.Tensor  # [T, H], any strides
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora: RouterLoRA | None
+
+
+def _validate_gemm(x, weight, bias, lora) -> _GemmArgs:
+    check_tensor("weight", weight, ndim=2, dtypes=INPUT_DTYPES)
+    num_experts, hidden = weight.shape
+    if num_experts == 0 or hidden == 0:
+        raise ValueError(f"weight must be a non-empty [E, H] matrix, got shape {tuple(weight.shape)}")
+    check_tensor("x", x, dtypes=INPUT_DTYPES, device=weight.device)
+    if x.dim() < 1 or x.shape[-1] != hidden:
+        raise ValueError(f"x must have shape [..., H={hidden}] (H from weight [E, H]), got {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x must have the weight's dtype {weight.dtype}, got {x.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=weight.device)
+        check_shape("bias", bias, (num_experts,))
+    if lora is not None:
+        if not isinstance(lora, RouterLoRA):
+            raise TypeError(f"lora must be a RouterLoRA, got {type(lora).__name__}")
+        check_tensor("lora.a", lora.a, ndim=2, dtypes=(weight.dtype,), device=weight.device)
+        rank = lora.a.shape[0]
+        if not 1 <= rank <= MAX_LORA_RANK:
+            raise ValueError(f"lora rank must be in [1, {MAX_LORA_RANK}], got {rank}")
+        check_shape("lora.a", lora.a, (rank, hidden))
+        check_tensor("lora.b", lora.b, ndim=2, dtypes=FLOAT_DTYPES, device=weight.device)
+        check_shape("lora.b", lora.b, (num_experts, rank))
+    x2 = x.reshape(-1, hidden)  # a view when possible; a copy otherwise, never a misread
+    # Kernels index [E] vectors with unit stride; a strided one is copied (no-op when contiguous).
+    return _GemmArgs(x2, weight, None if bias is None else bias.contiguous(), lora)
+
+
+def router_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    lora: RouterLoRA | None = None,
+    tier: str = "auto",
+) -> torch.Tensor:
+    """Router logits ``x @ weight^T + bias (+ lora)`` with fp32 accumulation.
+
+    Args:
+        x: [..., H] bf16/fp16/fp32, any strides and storage offset.
+        weight: [E, H], same dtype as ``x``.
+        bias: [E], any float dtype; added in fp32.
+        out_dtype: fp32 (default, recommended), bf16 or fp16.
+        out: optional [..., E] tensor of ``out_dtype`` (unit stride in the last dim); written in
+            place and returned.
+        lora: optional :class:`RouterLoRA`.
+        tier: ``"auto"`` or one of ``"triton"``, ``"cublas"``, ``"torch"``
+            (:func:`moekit.router_tiers.explain` says which one auto picks and why).
+
+    Returns:
+        logits [..., E] in ``out_dtype``.
+    """
+    args = _validate_gemm(x, weight, bias, lora)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    num_experts = weight.shape[0]
+    out_shape = tuple(x.shape[:-1]) + (num_experts,)
+    if out is not None:
+        check_out("out", out, out_shape, out_dtype, weight.device, {"x": x, "weight": weight, "bias": bias})
+        try:
+            out2 = out.view(-1, num_experts)
+        except RuntimeError:
+            raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
+    else:
+        out2 = torch.empty(args.x.shape[0], num_experts, dtype=out_dtype, device=weight.device)
+    lora_a, lora_b, lora_scale = _lora_parts(lora)
+    torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, lora_a, lora_b, lora_scale, tier)
+    return out if out is not None else out2.view(out_shape)
+
+
+def _lora_parts(lora: RouterLoRA | None):
+    return (None, None, 0.0) if lora is None else (lora.a, lora.b, float(lora.scale))
+
+
+# The launches are opaque ops for torch.compile: the tier decision and launch code (device names,
+# packaged tables) run at call time, never traced; fake kernels give the shapes.
+@torch.library.custom_op("moekit::router_gemm_into", mutates_args=("out",))
+def _router_gemm_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, lora_scale: float, tier: str) -> None:
+    lora = None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale)
+    _gemm(_GemmArgs(x, weight, bias, lora), out, tier)
+
+
+@_router_gemm_op.register_fake
+def _(out, x, weight, bias, lora_a, lora_b, lora_scale, tier) -> None:
+    return None
+
+
+def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> None:
+    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks."""
+    num_experts, hidden = args.weight.shape
+    choice = router_tiers.choose_tier(args.x.shape[0], hidden, num_experts, args.weight.device, tier)
+    run = choice.tier
+    if tier == "auto" and run == "triton" and args.x.shape[0] > 0:
+        if gate_case.gemm_refusal(args.x.shape[0], args.weight, args.bias, args.lora, out2.dtype, router_gemm):
+            run = "cublas" if args.weight.is_cuda else "torch"
+    if args.x.shape[0] > 0:
+        _RUNNERS[run](args, out2)
+
+
+def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
+    x32 = args.x.float()
+    logits = x32 @ args.weight.float().T
+    if args.bias is not None:
+        logits += args.bias.float()
+    if args.lora is not None:
+        logits += args.lora.scale * ((x32 @ args.lora.a.float().T) @ args.lora.b.float().T)
+    out2.copy_(logits)
+
+
+def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
+    # bf16/fp16 inputs with an fp32 result straight from cuBLAS (fp32 accumulation, no copy).
+    wt = args.weight.T
+    kwargs = {"out_dtype": out2.dtype} if out2.dtype != args.x.dtype else {}
+    if args.bias is not None:
+        torch.addmm(args.bias.to(out2.dtype), args.x, wt, out=out2, **kwargs)
+    else:
+        torch.mm(args.x, wt, out=out2, **kwargs)
+    if args.lora is not None:
+        xa = torch.mm(args.x, args.lora.a.T, out_dtype=torch.float32) if args.x.dtype != torch.float32 \
+            else torch.mm(args.x, args.lora.a.T)
+        out2.addmm_(xa.to(out2.dtype), args.lora.b.to(out2.dtype).T, alpha=args.lora.scale)
+
+
+def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
+    from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
+
+    triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
+
+
+_RUNNERS = {"torch": _run_torch, "cublas": _run_cublas, "triton": _run_triton}
+
+
+def fused_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    top_k: int,
+    method: str,
+    lora: RouterLoRA | None = None,
+    impl: str = "auto",
+    **routing_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router GEMM + bias + top-k routing; one Triton launch at decode sizes.
+
+    Args:
+        x: [T, H] (or [..., H]) in the weight's dtype, any strides.
+        weight: [E, H]; bias: [E] (added in fp32).
+        top_k, method, routing_kwargs: as :func:`moekit.route` (``renormalize``,
+            ``correction_bias``, ``num_groups``, ``topk_groups``, ``scaling``).
+        lora: optional :class:`RouterLoRA`.
+        impl: ``"auto"`` (on CUDA the fused kernel up to the measured crossover of
+            :func:`moekit.router_tiers.fused_limit`, else router_gemm + route), ``"fused"`` (the
+            one-launch kernel, T <= 128; CUDA or TRITON_INTERPRET=1) or ``"unfused"``.
+
+    Returns:
+        (topk_weights float32 [T, k], topk_ids int32 [T, k]) with T = x.numel() // H.
+    """
+    args = _validate_gemm(x, weight, bias, lora)
+    num_tokens = args.x.shape[0]
+    opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
+    corr_bias = routing_kwargs.get("correction_bias")
+    corr_bias = None if corr_bias is None else corr_bias.contiguous()
+    if impl not in ("auto", "fused", "unfused"):
+        raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', got {impl!r}")
+    if impl == "fused" and not _triton.can_launch(weight.device):
+        raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
+    if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
+        raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")
+    return torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
+                                         opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
+                                         opts.scaling, impl)
+
+
+@torch.library.custom_op("moekit::fused_router", mutates_args=())
+def _fused_router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     corr_bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                     lora_scale: float, top_k: int, method: str, renormalize: bool, num_groups: int,
+                     topk_groups: int, scaling: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    args = _GemmArgs(x, weight, bias, None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale))
+    opts = RoutingOptions(top_k, method, renormalize, num_groups, topk_groups, scaling)
+    num_tokens = x.shape[0]
+    fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
+        num_tokens, weight.device, weight.shape[1], weight.shape[0]))
+    if fused and impl == "auto" and num_tokens:
+        fused = gate_case.fused_refusal(num_tokens, weight, args.bias, corr_bias, args.lora, opts, fused_router) is None
+    if not fused:
+        logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
+        _gemm(args, logits)
+        return route_with(logits, opts, corr_bias)
+    topk_weights, topk_ids = empty_routes(num_tokens, top_k, weight.device)
+    if num_tokens:
+        from . import triton_backend
+
+        triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, routing=opts, corr_bias=corr_bias,
+                                     topk_weights=topk_weights, topk_ids=topk_ids)
+    return topk_weights, topk_ids
+
+
+@_fused_router_op.register_fake
+def _(x, weight, bias, corr_bias, lora_a, lora_b, lora_scale, top_k, method, renormalize, num_groups, topk_groups,
+      scaling, impl):
+    return empty_routes(x.shape[0], top_k, x.device)
+
+
+class GateLinear(nn.Module):
+    """The MoE router as a module: ``forward(x [..., H]) -> logits [..., E]`` in ``out_dtype``.
+
+    fp32 accumulation, bias added in fp32, fp32 logits by default. ``weight`` is [E, H] in
+    ``params_dtype``; ``bias`` is [E] fp32 (``None`` unless ``bias=True``; a bf16 checkpoint bias
+    loads into it exactly). An optional LoRA adapter (:meth:`set_lora`) is applied in every tier.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False,
+                 params_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if hidden_size < 1 or num_experts < 1:
+            raise ValueError(f"hidden_size and num_experts must be >= 1, got {hidden_size}, {num_experts}")
+        if params_dtype not in INPUT_DTYPES:
+            raise TypeError(f"params_dtype must be one of {INPUT_DTYPES}, got {params_dtype}")
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+        self.hidden_size, self.num_experts, self.out_dtype = hidden_size, num_experts, out_dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
+        # The bias is kept in fp32: it is added in fp32, and a stored copy costs no conversion per call.
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32, device=device)) if bias else None
+        self.lora: RouterLoRA | None = None
+        self.tier = "auto"
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.hidden_size ** -0.5)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
+        """Attach (or with ``a=None`` remove) a LoRA adapter: logits += scale * (x a^T) b^T, with
+        a [r, H] in the weight's dtype and b [E, r] (checked now, against this module's H and E)."""
+        if a is None:
+            self.lora = None
+            return
+        check_tensor("b", b)
+        lora = RouterLoRA(a, b.float(), float(scale) if isinstance(scale, (int, float, torch.Tensor)) else scale)
+        _validate_gemm(self.weight.new_empty(0, self.hidden_size), self.weight, None, lora)
+        self.lora = lora
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return router_gemm(x, self.weight, self.bias, out_dtype=self.out_dtype, lora=self.lora, tier=self.tier)
+
+    def explain(self, num_tokens: int) -> str:
+        """Which tier serves ``num_tokens`` tokens on this module's device, and why."""
+        return router_tiers.explain(num_tokens, self.hidden_size, self.num_experts, self.weight.device)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, "
+                f"bias={self.bias is not None}, out_dtype={self.out_dtype}, lora={self.lora is not None}")

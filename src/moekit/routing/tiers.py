@@ -1,0 +1,204 @@
+"""Which implementation serves a router GEMM call, and why.
+
+The decision is data plus one function: the token count above which cuBLAS beats moekit's
+small-batch Triton kernel was measured on each GPU by ``benchmarks/bench_router.py`` and is kept
+in ``routing/tiers.json``; GPUs without a measurement use the default entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from .. import _triton
+
+TIERS = ("triton", "cublas", "torch")
+FUSED_MAX_TOKENS = 128
+"""The one-launch fused router kernel serves up to this many tokens."""
+
+GEMV_MAX_TOKENS = 2
+"""Up to this many tokens the router GEMM runs as a GEMV (fp32 FMAs), above it on tensor cores."""
+
+FINISH_TOKENS = {True: 1, False: 4}
+"""Tokens per finishing program of a tensor-core token block, where several programs share the
+finishing step (key: routing fused or not). The routing of one token is a chain of dependent
+reductions, so one token per program is fastest (H200, benchmarks/results/archive/ab_router_finish_2026-12-03.txt, 2026-12-03: qwen3 T=16
+22.2 -> 7.0 us); summing partial logits alone does best at 4."""
+_REGISTER_BUDGET = 4096  # fp32 elements one program may hold in the finishing step (no routing)
+
+
+@dataclass(frozen=True)
+class TierChoice:
+    tier: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RouterKernelConfig:
+    """Launch shape of the small-batch router kernel (see kernels/router.py)."""
+
+    block_t: int
+    block_r: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    fin_t: int
+    s_chunk: int
+    r_pad: int
+    num_warps: int = 4
+    fin_programs: int = 1
+    """Programs that share the finishing step of one token block (each takes fin_t tokens at a time)."""
+    num_stages: int = 3
+    """Software-pipeline depth of the K loop (Triton's default 3)."""
+
+
+@functools.cache
+def _crossover_table() -> dict:
+    text = resources.files("moekit.routing").joinpath("tiers.json").read_text()
+    return json.loads(text)
+
+
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _measured(device: torch.device, hidden: int, num_experts: int, table: str) -> tuple[int, str]:
+    """(token limit, where it comes from) from routing/tiers.json for this GPU and shape."""
+    data = _crossover_table()
+    gpu = _gpu_name(device)
+    entry = data["gpus"].get(gpu)
+    if entry is None or table not in entry:
+        return data["default"][table], f"default (no measurement for {gpu!r})"
+    shape_key = f"H{hidden}_E{num_experts}"
+    if shape_key in entry[table]["shapes"]:
+        return entry[table]["shapes"][shape_key], f"measured on {gpu} for {shape_key} ({entry['source']})"
+    return entry[table]["max_tokens"], f"measured on {gpu}, smallest over shapes ({entry['source']})"
+
+
+def crossover_tokens(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
+    """(largest T the Triton GEMM tier serves, where that number comes from) for this GPU and shape."""
+    return _measured(device, hidden, num_experts, "gemm_triton")
+
+
+def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.device,
+                tier: str = "auto") -> TierChoice:
+    """The tier that serves a router GEMM of ``num_tokens`` x [E=num_experts, H=hidden]."""
+    if tier not in ("auto",) + TIERS:
+        raise ValueError(f"tier must be 'auto' or one of {TIERS}, got {tier!r}")
+    if tier != "auto":
+        if tier == "cublas" and device.type != "cuda":
+            raise ValueError(f"tier='cublas' needs a CUDA device, got {device}")
+        if tier == "triton" and not _triton.can_launch(device):
+            raise ValueError(f"tier='triton' needs a CUDA device or TRITON_INTERPRET=1, got {device}")
+        return TierChoice(tier, "requested explicitly")
+    if device.type != "cuda":
+        return TierChoice("torch", f"device {device.type}: plain torch in fp32")
+    if not _triton.triton_importable():
+        return TierChoice("cublas", "triton is not installed")
+    limit, source = crossover_tokens(device, hidden, num_experts)
+    if num_tokens <= limit:
+        return TierChoice("triton", f"T={num_tokens} <= {limit}: small-batch kernel ({source})")
+    return TierChoice("cublas", f"T={num_tokens} > {limit}: cuBLAS with fp32 output ({source})")
+
+
+@functools.lru_cache(maxsize=4096)
+def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
+                  num_sms: int = 132) -> RouterKernelConfig:
+    """Heuristic launch shape: about two programs per SM, bounded registers and partial sums."""
+    if num_tokens <= GEMV_MAX_TOKENS:
+        block_t, block_r = _triton.next_pow2(num_tokens), 16
+        block_k = 8192 // (block_t * block_r)  # the GEMV path's fp32 product tile: 8192 elements
+    else:
+        # Taller token blocks only past T=128: below it the finishing step is shared anyway and more
+        # row blocks keep the SMs busy (H200 tile sweep, benchmarks/results/archive/router_tiles_2026-12-03.txt, 2026-12-03).
+        small = num_tokens <= 16
+        block_t = 16 if small or fuse_topk or num_tokens <= 128 else (32 if num_tokens <= 256 else 64)
+        block_r = 16 if small else 32
+        block_k = 256 if small else 128
+    return launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r, block_k)
+
+
+def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool, num_sms: int,
+                  block_t: int, block_r: int, block_k: int, num_warps: int = 4,
+                  programs_per_sm: int = 2, splits: int | None = None, num_stages: int = 3) -> RouterKernelConfig:
+    """The launch shape for one GEMM tile: K splits for about ``programs_per_sm`` programs per SM
+    (or ``splits``, for measuring), the finishing step's token groups and finishers within their
+    register budgets."""
+    e_pad = _triton.next_pow2(num_experts)
+    r_pad = _triton.next_pow2(rank) if rank else 1
+    # The finishing program holds a [fin_t, E_PAD] logits tile (routing: several siblings of it),
+    # the LoRA product [fin_t, R_PAD, E_PAD] and one [s_chunk, fin_t, E_PAD] load of partial sums;
+    # tests/sm90_compile.py shows spills past these budgets (fp32 elements, 4 warps).
+    tile_budget, parts_budget = (2048, 4096) if fuse_topk else (_REGISTER_BUDGET, _REGISTER_BUDGET)
+    lora_budget = 2048 if fuse_topk else 4096
+    fin_t_max = min(tile_budget // e_pad, lora_budget // (r_pad * e_pad))
+    shared_finish = block_t >= 16  # the GEMV blocks hold one or two tokens: one finisher is enough
+    fin_t = _prev_pow2(max(1, min(block_t, _triton.next_pow2(num_tokens), fin_t_max,
+                                  FINISH_TOKENS[fuse_topk] if shared_finish else block_t)))
+    # It also reads every split's partial sums alone, so keep them to ~64 KB per token block.
+    max_splits = max(2, 16384 // (min(num_tokens, block_t) * e_pad))
+    row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
+    t_blocks = _triton.cdiv(num_tokens, block_t)
+    base = row_blocks * t_blocks
+    if splits is None:
+        splits = min(_triton.cdiv(programs_per_sm * num_sms, base), max_splits)
+    splits = max(1, min(splits, _triton.cdiv(hidden, block_k)))
+    k_per_split = _triton.cdiv(_triton.cdiv(hidden, splits), block_k) * block_k
+    splits = _triton.cdiv(hidden, k_per_split)
+    # Finishers wait for their block's last partial sums. A launch has at most one waiting program
+    # per SM, so the programs they wait for always find room to run (an SM holds several).
+    fin_programs = 1
+    if shared_finish:
+        block_tokens = min(block_t, num_tokens)
+        cap = max(1, min(row_blocks * splits, num_sms // t_blocks))
+        if _triton.cdiv(block_tokens, fin_t) > cap:
+            # Fewer finishers than token groups: take larger groups (within the register budgets)
+            # rather than loop, since each group's step waits on L2 (H200 tile sweep: T=4096 with
+            # 64-token blocks had 2 finishers looping 8 times; benchmarks/results/archive/router_tiles_2026-12-03.txt, 2026-12-03).
+            fin_t = _prev_pow2(max(fin_t, min(_triton.next_pow2(_triton.cdiv(block_tokens, cap)), fin_t_max)))
+        fin_programs = max(1, min(_triton.cdiv(block_tokens, fin_t), cap))
+    s_chunk = _prev_pow2(max(1, min(_triton.next_pow2(splits), parts_budget // (fin_t * e_pad))))
+    return RouterKernelConfig(block_t, block_r, block_k, splits, k_per_split, fin_t, s_chunk, r_pad,
+                              num_warps=num_warps, fin_programs=fin_programs, num_stages=num_stages)
+
+
+def fused_limit(device: torch.device, hidden: int, num_experts: int) -> tuple[int, str]:
+    """Largest T for which fused_router's auto choice is the one-launch kernel, and why.
+
+    The kernel serves any T <= FUSED_MAX_TOKENS on request (impl="fused"); auto takes it only up to
+    the measured point where router_gemm + the routing kernel (which spreads the top-k over many
+    programs) becomes faster.
+    """
+    limit, source = _measured(device, hidden, num_experts, "fused")
+    return min(limit, FUSED_MAX_TOKENS), source
+
+
+def fused_applies(num_tokens: int, device: torch.device, hidden: int, num_experts: int) -> bool:
+    """fused_router(impl="auto") uses its single-launch kernel (else it runs router_gemm + route)."""
+    if device.type != "cuda" or not _triton.triton_importable():
+        return False
+    return num_tokens <= fused_limit(device, hidden, num_experts)[0]
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device | str = "cuda") -> str:
+    """One line per op: which tier serves a router call of this shape and why."""
+    device = torch.device(device)
+    gemm = choose_tier(num_tokens, hidden, num_experts, device)
+    if fused_applies(num_tokens, device, hidden, num_experts):
+        limit, source = fused_limit(device, hidden, num_experts)
+        fused = f"one Triton launch (GEMM + bias + top-k): T={num_tokens} <= {limit} ({source})"
+    elif device.type == "cuda":
+        limit, source = fused_limit(device, hidden, num_experts)
+        fused = f"router_gemm ({gemm.tier}) + routing kernel: T={num_tokens} > {limit} ({source})"
+    else:
+        fused = f"router_gemm ({gemm.tier}) + route on {device.type}"
+    return (f"router_gemm T={num_tokens} H={hidden} E={num_experts}: {gemm.tier} -- {gemm.reason}\n"
+            f"fused_router: {fused}")

@@ -1,0 +1,161 @@
+"""Top-k routing: which experts each token goes to, and with what weight.
+
+``route`` runs a Triton kernel on CUDA (one launch, any E up to 4096) and a float64 torch
+path elsewhere. Both follow the selection rules of :mod:`moekit.reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _triton, reference
+from .._checks import check_tensor, check_top_k
+from ..presets import ROUTING_METHODS
+from . import gate_case
+
+MAX_EXPERTS = 4096
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """Everything that defines a routing function besides the logits (host-side, hashable)."""
+
+    top_k: int
+    method: str
+    renormalize: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
+
+
+def validate_routing(
+    num_experts: int,
+    device: torch.device,
+    top_k,
+    method,
+    *,
+    renormalize=True,
+    correction_bias=None,
+    num_groups=1,
+    topk_groups=1,
+    scaling=1.0,
+) -> RoutingOptions:
+    """Check the routing arguments for E experts; returns the options as a frozen dataclass."""
+    if method not in ROUTING_METHODS:
+        raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
+    check_top_k(top_k, num_experts)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts must be <= {MAX_EXPERTS}, got {num_experts}")
+    for name, value in (("num_groups", num_groups), ("topk_groups", topk_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if method == "sigmoid_grouped":
+        if num_experts % num_groups:
+            raise ValueError(f"num_groups must divide num_experts={num_experts}, got num_groups={num_groups}")
+        if topk_groups > num_groups:
+            raise ValueError(f"topk_groups must be <= num_groups={num_groups}, got {topk_groups}")
+        if topk_groups * (num_experts // num_groups) < top_k:
+            raise ValueError(
+                f"top_k={top_k} exceeds the {topk_groups * (num_experts // num_groups)} experts "
+                f"in the kept groups (topk_groups={topk_groups} x group size {num_experts // num_groups})"
+            )
+    elif correction_bias is not None or num_groups != 1 or topk_groups != 1:
+        raise ValueError(f"correction_bias, num_groups and topk_groups apply only to sigmoid_grouped, not {method}")
+    if correction_bias is not None:
+        check_tensor("correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        if correction_bias.shape[0] != num_experts:
+            raise ValueError(f"correction_bias must have shape ({num_experts},), got {tuple(correction_bias.shape)}")
+    return RoutingOptions(top_k, method, bool(renormalize), num_groups, topk_groups, float(scaling))
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    *,
+    renormalize: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    scaling: float = 1.0,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select ``top_k`` experts per token and their weights.
+
+    Args:
+        logits: [T, E] router logits, fp32 (recommended), bf16, fp16 or fp64; any strides.
+        top_k: experts per token, 1 <= top_k <= E.
+        method: ``softmax_topk`` | ``topk_softmax`` | ``sigmoid_grouped`` | ``sigmoid_top1``
+            (definitions in :mod:`moekit.reference`).
+        renormalize: rescale the k weights to sum to one (softmax_topk, sigmoid_grouped).
+        correction_bias: [E] float, added to sigmoid scores for selection only (sigmoid_grouped).
+        num_groups, topk_groups: group-limited selection (sigmoid_grouped).
+        scaling: routed scaling factor applied to the final weights (sigmoid_grouped).
+        impl: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        (topk_weights float32 [T, k], topk_ids int32 [T, k]), contiguous. Ids are always in [0, E).
+    """
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    opts = validate_routing(
+        logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
+        correction_bias=correction_bias, num_groups=num_groups, topk_groups=topk_groups, scaling=scaling,
+    )
+    return route_with(logits, opts, correction_bias, impl=impl)
+
+
+def _triton_serves_auto(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and _triton.can_launch(logits.device)
+
+
+def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str = "auto"):
+    """:func:`route` on already validated arguments (used by the router)."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    use_triton = impl == "triton" or (impl == "auto" and _triton_serves_auto(logits))
+    if use_triton and not _triton.can_launch(logits.device):
+        raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
+    if use_triton and impl == "auto" and logits.shape[0]:
+        use_triton = gate_case.route_refusal(logits, correction_bias, opts, route_with) is None
+    if use_triton:
+        return torch.ops.moekit.route_triton(logits, None if correction_bias is None else correction_bias.contiguous(),
+                                             opts.top_k, opts.method, opts.renormalize, opts.num_groups,
+                                             opts.topk_groups, opts.scaling)
+    return _route_torch(logits, opts, correction_bias)
+
+
+# One opaque op for torch.compile (the launch's host logic is not traced), with a fake kernel.
+@torch.library.custom_op("moekit::route_triton", mutates_args=())
+def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, method: str,
+              renormalize: bool, num_groups: int, topk_groups: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    opts = RoutingOptions(top_k, method, renormalize, num_groups, topk_groups, scaling)
+    from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
+
+    return triton_backend.route_triton(logits, opts, correction_bias)
+
+
+@_route_op.register_fake
+def _(logits, correction_bias, top_k, method, renormalize, num_groups, topk_groups, scaling):
+    return empty_routes(logits.shape[0], top_k, logits.device)
+
+
+def empty_routes(num_tokens: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (topk_weights float32 [T, k], topk_ids int32 [T, k])."""
+    return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=device),
+            torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
+
+
+def _route_torch(logits, opts: RoutingOptions, correction_bias):
+    weights, ids = reference.route(
+        logits, opts.top_k, opts.method, renormalize=opts.renormalize, correction_bias=correction_bias,
+        num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling,
+    )
+    return weights.to(torch.float32), ids.to(torch.int32)
+
+
+def routing_block_tokens(num_experts: int) -> int:
+    """Tokens per program: keep about 2048 scores in registers per program."""
+    return max(1, min(16, 2048 // _triton.next_pow2(num_experts)))

@@ -1,0 +1,103 @@
+"""Host side of the router and routing kernels (kernels/router.py, kernels/topk.py): launch shapes
+and arguments. Imported on the first Triton call, so that the kernels are built (compiled, or for
+the interpreter wrapped) as TRITON_INTERPRET says then."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _triton
+from . import tiers
+from .kernels import topk as topk_kernels
+from .kernels.router import router_kernel
+from .kernels.topk import routing_kernel
+from .topk import RoutingOptions, empty_routes, routing_block_tokens
+
+_NO_ROUTING = RoutingOptions(top_k=1, method="softmax_topk")  # fills the routing constexprs of a GEMM-only launch
+METHOD_CODES = {"softmax_topk": topk_kernels.SOFTMAX_TOPK.value, "topk_softmax": topk_kernels.TOPK_SOFTMAX.value,
+                "sigmoid_grouped": topk_kernels.SIGMOID_GROUPED.value, "sigmoid_top1": topk_kernels.SIGMOID_TOP1.value}
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def kernel_constants(self: RoutingOptions, num_experts: int, has_corr_bias: bool) -> dict:
+    """The routing constexprs of both kernels (routing and the fused router's epilogue)."""
+    return dict(
+        TOP_K=self.top_k,
+        K_PAD=_triton.next_pow2(self.top_k),
+        METHOD=METHOD_CODES[self.method],
+        RENORMALIZE=self.renormalize,
+        HAS_CORR_BIAS=has_corr_bias,
+        NUM_GROUPS=self.num_groups,
+        TOPK_GROUPS=self.topk_groups,
+        GROUP_SIZE=num_experts // self.num_groups,
+        G_PAD=_triton.next_pow2(self.num_groups),
+        GROUPS_RESHAPE=_pow2(self.num_groups) and _pow2(num_experts // self.num_groups),
+    )
+
+
+def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
+                  topk_weights=None, topk_ids=None) -> None:
+    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``."""
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    rank = lora.a.shape[0] if lora is not None else 0
+    fuse = routing is not None
+    cfg = tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, _triton.num_sms(x.device))
+    t_blocks = _triton.cdiv(num_tokens, cfg.block_t)
+    direct = cfg.splits == 1 and rank == 0 and not fuse
+    if not direct and t_blocks > _triton.NUM_COUNTERS:
+        raise ValueError(f"T={num_tokens} needs {t_blocks} token blocks; the small-batch router kernel "
+                         f"has {_triton.NUM_COUNTERS} (use tier='cublas' or fewer tokens)")
+    total_rows = num_experts + rank
+    ws = x if direct else torch.empty(cfg.splits * num_tokens * total_rows, dtype=torch.float32, device=x.device)
+    counters = x if direct else _triton.counters(x.device)
+    a = lora.a if lora is not None else weight
+    b = lora.b if lora is not None else weight
+    if routing is None:
+        routing = _NO_ROUTING
+        topk_weights = topk_ids = x
+    else:
+        out2 = x
+    grid = (_triton.cdiv(num_experts, cfg.block_r) + _triton.cdiv(rank, cfg.block_r), cfg.splits, t_blocks)
+    router_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        weight, weight.stride(0), weight.stride(1),
+        a, a.stride(0), a.stride(1),
+        b, b.stride(0), b.stride(1),
+        bias if bias is not None else x, corr_bias if corr_bias is not None else x,
+        ws, counters,
+        out2, out2.stride(0), out2.stride(1),
+        topk_weights, topk_ids,
+        num_tokens, hidden, num_experts, rank, cfg.k_per_split, num_tokens * total_rows,
+        float(lora.scale) if lora is not None else 0.0, routing.scaling,
+        BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
+        # The interpreter runs programs one by one: a finisher waiting for a later one would hang.
+        FIN_PROGRAMS=1 if _triton.interpreting() else cfg.fin_programs,
+        E_PAD=_triton.next_pow2(num_experts), S_CHUNK=cfg.s_chunk, R_PAD=cfg.r_pad,
+        HAS_BIAS=bias is not None, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
+        IEEE=x.dtype == torch.float32, FENCE=not _triton.interpreting(),
+        **kernel_constants(routing, num_experts, corr_bias is not None),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def route_triton(logits, opts: RoutingOptions, correction_bias):
+    """The routing kernel on validated arguments: (weights fp32 [T, k], ids int32 [T, k])."""
+    num_tokens, num_experts = logits.shape
+    weights, ids = empty_routes(num_tokens, opts.top_k, logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_t = routing_block_tokens(num_experts)
+    grid = (_triton.cdiv(num_tokens, block_t),)
+    routing_kernel[grid](
+        logits, logits.stride(0), logits.stride(1),
+        correction_bias if correction_bias is not None else logits,
+        weights, ids, num_tokens, num_experts, opts.scaling,
+        BLOCK_T=block_t, E_PAD=_triton.next_pow2(num_experts),
+        **kernel_constants(opts, num_experts, correction_bias is not None),
+        num_warps=4,
+    )
+    return weights, ids

@@ -1,0 +1,373 @@
+"""Experts benchmark (GPU): moekit.fused_experts against the peers, in the same run
+(`moekit bench`, `python benchmarks/bench_experts.py`).
+
+Peers: Hugging Face transformers' experts modules with each ``_experts_implementation``
+("eager", "grouped_mm", "batched_mm"), Liger-Kernel's fused MoE (SiLU presets), and a plain
+torch grouped_mm pipeline. Uniform random routing (k distinct experts per token), bf16.
+
+Timing: CUDA-graph replay (eager where an implementation cannot be captured; marked). For
+T <= 64 a graph of 8 consecutive calls cycling over 4 layers' weights (as consecutive layers of a
+model run), us per call = replay / 8; above, a graph of one call. Floors: bytes of the distinct
+experts hit at the copy rate, and 2*T*k*3*H*I FLOPs at the bf16 matmul rate measured in this run.
+
+  moekit bench --preset qwen3-30b-a3b --tokens 1 16 256 --plot experts.png
+  python benchmarks/bench_experts.py --out benchmarks/results
+  python benchmarks/bench_experts.py --merge run_a.json run_b.json --name experts   (one table, no GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ... import layouts, presets, reference
+from ...experts import fused_experts
+from ...metrics import rel_errors
+from .. import _argtypes
+from .timing import eager_time_us, environment, graph_time_us
+
+PRESETS = ["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"]
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+PEERS = ["hf_eager", "hf_grouped_mm", "hf_batched_mm", "liger", "torch_grouped_mm"]
+COPY_BW = 4.2e12  # bytes/s, device-to-device copy counting read + write (H200, measured)
+MAX_PEER_BYTES = 40e9  # a peer whose working set exceeds this is reported as out of memory, not run
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192^3 torch.mm here (the compute floor's rate)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    us = eager_time_us([lambda: torch.mm(a, b)], reps=20)
+    return 2 * 8192 ** 3 / (us * 1e-6)
+
+
+class Layer:
+    """One layer's expert weights in moekit's layout, plus the Hugging Face module over them."""
+
+    def __init__(self, spec, impl_names):
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        dev, dt = "cuda", torch.bfloat16
+        self.spec = spec
+        g = _gen(dev)
+        self.w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g).mul_(H ** -0.5)
+        self.w2 = torch.randn(E, H, I, device=dev, dtype=dt, generator=g).mul_(I ** -0.5)
+        self.b13 = self.b2 = None
+        if spec.expert_bias:
+            self.b13 = torch.randn(E, 2 * I, device=dev, dtype=dt, generator=g).mul_(0.02)
+            self.b2 = torch.randn(E, H, device=dev, dtype=dt, generator=g).mul_(0.02)
+        self.hf = _hf_experts(spec, self) if any(n.startswith("hf_") for n in impl_names) else None
+
+
+def _hf_experts(spec, layer):
+    """transformers' experts module of this model family, sharing (or converting) the weights."""
+    from torch import nn
+
+    if spec.activation == "swiglu_oai":
+        from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        cfg = GptOssConfig(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                           num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k)
+        with torch.device("meta"):
+            mod = GptOssExperts(cfg)
+        gate_up, down = layouts.to_hf(layer.w13, layer.w2)   # [E, H, 2I] interleaved, [E, I, H]
+        mod.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+        mod.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+        mod.gate_up_proj_bias = nn.Parameter(layer.b13, requires_grad=False)
+        mod.down_proj_bias = nn.Parameter(layer.b2, requires_grad=False)
+    else:
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        # Mixtral, Qwen3-MoE and DeepSeek-V3 share this experts class body in transformers 5.
+        cfg = Qwen3MoeConfig(hidden_size=spec.hidden_size, moe_intermediate_size=spec.intermediate_size,
+                             num_experts=spec.num_experts, num_experts_per_tok=spec.top_k, hidden_act="silu")
+        with torch.device("meta"):
+            mod = Qwen3MoeExperts(cfg)
+        mod.gate_up_proj = nn.Parameter(layer.w13, requires_grad=False)   # same [E, 2I, H] layout
+        mod.down_proj = nn.Parameter(layer.w2, requires_grad=False)
+    return mod
+
+
+def _torch_grouped_mm(x, layer, tw, tid):
+    """The pipeline a torch user writes: sort pairs by expert, two grouped_mm, weight, unsort, sum."""
+    spec = layer.spec
+    T, k = tid.shape
+    flat = tid.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.histc(flat.int() if flat.is_cuda else flat.float(), bins=spec.num_experts, min=0, max=spec.num_experts - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    xs = x[order // k]
+    h = torch._grouped_mm(xs, layer.w13.transpose(1, 2), offs=offs)
+    if layer.b13 is not None:
+        h = h + layer.b13[flat[order]]
+    if spec.activation == "silu_and_mul":
+        g, u = h.chunk(2, dim=-1)
+        a = F.silu(g) * u
+    else:
+        g, u = h[:, 0::2].clamp(max=7.0), h[:, 1::2].clamp(-7.0, 7.0)
+        a = (u + 1) * g * torch.sigmoid(1.702 * g)
+    y = torch._grouped_mm(a, layer.w2.transpose(1, 2), offs=offs)
+    if layer.b2 is not None:
+        y = y + layer.b2[flat[order]]
+    y = y * tw.reshape(-1)[order, None]
+    out = torch.empty_like(y)
+    out[order] = y
+    return out.view(T, k, -1).sum(1)
+
+
+def implementations(spec, names):
+    def moekit(x, layer, tw, tid):
+        return fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
+                             w13_bias=layer.b13, w2_bias=layer.b2)
+
+    def hf(kind):
+        def run(x, layer, tw, tid):
+            layer.hf.config._experts_implementation = kind
+            return layer.hf(x, tid.long(), tw.to(x.dtype))
+        return run
+
+    def liger(x, layer, tw, tid):
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        return LigerFusedMoEFunction.apply(x, layer.w13, layer.w2, tid, tw.to(x.dtype))
+
+    table = {"moekit": moekit, "hf_eager": hf("eager"), "hf_grouped_mm": hf("grouped_mm"),
+             "hf_batched_mm": hf("batched_mm"), "liger": liger, "torch_grouped_mm": _torch_grouped_mm}
+    return {n: table[n] for n in ["moekit"] + names if n in table}
+
+
+def supported(name, spec, T) -> str | None:
+    """None if the peer can run this case, else why not."""
+    if name == "liger" and spec.activation != "silu_and_mul":
+        return "SiLU only"
+    if name == "hf_batched_mm":
+        need = T * spec.top_k * 3 * spec.hidden_size * spec.intermediate_size * 2
+        if need > MAX_PEER_BYTES:
+            return f"gathers {need / 1e9:.0f} GB of weights"
+    return None
+
+
+_GEN: dict = {}
+
+
+def _gen(device):
+    """Inputs come from a generator of their own: a failed capture of a peer leaves the default
+    CUDA generator unusable ('offset increment outside graph capture')."""
+    if device not in _GEN:
+        _GEN[device] = torch.Generator(device=device)
+        _GEN[device].manual_seed(0)
+    return _GEN[device]
+
+
+def reseed(what: str, device="cuda") -> None:
+    """Draw what follows from a seed of its own (``what``: a preset's weights, a (preset, T) case), so that a
+    case's routes and inputs do not depend on which presets and token counts ran before it in the process: the
+    same row of two runs with other --tokens lists sees the same experts hit."""
+    _gen(device).manual_seed(zlib.crc32(what.encode()))
+
+
+def routes(spec, T, device="cuda"):
+    g = _gen(device)
+    tid = torch.rand(T, spec.num_experts, device=device, generator=g).argsort(dim=1)[:, :spec.top_k].int().contiguous()
+    return torch.softmax(torch.randn(T, spec.top_k, device=device, generator=g), -1), tid
+
+
+EAGER_ONLY = {"hf_eager", "liger"}  # host syncs (nonzero, .item()): a capture attempt only leaks its memory pool
+
+
+def make_cases(spec, T, layers) -> list[tuple]:
+    """(x, layer, topk_weights, topk_ids) per call: 8 calls cycling over the layers for T <= 64
+    (decode: a graph of consecutive layers), one call above."""
+    calls, used = (8, len(layers)) if T <= 64 else (1, 1)
+    reseed(f"{spec.name} T={T}")
+    cases = []
+    for i in range(calls):
+        tw, tid = routes(spec, T)
+        x = torch.randn(T, spec.hidden_size, device="cuda", generator=_gen("cuda")).bfloat16()
+        cases.append((x, layers[i % used], tw, tid))
+    return cases
+
+
+def time_impl(name, fn, cases):
+    """(us per call, mode): a CUDA graph when the implementation can be captured, else eager."""
+    calls = [lambda c=c: fn(*c) for c in cases]
+    if name in EAGER_ONLY:
+        return eager_time_us(calls, reps=10), "eager"
+    try:
+        return graph_time_us(calls, replays=20), "graph"
+    except Exception:  # noqa: BLE001 - a host sync or data-dependent shape: time it eagerly
+        torch.cuda.synchronize()
+        return eager_time_us(calls, reps=10), "eager"
+
+
+def run(args):
+    rate = matmul_rate()
+    print(f"bf16 matmul rate here: {rate / 1e12:.0f} TFLOP/s", flush=True)
+    records = []
+    for name in args.presets:
+        # saved after every row: a call cut by a time limit keeps what it measured
+        run_preset(args, presets.get(name), rate, lambda row: (records.append(row), save(args, records, rate)))
+        torch.cuda.empty_cache()
+    return records, rate
+
+
+def save(args, records, rate, render=None):
+    """Write {name}.json and {name}.md (``render(records, env, rate)``; default this script's table)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "matmul_rate": rate, "records": records}, indent=1))
+    md = render(records, env, rate) if render else markdown(records, env, rate, args.peers)
+    (args.out / f"{args.name}.md").write_text(md)
+    return md
+
+
+def run_preset(args, spec, rate, on_row):
+    """Every T of one preset, each row handed to ``on_row`` as it is measured; the weights are freed on return."""
+    name = spec.name
+    n_layers = min(args.layers, 4)
+    reseed(f"{name} weights")
+    layers = [Layer(spec, args.peers) for _ in range(n_layers)]
+    impls = implementations(spec, args.peers)
+    for T in args.tokens:
+        cases = make_cases(spec, T, layers)
+        hit = torch.unique(cases[0][3]).numel()
+        expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
+        bw_floor = (hit * expert_bytes + 2 * T * spec.hidden_size * 2) / COPY_BW * 1e6
+        mm_floor = 2 * T * spec.top_k * 3 * spec.hidden_size * spec.intermediate_size / rate * 1e6
+        row = {"preset": name, "T": T, "layers": n_layers, "experts_hit": hit, "floor_us": max(bw_floor, mm_floor),
+               "floor_kind": "bytes" if bw_floor >= mm_floor else "flops"}
+        ref = None
+        if T in args.accuracy_tokens:
+            x, layer, tw, tid = cases[0]
+            ref = reference.fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
+                                          w13_bias=layer.b13, w2_bias=layer.b2)
+        for impl, fn in impls.items():
+            why = supported(impl, spec, T)
+            if why:
+                row[impl] = None
+                row[f"{impl}_note"] = why
+                continue
+            try:
+                us, mode = time_impl(impl, fn, cases)
+                if ref is not None:
+                    row[f"{impl}_err"] = rel_errors(fn(*cases[0]), ref)[1]
+            except torch.OutOfMemoryError:
+                us, mode = None, "out of memory"
+                torch.cuda.empty_cache()
+            row[impl], row[f"{impl}_mode"] = us, mode
+        peers = [row[p] for p in impls if p != "moekit" and row.get(p) is not None]
+        if peers and row.get("moekit"):
+            row["best_peer_us"] = min(peers)
+            row["speedup_vs_best_peer"] = min(peers) / row["moekit"]
+            row["floor_ratio"] = row["moekit"] / row["floor_us"]
+        on_row(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        del cases, ref
+        torch.cuda.empty_cache()
+
+
+def _rates(r) -> tuple[float | None, float | None]:
+    """moekit's (TFLOP/s, GB/s of expert weights hit) for a record."""
+    us = r.get("moekit")
+    if not us:
+        return None, None
+    spec = presets.get(r["preset"])
+    params = 3 * spec.hidden_size * spec.intermediate_size
+    return 2 * r["T"] * spec.top_k * params / us * 1e-6, r["experts_hit"] * params * 2 / us * 1e-3
+
+
+def _fmt(v, digits=1):
+    return "-" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
+
+
+def _rate_words(rate) -> str:
+    """The header's words for one run's rate, or a merged file's rate per run."""
+    if isinstance(rate, (int, float)):
+        return f"this run: {rate / 1e12:.0f} TFLOP/s"
+    return "each run (in order): " + " / ".join(f"{r / 1e12:.0f}" for r in rate) + " TFLOP/s"
+
+
+def merge(paths, args):
+    """One table from several runs' JSON files (a full sweep split over time-limited device calls):
+    records in the order given, a later file's (preset, T) replacing an earlier one's."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    by_case = {}
+    for run_ in runs:
+        for r in run_["records"]:
+            by_case[(r["preset"], r["T"])] = r
+    order = {name: i for i, name in enumerate(PRESETS)}
+    records = sorted(by_case.values(), key=lambda r: (order.get(r["preset"], len(order)), r["T"]))
+    env = dict(runs[-1]["env"], date=" and ".join(sorted({r["env"]["date"] for r in runs})))
+    rates = [r["matmul_rate"] for r in runs]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(
+        {"env": env, "matmul_rate": rates, "merged_from": [Path(p).name for p in paths], "records": records}, indent=1))
+    md = markdown(records, env, rates, args.peers)
+    (args.out / f"{args.name}.md").write_text(md)
+    return md
+
+
+def markdown(records, env, rate, impl_names):
+    cols = ["moekit"] + [p for p in impl_names if any(r.get(p) is not None or f"{p}_note" in r for r in records)]
+    layers = max((r.get("layers", 4) for r in records), default=4)  # records before this field used 4
+    lines = [f"# Experts benchmark ({env['gpu']}, {env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. bf16, uniform random routing.",
+             "us per fused_experts call (alignment and combine included). CUDA-graph replay: T <= 64 a graph of 8",
+             f"calls over {layers} layers' weights (replay / 8), above one call per graph; `(e)` = eager (cannot be",
+             "captured). floor = max(bytes of the distinct experts hit + x + out at 4.2 TB/s, FLOPs at the",
+             f"bf16 matmul rate measured in {_rate_words(rate)}). x floor = moekit / floor.", "",
+             "| preset | T | " + " | ".join(cols) + " | best peer / moekit | floor us | x floor | moekit TFLOP/s | "
+             "moekit GB/s | rel err moekit |",
+             "|---|---|" + "---|" * (len(cols) + 6)]
+    for r in records:
+        cells = []
+        for c in cols:
+            if r.get(c) is None:
+                cells.append(r.get(f"{c}_note", r.get(f"{c}_mode", "-")))
+            else:
+                cells.append(_fmt(r[c]) + (" (e)" if r.get(f"{c}_mode") == "eager" else ""))
+        tflops, gbps = _rates(r)
+        lines.append(f"| {r['preset']} | {r['T']} | " + " | ".join(cells) +
+                     f" | {_fmt(r.get('speedup_vs_best_peer'), 2)} | {_fmt(r['floor_us'])} ({r['floor_kind']}) | "
+                     f"{_fmt(r.get('floor_ratio'), 2)} | {_fmt(tflops)} | {_fmt(gbps, 0)} | "
+                     f"{_fmt(r.get('moekit_err'), 5) if r.get('moekit_err') is not None else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", "--presets", dest="presets", nargs="+", type=_argtypes.preset_name, default=PRESETS)
+    p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count, default=TOKENS)
+    p.add_argument("--peers", nargs="*", default=PEERS, help=f"subset of {PEERS}")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--accuracy-tokens", nargs="*", type=int, default=[16, 1024])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
+    p.add_argument("--name", default="experts")
+
+
+def script_main(doc: str, add_args, run_fn, render=None, argv=None) -> None:
+    """A benchmark module as a script: its arguments, a run, the saved table printed."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    args = p.parse_args(argv)
+    records, rate = run_fn(args)
+    print(save(args, records, rate, render))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                   help="no run: write {name}.json/.md merged from these runs' results (no GPU needed)")
+    args = p.parse_args(argv)
+    if args.merge:
+        print(merge(args.merge, args))
+        return
+    records, rate = run(args)
+    print(save(args, records, rate))

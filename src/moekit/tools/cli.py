@@ -1,0 +1,247 @@
+"""The `moekit` command: verify (the accuracy gate), bench, explain, presets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .. import _triton, presets
+from ..experts import backends, configs as expert_configs
+from ..formats import recipe_format
+from ..routing import tiers as router_tiers
+from . import _argtypes, _interpreter, tune
+from .bench import experts, lowbit
+from .verify import runner
+from .verify.router_checks import implementations
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cmd_presets(args) -> int:
+    table = Table(title="moekit presets")
+    for col in ("preset", "H", "I", "E", "k", "routing", "activation", "router bias", "groups"):
+        table.add_column(col, no_wrap=True)  # names are looked up by users: never cut
+    for name in presets.names():
+        s = presets.get(name)
+        groups = f"{s.num_groups} keep {s.topk_groups}, x{s.routed_scaling_factor}" if s.routing == "sigmoid_grouped" else ""
+        table.add_row(name, str(s.hidden_size), str(s.intermediate_size), str(s.num_experts), str(s.top_k),
+                      s.routing + (" (renorm)" if s.renormalize and s.routing == "softmax_topk" else ""),
+                      s.activation, "yes" if s.router_bias else "", groups)
+    _console().print(table)
+    return 0
+
+
+def _console():
+    """rich's console; piped output is not cut at 80 columns (it keeps the table's own width)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def cmd_explain(args) -> int:
+    device = _device()
+    names = args.preset or presets.names()
+    try:  # every preset's format first: a mistake prints nothing else
+        recipes = {name: "dense" if args.weights == "bf16" else lowbit.preset_recipe(name, args.weights)
+                   for name in names}
+    except ValueError as exc:
+        return _argtypes.fail("moekit explain", str(exc))
+    for name, recipe in recipes.items():
+        spec = presets.get(name)
+        for T in args.tokens:
+            print(f"[{name}] " + router_tiers.explain(T, spec.hidden_size, spec.num_experts, device).replace("\n", f"\n[{name}] "))
+            print(f"[{name}] " + explain_experts(spec, T, device, recipe=recipe))
+    return 0
+
+
+def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                    recipe: str = "dense") -> str:
+    """Which experts backend and block configuration serve ``num_tokens`` tokens of ``spec`` with weights
+    quantized as ``recipe`` ("dense", or a :data:`moekit.formats.RECIPES` name), and why: the oracle's and the
+    config table's own answers, asked as fused_experts asks them."""
+    fmt = "dense" if recipe == "dense" else recipe_format(recipe)
+    act_quant = "fp8_group" if fmt == "fp8" else None  # FP8 checkpoints run W8A8
+    call = backends.ExpertsCall(fmt, dtype, device, num_tokens, act_quant, activation=spec.activation)
+    if backends.select_backend(call).name != "triton":
+        return "fused_experts " + backends.explain(call).replace("\n", "\n  ")
+    cfg, source = expert_configs.choose(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
+                                        spec.hidden_size, device, dtype, expert_configs.config_family(fmt, act_quant))
+    mode = f"mode {cfg.mode}" + (f", BLOCK_M={cfg.block_m}" if cfg.mode == "aligned" else "")
+    return f"fused_experts T={num_tokens} ({fmt} weights): triton, {mode}, gemm1 {cfg.gemm1}, gemm2 {cfg.gemm2} -- {source}"
+
+
+def cmd_verify(args) -> int:
+    runner.load_plugins()
+    device = _device()
+    console = _console()
+    on_gpu = device.type == "cuda"
+    names = args.preset or presets_names()
+    tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
+    # The interpreter computes bf16 dots wrongly: CPU runs check the kernels in fp16.
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float16)
+    impls = implementations(device)
+    if not on_gpu and dtype == torch.bfloat16:
+        impls = {op: [i for i in v if i not in ("triton", "fused")] for op, v in impls.items()}
+        if not args.backend:
+            console.print("note: Triton's interpreter computes bf16 dots wrongly; kernels are checked in fp16 "
+                          "on the CPU (run without --dtype) and in bf16 on a GPU")
+    groups = runner.groups(device, dtype, impls)
+    if args.backend:
+        if args.backend not in groups:
+            return _argtypes.fail("moekit verify", f"--backend must be one of {groups} here, got {args.backend!r}")
+        groups = [args.backend]
+    if args.backend and not args.isolate:  # a child (or a one-group run): its parent prints the table
+        report = runner.report_case if args.progress_lines else None
+        results = runner.run_group(args.backend, names, tokens, dtype, device, impls, on_gpu, report)
+        if args.json:
+            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        return 1 if any(not r.ok for r in results) else 0
+    console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: backends "
+                  f"{', '.join(groups)} ({'each in its own process' if args.isolate else 'in this process'}), "
+                  f"router and experts on {'real' if on_gpu else 'scaled-down'} presets, "
+                  f"dtype {str(dtype).replace('torch.', '')}")
+    start = time.time()
+    passthrough = ["--preset", *names, "--tokens", *map(str, tokens)] + (["--dtype", args.dtype] if args.dtype else [])
+    results = _run_groups(groups, names, tokens, console, lambda group, on_case: (
+        runner.run_isolated(group, passthrough, on_case)[0] if args.isolate
+        else runner.run_group(group, names, tokens, dtype, device, impls, on_gpu, on_case)))
+    table = Table(title=f"accuracy against float64 ({time.time() - start:.0f} s)")
+    for col in ("op", "impl", "preset", "T", "max err", "rms rel", "top-k agree", "status"):
+        table.add_column(col)
+    for r in results:
+        status = "[green]PASS[/]" if r.ok else f"[red]FAILED[/] {r.detail}"
+        table.add_row(r.op, r.impl, r.preset, str(r.tokens), f"{r.max_rel:.1e}",
+                      f"{r.rms_rel:.1e}" if r.op not in ("fused_router", "route") else "",
+                      f"{r.agree:.3f}" if r.op in ("route", "fused_router") else "", status)
+    console.print(table)
+    failed = [r for r in results if not r.ok]
+    console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    if args.json:
+        try:
+            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        except OSError as exc:
+            return _argtypes.fail("moekit verify", f"could not write --json {args.json}: {exc}")
+    return 1 if failed else 0
+
+
+def _run_groups(groups, names, tokens, console, run):
+    """Every group's results, with progress per case: a bar on a terminal, a line per group otherwise."""
+    per_group = len(names) * len(tokens)
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task("checking", total=len(groups) * per_group)
+        for group in groups:
+            started = time.time()
+            if not console.is_terminal:
+                print(f"checking {group}: {per_group} cases ({len(names)} presets x {len(tokens)} token counts)",
+                      flush=True)
+            bar.update(task, description=f"{group}")
+
+            def on_case(name, T, group=group):
+                bar.update(task, advance=1, description=f"{group}: {name} T={T}")
+
+            done = run(group, on_case)
+            results += done
+            failed = sum(not r.ok for r in done)
+            if not console.is_terminal:
+                print(f"  {group}: {len(done)} checks, {failed} failed, {time.time() - started:.0f} s", flush=True)
+    return results
+
+
+def presets_names() -> list[str]:
+    return presets.names()
+
+
+def cmd_bench(args) -> int:
+    if args.weights != "bf16":
+        args.name = "lowbit" if args.name == "experts" else args.name
+        try:  # fail on a preset without a low-bit format before any GPU work
+            [lowbit.preset_recipe(name, args.weights) for name in args.presets]
+        except ValueError as exc:
+            print(f"moekit bench: {exc}", file=sys.stderr)
+            return 2
+    if not torch.cuda.is_available():
+        print("moekit bench needs a CUDA GPU (its timings are CUDA-graph replays); `moekit verify` checks "
+              "accuracy on this machine", file=sys.stderr)
+        return 2
+    if args.weights == "bf16":
+        records, rate = experts.run(args)
+        print(experts.save(args, records, rate))
+        impls = ["moekit"] + args.peers
+    else:
+        records, rate = lowbit.run(args)
+        print(experts.save(args, records, rate, lowbit.markdown))
+        impls = lowbit.IMPLS
+    if args.plot:
+        from .bench.plot import plot  # matplotlib: the [bench] extra
+
+        gpu = torch.cuda.get_device_name()
+        for name in args.presets:
+            path = Path(args.plot)
+            target = path if len(args.presets) == 1 else path.with_name(f"{path.stem}_{name}{path.suffix}")
+            print(f"wrote {plot(records, impls, target, preset=name, gpu=gpu, metric=args.metric)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _argtypes.Parser(prog="moekit", description="Accurate, fast MoE inference layers.")
+    sub = p.add_subparsers(dest="command")
+    v = sub.add_parser("verify", help="check every implementation on this machine against float64 references")
+    v.add_argument("--preset", nargs="+", type=_argtypes.preset_name, help="presets to check (default: all)")
+    v.add_argument("--tokens", nargs="+", type=_argtypes.token_count,
+                   help="token counts (default: 1 7 33 on CPU, 1 8 64 129 1000 on GPU)")
+    v.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="activation/weight dtype")
+    v.add_argument("--json", type=_argtypes.new_file, help="write the full report here (its folder must exist)")
+    v.add_argument("--backend", help="check only this backend group (torch, triton, cublas, layer, or a plugin's)")
+    v.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="run every group in this process (default: one child process per backend group)")
+    v.add_argument("--progress-lines", action="store_true", help=argparse.SUPPRESS)  # a child's reports
+    v.set_defaults(func=cmd_verify)
+    b = sub.add_parser("bench", help="time moekit's experts against the peers on this GPU (CUDA graphs)")
+    experts.add_arguments(b)
+    b.add_argument("--weights", default="bf16",
+                   help="bf16 (default: against every peer), or low-bit experts against moekit bf16 and torch "
+                        "grouped_mm: 'native' (gpt-oss MXFP4, qwen3 NVFP4, deepseek-v3/kimi-k2 FP8 W8A8) or one of "
+                        "mxfp4, nvfp4, fp8_block, fp8_channel")
+    b.add_argument("--plot", type=_argtypes.new_file, help="save a PNG (one per preset when several: NAME_preset.png)")
+    b.add_argument("--metric", choices=["us", "floor"], default="us", help="plot time, or %% of the floor")
+    b.set_defaults(func=cmd_bench, out=Path("moekit-bench"))  # results here, not into a source tree
+    t = sub.add_parser("tune", help="measure the experts' block configurations on this GPU (writes a table)",
+                       description=tune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_arguments(t)
+    t.set_defaults(func=lambda args: tune.run(t, args))
+    e = sub.add_parser("explain", help="which implementation serves each op, and why")
+    e.add_argument("--preset", nargs="+", type=_argtypes.preset_name, help="presets to explain (default: all)")
+    e.add_argument("--tokens", nargs="+", type=_argtypes.token_count, default=[1, 16, 128, 4096])
+    e.add_argument("--weights", default="bf16",
+                   help="bf16 (default), 'native' (each preset's checkpoint format) or one of mxfp4, nvfp4, fp8_block, "
+                        "fp8_channel")
+    e.set_defaults(func=cmd_explain)
+    sub.add_parser("presets", help="the table of model presets").set_defaults(func=cmd_presets)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU through numpy
+    if _triton.interpreting():
+        _interpreter.speed_up()
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        build_parser().print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Experts and whole-layer checks of `moekit verify`: every experts backend of this machine
+(Triton: CUDA, or the interpreter on CPUs; torch), at the preset's sizes as given (the runner
+passes real presets on a GPU, scaled-down ones on a CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import presets, reference
+from ...experts import backends, batched_experts, fused_experts
+from ...formats import quantize_experts
+from ...layer import FusedMoE
+from ...metrics import EXPERTS_TOL, W8A8_TOL, CheckResult, Tolerance, score_values
+from ...routing import route
+
+
+
+def experts_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Every backend that can serve dense experts of ``dtype`` on ``device`` when asked by name."""
+    call = backends.ExpertsCall("dense", dtype, device)
+    return [b.name for b in backends.BACKENDS if b.rejects(call, True) is None]
+
+
+def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device,
+                  only: list[str] | None = None, with_layer: bool = True, low_bit: bool = True) -> list[CheckResult]:
+    """Experts checks for the backends in ``only`` (default: every one here): dense weights, and
+    with ``low_bit`` MXFP4, NVFP4 and FP8 W8A8; plus the whole layer."""
+    H, tol = spec.hidden_size, EXPERTS_TOL[dtype]
+    backends = [b for b in experts_backends(device, dtype) if only is None or b in only]
+    results = _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) if backends else []
+    if not with_layer:
+        return results
+    layer = FusedMoE(spec, dtype=dtype, device=device)
+    xl = torch.randn(num_tokens, H, device=device).to(dtype)
+    with torch.no_grad():
+        got = layer(xl)
+    ref = reference.moe_layer(xl, layer.gate.weight, layer.w13, layer.w2, spec, router_bias=layer.gate.bias,
+                              correction_bias=layer.correction_bias, w13_bias=layer.w13_bias,
+                              w2_bias=layer.w2_bias, shared_w13=layer.shared_w13, shared_w2=layer.shared_w2)
+    # bf16/fp16 layers may route a near-tied token differently from float64; the budget is an RMS one.
+    results.append(score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
+                                Tolerance(float("inf"), tol.rms_rel * 2) if dtype != torch.float32 else tol))
+    return results
+
+
+def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> list[CheckResult]:
+    """fused_experts (dense and, with ``low_bit``, every low-bit format) and batched_experts of each backend."""
+    E, H = spec.num_experts, spec.hidden_size
+    w13, w2, b13, b2 = _weights(spec, dtype, device)
+    x = torch.randn(num_tokens, H + 3, device=device).to(dtype)[:, 3:]          # strided
+    tw, tid = route(torch.randn(num_tokens, E, device=device), spec.top_k, spec.routing,
+                    **spec.routing_kwargs())
+    results = []
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2)
+    for backend in backends:
+        out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
+        got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                            backend=backend)
+        results.append(score_values(CheckResult("fused_experts", backend, spec.name, num_tokens), got, ref, tol,
+                                    got is out))
+
+    if low_bit:
+        results += _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol)
+
+    # Rows per expert: padding isolation shows at any M; past 129 a real-size slab (and its float64
+    # reference, [E, M, H]) only costs memory.
+    M = max(1, min(num_tokens, 129))
+    xb = torch.randn(E, M, H, device=device).to(dtype)
+    counts = torch.randint(0, M + 1, (E,), device=device, dtype=torch.int32)
+    counts[0] = 0                                                                  # an empty expert
+    valid = torch.arange(M, device=device)[None, :] < counts[:, None]
+    xb[~valid] = float("nan")                                                      # garbage padding
+    ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2)
+    for backend in backends:
+        out = torch.full_like(xb, float("nan"))
+        got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                              backend=backend)
+        results.append(score_values(CheckResult("batched_experts", backend, spec.name, num_tokens), got[valid],
+                                    ref[valid], tol, got is out))
+
+    return results
+
+
+_CACHE: dict = {}
+
+
+def _cached(key, make):
+    """One preset's weights (and their quantized copies) serve all its token counts: at real sizes
+    drawing and quantizing them is most of a case's time. Only the latest preset is kept."""
+    if _CACHE.get("owner") != key[:3]:
+        _CACHE.clear()
+        _CACHE["owner"] = key[:3]
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _weights(spec, dtype, device):
+    def make():
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        # Drawn in their dtype: a float32 copy of Kimi-K2's experts alone would be 68 GB.
+        w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype).mul_(H ** -0.5)
+        w2 = torch.randn(E, H, I, device=device, dtype=dtype).mul_(I ** -0.5)
+        b13, b2 = ((torch.randn(E, 2 * I, device=device) * 0.05, torch.randn(E, H, device=device) * 0.05)
+                   if spec.expert_bias else (None, None))
+        return w13, w2, b13, b2
+
+    return _cached((spec.name, dtype, device, "dense"), make)
+
+
+def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[CheckResult]:
+    """fused_experts with MXFP4 and NVFP4 weights (against float64 on the dequantized weights), FP8
+    W8A8 in 128x128 blocks and MXFP4 W4A8 (against float64 on dequantized weights and E4M3-rounded
+    activations)."""
+    results = []
+    for fmt, act_quant in (("mxfp4", None), ("mxfp4", "fp8_group"), ("nvfp4", None), ("fp8_block", "fp8_group")):
+        q13, q2 = _cached((spec.name, x.dtype, x.device, fmt),  # quantized one expert at a time
+                          lambda fmt=fmt: (quantize_experts(w13, fmt), quantize_experts(w2, fmt)))
+        if act_quant:
+            ref = reference.fused_experts_w8a8(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13,
+                                               w2_bias=b2)
+        else:
+            ref = reference.fused_experts(x, q13, q2, tw, tid, activation=spec.activation,  # dequantized per expert
+                                          w13_bias=b13, w2_bias=b2)
+        for backend in backends:
+            out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+            got = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                                backend=backend, act_quant=act_quant)
+            name = f"fused_experts[{fmt}{'+' + act_quant if act_quant and fmt == 'mxfp4' else ''}]"
+            results.append(score_values(CheckResult(name, backend, spec.name, x.shape[0]), got, ref,
+                                        W8A8_TOL if act_quant else tol, got is out))
+    return results

@@ -1,0 +1,88 @@
+"""The runtime imports only downward: no import cycle among moekit's modules, and nothing in the runtime
+imports the tools (the `moekit` command, verify, bench, tune). Read from the source, not by importing it."""
+
+import ast
+from pathlib import Path
+
+import moekit
+
+ROOT = Path(moekit.__file__).parent
+LAYERS = [  # each layer may import those before it (and itself); tools may import everything
+    {"moekit._checks", "moekit._triton", "moekit.presets", "moekit.layouts"},
+    {"moekit.formats"},
+    {"moekit.reference"},
+    {"moekit.metrics", "moekit.gate"},
+    {"moekit.routing"},
+    {"moekit.experts"},
+    {"moekit.layer"},
+    {"moekit.distributed", "moekit.integrations"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("moekit",) + path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules) -> list[tuple[str, bool]]:
+    """(imported moekit module, at module level) for each import in ``path``."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            if not base.startswith("moekit"):
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((full if full in modules else base, node.col_offset == 0))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.col_offset == 0) for a in node.names if a.name.startswith("moekit")]
+    return found
+
+
+def _layer(module: str) -> int | None:
+    for i, members in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return i
+    return None
+
+
+def test_no_import_cycles_and_the_runtime_never_imports_the_tools():
+    modules = _modules()
+    graph = {m: {d for d, top in _imports(m, p, modules) if top and d in modules and d != m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            assert state.get(d) != 1, "import cycle: " + " -> ".join(path + [m, d])
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(modules):
+        if m not in state:
+            visit(m, [])
+    runtime = [m for m in modules if not m.startswith("moekit.tools") and m != "moekit.__main__"]
+    for m in runtime:
+        for d, _ in _imports(m, modules[m], modules):
+            assert not d.startswith("moekit.tools"), f"{m} imports {d}: the runtime must not import the tools"
+
+
+def test_each_layer_imports_only_layers_below_it():
+    modules = _modules()
+    for m, path in modules.items():
+        mine = _layer(m)
+        if mine is None:
+            continue
+        for d, _ in _imports(m, path, modules):
+            theirs = _layer(d)
+            assert theirs is None or theirs <= mine, f"{m} (layer {mine}) imports {d} (layer {theirs})"
