@@ -47,7 +47,7 @@ def test_fused_experts_routes_through_the_oracle():
 @pytest.mark.gpu
 def test_gpu_auto_takes_triton_for_every_format():
     dev = torch.device("cuda")
-    for fmt in backends.KERNEL_FORMATS:
+    for fmt in backends.WEIGHT_FORMATS:
         act_quant = "fp8_group" if fmt == "fp8" else None
         assert select_backend(ExpertsCall(fmt, torch.bfloat16, dev, 16, act_quant)).name == "triton"
     assert "triton  TAKEN" in backends.explain(ExpertsCall("mxfp4", torch.bfloat16, dev, 1))

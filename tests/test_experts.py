@@ -1057,10 +1057,10 @@ def test_gpu_fp8_w8a8(granularity, T, E, H, I, k, act, biases, why):
     fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group", out=out)
     check_close(f"{why} ({granularity})", out, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2), W8A8_TOL)
     if T <= 64:  # the per-pair decode mode and the aligned mode both
-        cfg = ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), per_pair=T > 1)
+        cfg = ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(64, 128), mode="per_pair" if T > 1 else "aligned")
         out2 = fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, act_quant="fp8_group",
                              config=cfg)
-        check_close(f"{why} ({granularity}, {cfg.per_pair=})", out2, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2),
+        check_close(f"{why} ({granularity}, {cfg.mode=})", out2, _w8a8_reference(x, q13, q2, tw, tid, act, b13, b2),
                     W8A8_TOL)
     else:  # TMA weight boxes (where the stack allows them: [gate; up] rows, 16-byte rows)
         cfg = ExpertsConfig(64, GemmConfig(128, 128, 8, 3, 8, tma=True), GemmConfig(128, 128, 4, 4, 8, tma=True))
