@@ -1,6 +1,13 @@
-"""Put moekit layers into Hugging Face transformers models: :func:`patch` replaces the MoE blocks
-of GptOss, Mixtral, Qwen3-MoE and DeepseekV3 models with :class:`MoekitBlock` modules that share
-(or, for gpt-oss's transposed layout, convert) the same weights; :func:`unpatch` restores them.
+"""moekit in Hugging Face transformers models, two ways.
+
+- ``experts_implementation="moekit"``: importing this module registers moekit in transformers'
+  ExpertsInterface (:func:`register`), so every MoE model built on it can run its experts on moekit,
+  chosen with ``from_pretrained(..., experts_implementation="moekit")`` or
+  ``model.set_experts_implementation("moekit")``; router and routing stay transformers'
+  (:mod:`moekit.integrations.transformers_experts` says what is served and how).
+- :func:`patch` replaces the whole MoE blocks of GptOss, Mixtral, Qwen3-MoE and DeepseekV3 models with
+  :class:`MoekitBlock` modules (moekit's fp32 router and routing too) that share (or, for gpt-oss's
+  transposed layout, convert) the same weights; :func:`unpatch` restores them.
 
     report = moekit.integrations.transformers.patch(model)
     print(report)            # what was replaced, what was left alone and why
@@ -16,6 +23,9 @@ from torch import nn
 from .. import layouts
 from ..layer import FusedMoE
 from ..presets import MoESpec
+from .transformers_experts import NAME, experts_forward, register
+
+__all__ = ["NAME", "MoekitBlock", "PatchReport", "experts_forward", "patch", "register", "unpatch"]
 
 
 @dataclass
@@ -160,3 +170,6 @@ def unpatch(model: nn.Module) -> int:
             setattr(parent, child, module.original)
             restored += 1
     return restored
+
+
+register()  # experts_implementation="moekit" from the moment this module is imported

@@ -1,0 +1,128 @@
+"""moekit as an experts backend of Hugging Face transformers: ``experts_implementation="moekit"``.
+
+transformers 5 keeps a registry of experts forwards (``transformers.integrations.moe.ExpertsInterface``)
+that every MoE model built with its ``@use_experts_implementation`` experts modules dispatches to, chosen
+with ``from_pretrained(..., experts_implementation=NAME)`` or ``model.set_experts_implementation(NAME)``.
+:func:`register` adds moekit there (importing :mod:`moekit.integrations.transformers` does it). The router,
+the routing and the rest of the block stay transformers'; :func:`moekit.integrations.transformers.patch`
+replaces whole blocks instead (moekit's fp32 router and routing too).
+
+What the experts module says of its weights decides what runs:
+- ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] (``is_transposed=False``) are used as they are
+  stored, without a copy; ``is_transposed=True`` stacks ([E, H, 2I], [E, I, H]) are laid out as moekit's
+  once per module and cached (one copy of the stack, refreshed when a weight changes in place or is
+  replaced);
+- the module's gate function decides the activation: run once on a probe that crosses gpt-oss's clamp
+  limits, it must equal ``silu_and_mul`` ([gate; up] halves) or ``swiglu_oai`` (gpt-oss: interleaved
+  gate/up columns, alpha 1.702, limit 7) to be served;
+- biases (``has_bias``) are added in fp32 like every moekit bias;
+- with expert parallelism (``_is_expert_parallel``) ids at or past ``num_experts`` contribute nothing, as
+  transformers' sentinel convention wants (moekit's rule for out-of-range ids).
+A module moekit cannot serve (no gate, a post-expert norm, another activation or gate function) is served
+by transformers' own ``grouped_mm`` forward, with one warning per class saying why.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..experts import fused_experts
+from ..reference import ACTIVATION_FNS
+
+NAME = "moekit"
+_WARNED: set[str] = set()
+
+
+def register(name: str = NAME) -> bool:
+    """Add moekit to transformers' ExpertsInterface under ``name``; False (and nothing done) when this
+    transformers has no such registry (before 5.0)."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register(name, experts_forward)
+    return True
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ExpertsInterface signature: ``self`` the experts module, hidden_states [T, H], top_k_index [T, k]
+    (any int dtype), top_k_weights [T, k] (any float dtype); returns [T, H] in hidden_states' dtype."""
+    plan = _plan(self)
+    if isinstance(plan, str):
+        return _fallback(self, plan)(self, hidden_states, top_k_index, top_k_weights)
+    w13, w2, activation = plan
+    return fused_experts(hidden_states, w13, w2, top_k_weights.float(), top_k_index.int(), activation=activation,
+                         w13_bias=self.gate_up_proj_bias if self.has_bias else None,
+                         w2_bias=self.down_proj_bias if self.has_bias else None)
+
+
+def _activation(module: nn.Module, two_i: int) -> str | None:
+    """moekit's name for the module's gate function, or None: the function itself, run on a probe that
+    crosses gpt-oss's clamp limits and goes far past them, must equal one of moekit's activations (a family's own spelling of
+    silu_and_mul or gpt-oss's swiglu is served; another limit, alpha or activation is not)."""
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.rand(64, two_i, generator=gen) * 24 - 12
+    probe[-8:] *= 100  # far past any clamp: a limit moekit does not have shows here
+    try:
+        with torch.no_grad():
+            got = module._apply_gate(probe.clone()).double()
+    except Exception:  # noqa: BLE001 - a gate function that needs more than its input is not one of ours
+        return None
+    for name, fn in ACTIVATION_FNS.items():
+        want = fn(probe)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            return name
+    return None
+
+
+def _plan(module: nn.Module):
+    """(w13 [E, 2I, H], w2 [E, H, I], activation) for moekit, or why moekit cannot serve the module.
+    Built once per module and weights (a transposed stack's copy is the only one made)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    key = (id(gate_up), _version(gate_up), id(down), _version(down))
+    cached = module.__dict__.get("_moekit_plan")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = _build_plan(module, gate_up, down)
+    module.__dict__["_moekit_plan"] = (key, plan)  # beside the module's state: not a buffer, never saved
+    return plan
+
+
+def _build_plan(module, gate_up, down):
+    if not getattr(module, "has_gate", False) or gate_up is None:
+        return "its experts have no gate (moekit's are gated: silu_and_mul, swiglu_oai)"
+    if getattr(module, "has_post_expert_norm", False):
+        return "it normalizes each expert's output (has_post_expert_norm)"
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3 or not isinstance(down, torch.Tensor):
+        return f"its weights are not dense expert stacks ({type(gate_up).__name__})"
+    two_i = gate_up.shape[2] if getattr(module, "is_transposed", False) else gate_up.shape[1]
+    activation = _activation(module, two_i)
+    if activation is None:
+        return f"its gate function ({type(module).__name__}._apply_gate) is neither silu_and_mul nor gpt-oss's swiglu"
+    if getattr(module, "is_transposed", False):
+        with torch.no_grad():  # moekit's layout, once: the copy is the prepared weight, not a parameter
+            return gate_up.detach().transpose(1, 2).contiguous(), down.detach().transpose(1, 2).contiguous(), activation
+    return gate_up, down, activation
+
+
+def _version(t) -> int:
+    try:
+        return t._version if isinstance(t, torch.Tensor) else -1
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return -1
+
+
+def _fallback(module: nn.Module, why: str):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    cls = type(module).__name__
+    if cls not in _WARNED:
+        _WARNED.add(cls)
+        warnings.warn(f"moekit cannot serve {cls}: {why}; transformers' grouped_mm serves it", RuntimeWarning,
+                      stacklevel=3)
+    return ALL_EXPERTS_FUNCTIONS["grouped_mm"]
