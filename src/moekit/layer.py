@@ -154,20 +154,26 @@ class FusedMoE(nn.Module):
             cached = self._quantized = (parts, built)
         return cached[1]
 
-    def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) of tokens x2 [T, H]."""
+    def route(self, x2: torch.Tensor, *, replay_ids: torch.Tensor | None = None,
+              record_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) of tokens x2 [T, H]; routing replay and
+        recording as :func:`moekit.route`."""
         spec = self.spec
         kwargs = spec.routing_kwargs()
         if self.correction_bias is not None:
             kwargs["correction_bias"] = self.correction_bias
         return fused_router(x2, self.gate.weight, self.gate.bias, top_k=spec.top_k, method=spec.routing,
-                            lora=self.gate.lora, **kwargs)
+                            lora=self.gate.lora, replay_ids=replay_ids, record_ids=record_ids, **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, replay_ids: torch.Tensor | None = None,
+                record_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]. ``record_ids`` (int32/int64 [T, k], T = x's tokens): the experts each token
+        chose are copied into it; ``replay_ids`` ([T, k]): those experts serve instead of a selection, with the
+        weights the routing method gives them from this call's logits (routing replay)."""
         spec = self.spec
         self._check_input(x)
         x2 = x.reshape(-1, spec.hidden_size)
-        weights, ids = self.route(x2)
+        weights, ids = self.route(x2, replay_ids=replay_ids, record_ids=record_ids)
         w13, w2 = self.expert_weights()
         out = fused_experts(x2, w13, w2, weights, ids, activation=spec.activation,
                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map,

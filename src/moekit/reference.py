@@ -85,17 +85,8 @@ def route(
     num_tokens, num_experts = l64.shape
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
-    if method in ("softmax_topk", "topk_softmax"):
+    if method in ("softmax_topk", "topk_softmax", "sigmoid_top1"):
         ids = _rank(l64)[:, :top_k]
-        if method == "softmax_topk" and not renormalize:
-            w = torch.gather(_softmax(l64), 1, ids)
-        else:
-            # softmax over all E then renormalized over the k chosen == softmax over the k chosen;
-            # written this way a NaN logit of an unchosen expert does not poison the weights.
-            w = _softmax(torch.gather(l64, 1, ids))
-    elif method == "sigmoid_top1":
-        ids = _rank(l64)[:, :top_k]
-        w = torch.sigmoid(torch.gather(l64, 1, ids))
     elif method == "sigmoid_grouped":
         s = torch.sigmoid(l64)
         choice = s if correction_bias is None else s + correction_bias.to(F64)
@@ -109,13 +100,35 @@ def route(
         kept.scatter_(1, kept_groups, True)
         kept = kept.repeat_interleave(group_size, dim=1)
         ids = _rank(choice, eligible=kept)[:, :top_k]
-        w = torch.gather(s, 1, ids)
+    else:
+        raise ValueError(f"unknown routing method {method!r}")
+    return route_weights(l64, ids, method, renormalize=renormalize, scaling=scaling), ids
+
+
+def route_weights(logits: torch.Tensor, ids: torch.Tensor, method: str, *, renormalize: bool = True,
+                  scaling: float = 1.0) -> torch.Tensor:
+    """The weights ``method`` gives the experts ``ids`` [T, k] from ``logits`` [T, E], float64 [T, k]: the
+    second half of :func:`route`, and the definition of routing replay (ids chosen elsewhere, weights
+    from these logits). An id outside [0, E) gets weight 0 and takes no part in a renormalization."""
+    l64 = logits.to(F64)
+    valid = (ids >= 0) & (ids < l64.shape[1])
+    safe = torch.where(valid, ids, 0).long()
+    if method == "softmax_topk" and not renormalize:
+        w = torch.gather(_softmax(l64), 1, safe)
+    elif method in ("softmax_topk", "topk_softmax"):
+        # softmax over all E then renormalized over the k chosen == softmax over the k chosen;
+        # written this way a NaN logit of an unchosen expert does not poison the weights.
+        w = _softmax(torch.gather(l64, 1, safe).masked_fill(~valid, -torch.inf))
+    elif method == "sigmoid_top1":
+        w = torch.sigmoid(torch.gather(l64, 1, safe))
+    elif method == "sigmoid_grouped":
+        w = torch.where(valid, torch.gather(torch.sigmoid(l64), 1, safe), 0.0)
         if renormalize:
             w = w / w.sum(dim=-1, keepdim=True)
         w = w * scaling
     else:
         raise ValueError(f"unknown routing method {method!r}")
-    return w, ids
+    return torch.where(valid, w, 0.0)
 
 
 def choice_scores(

@@ -17,7 +17,8 @@ from .. import _triton
 from .._checks import check_out, check_shape, check_tensor
 from . import gate_case
 from . import tiers as router_tiers
-from .topk import FLOAT_DTYPES, RoutingOptions, empty_routes, route_with, validate_routing
+from .topk import (FLOAT_DTYPES, RoutingOptions, check_replay, empty_routes, record, replay, route_with,
+                   validate_routing)
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,6 +200,8 @@ def fused_router(
     method: str,
     lora: RouterLoRA | None = None,
     impl: str = "auto",
+    replay_ids: torch.Tensor | None = None,
+    record_ids: torch.Tensor | None = None,
     **routing_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router GEMM + bias + top-k routing; one Triton launch at decode sizes.
@@ -212,6 +215,8 @@ def fused_router(
         impl: ``"auto"`` (on CUDA the fused kernel up to the measured crossover of
             :func:`moekit.router_tiers.fused_limit`, else router_gemm + route), ``"fused"`` (the
             one-launch kernel, T <= 128; CUDA or TRITON_INTERPRET=1) or ``"unfused"``.
+        replay_ids, record_ids: routing replay and recording, as :func:`moekit.route` (a replay computes
+            the fp32 logits with :func:`router_gemm` and the weights of the given ids from them).
 
     Returns:
         (topk_weights float32 [T, k], topk_ids int32 [T, k]) with T = x.numel() // H.
@@ -219,6 +224,10 @@ def fused_router(
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
+    check_replay(replay_ids, record_ids, num_tokens, top_k, weight.device)
+    if replay_ids is not None:
+        logits = router_gemm(args.x, weight, bias, lora=lora)
+        return record(replay(logits, replay_ids, opts), record_ids)
     corr_bias = routing_kwargs.get("correction_bias")
     corr_bias = None if corr_bias is None else corr_bias.contiguous()
     if impl not in ("auto", "fused", "unfused"):
@@ -227,9 +236,10 @@ def fused_router(
         raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
     if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
         raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")
-    return torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
-                                         opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
-                                         opts.scaling, impl)
+    routes = torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
+                                           opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
+                                           opts.scaling, impl)
+    return record(routes, record_ids)
 
 
 @torch.library.custom_op("moekit::fused_router", mutates_args=())

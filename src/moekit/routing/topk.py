@@ -82,6 +82,8 @@ def route(
     topk_groups: int = 1,
     scaling: float = 1.0,
     impl: str = "auto",
+    replay_ids: torch.Tensor | None = None,
+    record_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Select ``top_k`` experts per token and their weights.
 
@@ -95,16 +97,65 @@ def route(
         num_groups, topk_groups: group-limited selection (sigmoid_grouped).
         scaling: routed scaling factor applied to the final weights (sigmoid_grouped).
         impl: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
+        replay_ids: int32/int64 [T, k]: routing replay (reinforcement learning replays the experts a
+            rollout chose): these ids are returned (as int32) instead of a selection, with the weights
+            ``method`` gives them from these logits (:func:`moekit.reference.route_weights`); an id
+            outside [0, E) gets weight 0. Static shapes, no host sync.
+        record_ids: int32/int64 [T, k], the caller's buffer: the chosen ids are copied into it
+            (graph-safe: a captured call records on every replay).
 
     Returns:
-        (topk_weights float32 [T, k], topk_ids int32 [T, k]), contiguous. Ids are always in [0, E).
+        (topk_weights float32 [T, k], topk_ids int32 [T, k]), contiguous. Ids are always in [0, E)
+        (replayed ids as given).
     """
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     opts = validate_routing(
         logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
         correction_bias=correction_bias, num_groups=num_groups, topk_groups=topk_groups, scaling=scaling,
     )
-    return route_with(logits, opts, correction_bias, impl=impl)
+    check_replay(replay_ids, record_ids, logits.shape[0], top_k, logits.device)
+    if replay_ids is not None:
+        routes = replay(logits, replay_ids, opts)
+    else:
+        routes = route_with(logits, opts, correction_bias, impl=impl)
+    return record(routes, record_ids)
+
+
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def check_replay(replay_ids, record_ids, num_tokens: int, top_k: int, device) -> None:
+    """Shapes, dtypes and devices of routing replay's and recording's tensors."""
+    for name, t in (("replay_ids", replay_ids), ("record_ids", record_ids)):
+        if t is not None:
+            check_tensor(name, t, ndim=2, dtypes=ID_DTYPES, device=device)
+            if tuple(t.shape) != (num_tokens, top_k):
+                raise ValueError(f"{name} must have shape ({num_tokens}, {top_k}) (tokens, top_k), got {tuple(t.shape)}")
+
+
+def replay(logits: torch.Tensor, ids: torch.Tensor, opts: RoutingOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], ids int32 [T, k]) for given ids: :func:`moekit.reference.route_weights` in fp32."""
+    l32 = logits.float()
+    valid = (ids >= 0) & (ids < l32.shape[1])
+    safe = torch.where(valid, ids, 0).long()
+    if opts.method == "softmax_topk" and not opts.renormalize:
+        w = torch.softmax(l32, dim=-1).gather(1, safe)
+    elif opts.method in ("softmax_topk", "topk_softmax"):
+        w = torch.softmax(l32.gather(1, safe).masked_fill(~valid, -torch.inf), dim=-1)
+    elif opts.method == "sigmoid_top1":
+        w = torch.sigmoid(l32.gather(1, safe))
+    else:  # sigmoid_grouped: the unbiased scores of the given experts
+        w = torch.where(valid, torch.sigmoid(l32).gather(1, safe), 0.0)
+        if opts.renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        w = w * opts.scaling
+    return torch.where(valid, w, 0.0).contiguous(), ids.to(torch.int32).contiguous()
+
+
+def record(routes: tuple[torch.Tensor, torch.Tensor], record_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    if record_ids is not None:
+        record_ids.copy_(routes[1])
+    return routes
 
 
 def _triton_serves_auto(logits: torch.Tensor) -> bool:
