@@ -17,6 +17,7 @@ import torch
 
 _ENABLED: bool | None = None
 _RESULTS: dict = {}
+_GENERATION = [0]  # bumped whenever a verdict or the switch changes: callers may cache what depended on them
 
 
 def set_verification(enabled: bool | None) -> None:
@@ -25,6 +26,7 @@ def set_verification(enabled: bool | None) -> None:
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True, False or None, got {enabled!r}")
     _ENABLED = enabled
+    _GENERATION[0] += 1
 
 
 def enabled() -> bool:
@@ -36,6 +38,12 @@ def enabled() -> bool:
 def reset() -> None:
     """Forget every verdict (the next call checks again)."""
     _RESULTS.clear()
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """A number that changes whenever the gate's switch or a verdict does (and MOEKIT_VERIFY is read again)."""
+    return hash((_GENERATION[0], enabled()))
 
 
 def results() -> dict:
@@ -56,6 +64,7 @@ def verdict(key: tuple, name: str, describe: str, run_check) -> str | None:
             raise RuntimeError(f"moekit's verification gate has not checked {name} for {describe} yet and cannot "
                                "while a CUDA graph is being captured: run one eager call of this shape first")
         _RESULTS[key] = run_check()
+        _GENERATION[0] += 1
         if not _RESULTS[key][0]:
             warnings.warn(f"moekit: backend {name!r} failed its accuracy check for {describe}: "
                           f"{_RESULTS[key][1]}; it is disabled for this process", RuntimeWarning, stacklevel=5)

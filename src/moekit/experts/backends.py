@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _triton
+from .. import _triton, gate
 from ..formats import FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of
 from . import gate_case, torch_backend
 
@@ -169,6 +169,24 @@ def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
         if why:
             raise ValueError(f"backend={backend!r} cannot serve this call: {why}")
         return match[0]
+    if torch.compiler.is_compiling():
+        return _select_auto(call)
+    # The answer depends only on the call's kind, the candidates, the gate and the interpreter switch: once per
+    # kind, not per call (eager host time).
+    key = (call, BACKENDS, gate.generation(), _triton.interpreting())
+    chosen = _SELECTED.get(key)
+    if chosen is None:
+        chosen = _select_auto(call)
+        if len(_SELECTED) > 4096:
+            _SELECTED.clear()
+        _SELECTED[key] = chosen
+    return chosen
+
+
+_SELECTED: dict = {}
+
+
+def _select_auto(call: ExpertsCall) -> Backend:
     reasons = []
     for b in BACKENDS:
         why = b.rejects(call, False) or gate_case.refusal(b, call)

@@ -123,8 +123,10 @@ def router_gemm(
             raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
     else:
         out2 = torch.empty(args.x.shape[0], num_experts, dtype=out_dtype, device=weight.device)
-    lora_a, lora_b, lora_scale = _lora_parts(lora)
-    torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, lora_a, lora_b, lora_scale, tier)
+    if torch.compiler.is_compiling():
+        torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
+    else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
+        _gemm(args, out2, tier)
     return out if out is not None else out2.view(out_shape)
 
 
@@ -236,9 +238,12 @@ def fused_router(
         raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
     if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
         raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")
-    routes = torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
-                                           opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
-                                           opts.scaling, impl)
+    if torch.compiler.is_compiling():
+        routes = torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
+                                               opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
+                                               opts.scaling, impl)
+    else:  # eager: straight to the implementation (the op is for torch.compile)
+        routes = _fused_router_impl(args, opts, corr_bias, impl)
     return record(routes, record_ids)
 
 
@@ -249,7 +254,12 @@ def _fused_router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      topk_groups: int, scaling: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     args = _GemmArgs(x, weight, bias, None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale))
     opts = RoutingOptions(top_k, method, renormalize, num_groups, topk_groups, scaling)
-    num_tokens = x.shape[0]
+    return _fused_router_impl(args, opts, corr_bias, impl)
+
+
+def _fused_router_impl(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl: str):
+    weight, top_k = args.weight, opts.top_k
+    num_tokens = args.x.shape[0]
     fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
         num_tokens, weight.device, weight.shape[1], weight.shape[0]))
     if fused and impl == "auto" and num_tokens:

@@ -171,11 +171,15 @@ def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str 
         raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
     if use_triton and impl == "auto" and logits.shape[0]:
         use_triton = gate_case.route_refusal(logits, correction_bias, opts, route_with) is None
-    if use_triton:
-        return torch.ops.moekit.route_triton(logits, None if correction_bias is None else correction_bias.contiguous(),
-                                             opts.top_k, opts.method, opts.renormalize, opts.num_groups,
+    if not use_triton:
+        return _route_torch(logits, opts, correction_bias)
+    corr = None if correction_bias is None else correction_bias.contiguous()
+    if torch.compiler.is_compiling():
+        return torch.ops.moekit.route_triton(logits, corr, opts.top_k, opts.method, opts.renormalize, opts.num_groups,
                                              opts.topk_groups, opts.scaling)
-    return _route_torch(logits, opts, correction_bias)
+    from . import triton_backend  # eager: straight to the launch (the op is for torch.compile)
+
+    return triton_backend.route_triton(logits, opts, corr)
 
 
 # One opaque op for torch.compile (the launch's host logic is not traced), with a fake kernel.

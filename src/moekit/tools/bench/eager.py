@@ -1,0 +1,200 @@
+"""Eager benchmark (GPU): host time per call of every moekit op against its graph replay, with the plain torch
+router chain and Hugging Face's grouped_mm experts as peers, and greedy generation of a small Hugging Face
+model with and without moekit.
+
+eager us/call: a loop of ``LOOP`` back-to-back calls on the same inputs, one synchronize at the end, divided by
+``LOOP``: the wall time per call when the GPU is not the bottleneck (the host's Python and launch work).
+graph us/call: the same call replayed in a CUDA graph (bench/timing.py). kernels: CUDA kernels one call launches
+(torch.profiler).
+
+    python benchmarks/bench_eager.py --out benchmarks/results            (writes eager.json / eager.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ... import FusedMoE, GateLinear, batched_experts, fused_experts, fused_router, presets, route
+from .timing import environment, graph_time_us
+
+PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b"]
+TOKENS = [1, 16, 256]
+LOOP = 300
+OPS = ("fused_experts", "batched_experts", "fused_router", "GateLinear", "route", "FusedMoE", "torch_chain",
+       "hf_grouped_mm")
+
+
+def eager_loop_us(fn, loop: int = LOOP) -> float:
+    """Wall microseconds per call of ``loop`` back-to-back calls (one synchronize at the end)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(loop):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / loop * 1e6
+
+
+def kernels_per_call(fn) -> int:
+    """CUDA kernels one call launches (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def cases(spec, T: int) -> dict:
+    """op -> a no-argument call on fresh inputs of ``spec`` at ``T`` tokens."""
+    dev, dt = "cuda", torch.bfloat16
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    layer = FusedMoE(spec, dtype=dt, device=dev)
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    with torch.no_grad():
+        tw, tid = layer.route(x)
+    M = max(1, T * k // E)
+    xb = torch.randn(E, M, H, device=dev, dtype=dt)
+    counts = torch.full((E,), M, dtype=torch.int32, device=dev)
+    gate = GateLinear(H, E, bias=spec.router_bias, device=dev)
+    logits = torch.randn(T, E, device=dev)
+    kwargs = spec.routing_kwargs()
+    if layer.correction_bias is not None:
+        kwargs["correction_bias"] = layer.correction_bias.detach()
+
+    def torch_chain():  # the router it replaces: bf16 logits, softmax, top-k
+        probs = torch.softmax(F.linear(x, layer.gate.weight.detach()).float(), dim=-1)
+        w, ids = probs.topk(k, dim=-1)
+        return w / w.sum(-1, keepdim=True), ids
+
+    out = {
+        "fused_experts": lambda: fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
+                                               w13_bias=layer.w13_bias, w2_bias=layer.w2_bias),
+        "batched_experts": lambda: batched_experts(xb, counts, layer.w13, layer.w2, activation=spec.activation,
+                                                   w13_bias=layer.w13_bias, w2_bias=layer.w2_bias),
+        "fused_router": lambda: fused_router(x, layer.gate.weight, layer.gate.bias, top_k=k, method=spec.routing,
+                                             **kwargs),
+        "GateLinear": lambda: gate(x),
+        "route": lambda: route(logits, k, spec.routing, **kwargs),
+        "FusedMoE": lambda: layer(x),
+        "torch_chain": torch_chain,
+    }
+    hf = _hf_experts(spec, layer)
+    if hf is not None:
+        out["hf_grouped_mm"] = lambda: hf(x, tid.long(), tw.to(dt))
+    return out
+
+
+def _hf_experts(spec, layer):
+    """transformers' grouped_mm experts over the same weights (Qwen3-MoE's module), or None."""
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except ImportError:
+        return None
+    if spec.activation != "silu_and_mul":
+        return None
+    cfg = Qwen3MoeConfig(hidden_size=spec.hidden_size, moe_intermediate_size=spec.intermediate_size,
+                         num_experts=spec.num_experts, num_experts_per_tok=spec.top_k)
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("meta"):
+        module = Qwen3MoeExperts(cfg)
+    module.gate_up_proj, module.down_proj = layer.w13, layer.w2
+    return torch.no_grad()(module)
+
+
+def run(args) -> list[dict]:
+    records = []
+    for name in args.presets:
+        spec = presets.get(name)
+        for T in args.tokens:
+            torch.manual_seed(T)
+            with torch.no_grad():
+                for op, fn in cases(spec, T).items():
+                    try:
+                        graph = graph_time_us([fn], replays=30)
+                    except Exception as exc:  # noqa: BLE001 - not capturable: say so, time it eagerly only
+                        torch.cuda.synchronize()
+                        graph, note = None, f"no graph: {type(exc).__name__}"
+                    else:
+                        note = ""
+                    rec = {"op": op, "preset": name, "T": T, "eager_us": eager_loop_us(fn), "graph_us": graph,
+                           "kernels": kernels_per_call(fn)}
+                    if note:
+                        rec["note"] = note
+                    records.append(rec)
+                    print(rec, flush=True)
+        torch.cuda.empty_cache()
+    return records
+
+
+def generate_tokens_per_s(patched: bool, new_tokens: int = 64) -> float:
+    """Greedy generation, eager mode, of a Qwen3-MoE model at qwen3-30b-a3b's hidden and expert sizes with 2
+    layers and random weights (no download)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from ...integrations.transformers import patch
+
+    spec = presets.get("qwen3-30b-a3b")
+    cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=spec.hidden_size, intermediate_size=6144,
+                         moe_intermediate_size=spec.intermediate_size, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, num_experts=spec.num_experts,
+                         num_experts_per_tok=spec.top_k)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    if patched:
+        patch(model)
+    prompt = torch.randint(0, 32000, (1, 16), device="cuda")
+    model.generate(prompt, max_new_tokens=8, do_sample=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    return new_tokens / (time.perf_counter() - start)
+
+
+def markdown(records: list[dict], env: dict, generation: dict) -> str:
+    lines = [f"# Eager host time ({env['gpu']}, {env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}. eager: {LOOP} back-to-back calls, one synchronize, "
+             "wall time / calls; graph: the same call replayed in a CUDA graph.", "",
+             "| op | preset | T | eager us/call | graph us/call | eager / graph | kernels |", "|---|---|---|---|---|---|---|"]
+    for r in records:
+        ratio = f"{r['eager_us'] / r['graph_us']:.2f}" if r.get("graph_us") else "-"
+        graph = f"{r['graph_us']:.1f}" if r.get("graph_us") else r.get("note", "-")
+        lines.append(f"| {r['op']} | {r['preset']} | {r['T']} | {r['eager_us']:.1f} | {graph} | {ratio} | {r['kernels']} |")
+    if generation:
+        lines += ["", "Greedy generation, eager, Qwen3-MoE at qwen3-30b-a3b's sizes, 2 layers, 64 tokens:", "",
+                  "| model | tokens/s |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in generation.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", "--presets", dest="presets", nargs="+", default=PRESETS)
+    p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    p.add_argument("--no-generate", dest="generate", action="store_false")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    records = run(args)
+    generation = {}
+    if args.generate:
+        generation = {"transformers": generate_tokens_per_s(False), "moekit patch()": generate_tokens_per_s(True)}
+    env = environment()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "eager.json").write_text(json.dumps({"env": env, "records": records, "generate_tokens_per_s": generation},
+                                                    indent=1))
+    md = markdown(records, env, generation)
+    (args.out / "eager.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The host work of an eager call: decisions that depend only on the call's kind are made once, not per call,
+and an eager call goes straight to the launches (the torch.library ops are for torch.compile). Speed itself
+is shown by the eager benchmark, not here; these tests keep the work from coming back unnoticed."""
+
+import pytest
+import torch
+
+from moekit import fused_experts, fused_router, route, router_gemm
+from moekit.experts import backends, configs
+
+E, H, I, K, T = 6, 32, 16, 2, 5
+
+
+def _call():
+    w13, w2 = torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    x, tw = torch.randn(T, H), torch.rand(T, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    return x, w13, w2, tw, ids
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_a_repeated_call_decides_nothing_again(monkeypatch, backend):
+    selections = []
+    real = backends._select_auto
+    monkeypatch.setattr(backends, "_select_auto", lambda call: selections.append(call) or real(call))
+    configs._choose.cache_clear()
+    args = _call()
+    first = fused_experts(*args, backend=backend)
+    for _ in range(3):
+        assert torch.equal(fused_experts(*args, backend=backend), first)
+    assert len(selections) == (1 if backend == "auto" else 0)          # the oracle asked once for the call's kind
+    if backend == "triton":
+        assert configs._choose.cache_info().misses == 1                  # the block configuration chosen once
+    fused_experts(args[0][:3], *args[1:3], args[3][:3], args[4][:3], backend=backend)   # another kind: asked again
+    assert len(selections) == (2 if backend == "auto" else 0)
+
+
+def test_eager_calls_do_not_go_through_the_custom_ops(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call went through a torch.library op")
+
+    for op in ("fused_experts_into", "router_gemm_into", "fused_router", "route_triton"):
+        monkeypatch.setattr(torch.ops.moekit, op, refuse)
+    x, w13, w2, tw, ids = _call()
+    fused_experts(x, w13, w2, tw, ids, backend="triton")
+    w = torch.randn(E, H)
+    router_gemm(x, w, tier="triton")
+    fused_router(x, w, top_k=K, method="softmax_topk", impl="fused")
+    route(torch.randn(T, E), K, "softmax_topk", impl="triton")
+
+
+def test_the_oracle_follows_the_gate_and_the_candidates():
+    # a cached answer must not outlive what it depended on: a registered backend is seen at once
+    from moekit.experts.torch_backend import fused_torch
+
+    args = _call()
+    assert backends.select_backend(backends.ExpertsCall.of(args[0], args[1])).name == "torch"
+    backends.register(backends.Backend("first", lambda call, explicit: None, "takes everything", fused_torch))
+    try:
+        assert backends.select_backend(backends.ExpertsCall.of(args[0], args[1])).name == "first"
+    finally:
+        backends.unregister("first")
+    assert backends.select_backend(backends.ExpertsCall.of(args[0], args[1])).name == "torch"
