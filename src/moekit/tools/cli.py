@@ -170,16 +170,22 @@ def cmd_bench(args) -> int:
         except ValueError as exc:
             print(f"moekit bench: {exc}", file=sys.stderr)
             return 2
+    if args.plot and not experts.module_available("matplotlib"):  # asked for: say so now, not after the run
+        return _argtypes.fail("moekit bench", f"--plot needs matplotlib ({experts.BENCH_EXTRA})")
     if not torch.cuda.is_available():
         print("moekit bench needs a CUDA GPU (its timings are CUDA-graph replays); `moekit verify` checks "
               "accuracy on this machine", file=sys.stderr)
         return 2
+    console = _console()
     if args.weights == "bf16":
-        records, rate = experts.run(args)
+        experts.drop_unavailable(args)  # one line per peer not installed, before any GPU work
+        with _BenchProgress(console, len(args.presets) * len(args.tokens)) as progress:
+            records, rate = experts.run(args, progress)
         print(experts.save(args, records, rate))
         impls = ["moekit"] + args.peers
     else:
-        records, rate = lowbit.run(args)
+        with _BenchProgress(console, len(args.presets) * len(args.tokens)) as progress:
+            records, rate = lowbit.run(args, progress)
         print(experts.save(args, records, rate, lowbit.markdown))
         impls = lowbit.IMPLS
     if args.plot:
@@ -191,6 +197,52 @@ def cmd_bench(args) -> int:
             target = path if len(args.presets) == 1 else path.with_name(f"{path.stem}_{name}{path.suffix}")
             print(f"wrote {plot(records, impls, target, preset=name, gpu=gpu, metric=args.metric)}")
     return 0
+
+
+class _BenchProgress(experts.Progress):
+    """`moekit bench`'s progress per preset and token count: a bar on a terminal, with a line per case above
+    it; piped, the line per case alone."""
+
+    def __init__(self, console, total: int):
+        self.console = console
+        self.total, self.done, self.started = total, 0, time.time()
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=console, disable=not console.is_terminal)
+        self.task = self.bar.add_task("bench", total=total)
+
+    def __enter__(self):
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.stop()
+
+    def case(self, preset: str, T: int) -> None:
+        self.bar.update(self.task, description=f"{preset} T={T}")
+
+    def row(self, row: dict) -> None:
+        self.done += 1
+        self.bar.update(self.task, advance=1)
+        line = f"[{self.done}/{self.total}, {time.time() - self.started:.0f} s] {case_line(row)}"
+        if self.console.is_terminal:
+            self.bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
+
+
+def case_line(row: dict) -> str:
+    """One line for a measured case: each implementation's time, then moekit against the best peer."""
+    times = []
+    for mode_key in [k for k in row if k.endswith("_mode")]:
+        impl = mode_key[: -len("_mode")]
+        us = row.get(impl)
+        times.append(f"{impl} {us:.1f}" if us is not None else f"{impl} {row[mode_key]}")
+    line = f"{row['preset']} T={row['T']}: " + ", ".join(times) + " us"
+    if row.get("speedup_vs_best_peer"):
+        line += f"; best peer {row.get('best_peer', '')} / moekit = {row['speedup_vs_best_peer']:.2f}"
+    elif row.get("speedup_vs_bf16"):
+        line += f"; bf16 / low-bit = {row['speedup_vs_bf16']:.2f}"
+    return line
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,10 @@
 (`moekit bench`, `python benchmarks/bench_experts.py`).
 
 Peers: Hugging Face transformers' experts modules with each ``_experts_implementation``
-("eager", "grouped_mm", "batched_mm"), Liger-Kernel's fused MoE (SiLU presets), and a plain
-torch grouped_mm pipeline. Uniform random routing (k distinct experts per token), bf16.
+("eager", "grouped_mm", "batched_mm"), Liger-Kernel's fused MoE (SiLU presets), SGLang's Triton
+``fused_moe_kernel`` with its tuned configs (the kernel vLLM and SGLang serve with; sglang_peer.py), and a
+plain torch grouped_mm pipeline. Uniform random routing (k distinct experts per token), bf16. A peer whose
+package is not installed is skipped with one line saying how to install it; the results name it.
 
 Timing: CUDA-graph replay (eager where an implementation cannot be captured; marked). For
 T <= 64 a graph of 8 consecutive calls cycling over 4 layers' weights (as consecutive layers of a
@@ -18,6 +20,8 @@ experts hit at the copy rate, and 2*T*k*3*H*I FLOPs at the bf16 matmul rate meas
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import zlib
@@ -30,13 +34,72 @@ from ... import layouts, presets, reference
 from ...experts import fused_experts
 from ...metrics import rel_errors
 from .. import _argtypes
+from . import sglang_peer
 from .timing import eager_time_us, environment, graph_time_us
 
 PRESETS = ["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"]
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
-PEERS = ["hf_eager", "hf_grouped_mm", "hf_batched_mm", "liger", "torch_grouped_mm"]
+PEERS = ["hf_eager", "hf_grouped_mm", "hf_batched_mm", "liger", "sglang", "torch_grouped_mm"]
+BENCH_EXTRA = 'pip install "moekit[bench]"'
+PEER_PACKAGES = {  # peer: (module it imports, distribution, how to install it)
+    "hf_eager": ("transformers", "transformers", BENCH_EXTRA),
+    "hf_grouped_mm": ("transformers", "transformers", BENCH_EXTRA),
+    "hf_batched_mm": ("transformers", "transformers", BENCH_EXTRA),
+    "liger": ("liger_kernel", "liger-kernel", BENCH_EXTRA),
+    "sglang": ("sglang", "sglang", sglang_peer.INSTALL),
+}
 COPY_BW = 4.2e12  # bytes/s, device-to-device copy counting read + write (H200, measured)
 MAX_PEER_BYTES = 40e9  # a peer whose working set exceeds this is reported as out of memory, not run
+
+
+def peer_name(value: str) -> str:
+    """A --peers entry: one of PEERS (a typo is one line and exit 2, before any work)."""
+    if value not in PEERS:
+        raise argparse.ArgumentTypeError(f"unknown peer {value!r}; known peers: {', '.join(PEERS)}")
+    return value
+
+
+def module_available(name: str) -> bool:
+    """The module is installed here: found on the path without importing it (an import is the peer's own
+    start-up, which may fail or take seconds; the run reports that per case)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def unavailable_peers(names) -> dict[str, str]:
+    """{peer: why it cannot run here, and how to install it} for the peers of ``names`` that cannot."""
+    why = {}
+    for name in names:
+        if name not in PEER_PACKAGES:
+            continue
+        module, _, install = PEER_PACKAGES[name]
+        if not module_available(module):
+            why[name] = f"{module} is not installed ({install})"
+        elif name == "sglang":
+            reason = sglang_peer.missing()
+            if reason is None:
+                try:  # reads sglang's files and defines its kernels: host work, before any GPU work
+                    sglang_peer.load()
+                except sglang_peer.LoadError as exc:
+                    reason = str(exc)
+                except Exception as exc:  # noqa: BLE001 - a release whose definitions no longer run here
+                    reason = f"loading sglang's kernels failed: {_one_line(exc)} ({sglang_peer.INSTALL})"
+            if reason:
+                why[name] = reason
+    return why
+
+
+def peer_versions(names) -> dict[str, str]:
+    """{distribution: installed version} of the peers' packages (for the results)."""
+    out = {}
+    for dist in dict.fromkeys(PEER_PACKAGES[n][1] for n in names if n in PEER_PACKAGES):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
 
 
 def matmul_rate() -> float:
@@ -138,8 +201,12 @@ def implementations(spec, names):
 
         return LigerFusedMoEFunction.apply(x, layer.w13, layer.w2, tid, tw.to(x.dtype))
 
+    def sglang(x, layer, tw, tid):
+        return sglang_peer.load().fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
+                                                w13_bias=layer.b13, w2_bias=layer.b2)
+
     table = {"moekit": moekit, "hf_eager": hf("eager"), "hf_grouped_mm": hf("grouped_mm"),
-             "hf_batched_mm": hf("batched_mm"), "liger": liger, "torch_grouped_mm": _torch_grouped_mm}
+             "hf_batched_mm": hf("batched_mm"), "liger": liger, "sglang": sglang, "torch_grouped_mm": _torch_grouped_mm}
     return {n: table[n] for n in ["moekit"] + names if n in table}
 
 
@@ -151,6 +218,8 @@ def supported(name, spec, T) -> str | None:
         need = T * spec.top_k * 3 * spec.hidden_size * spec.intermediate_size * 2
         if need > MAX_PEER_BYTES:
             return f"gathers {need / 1e9:.0f} GB of weights"
+    if name == "sglang":
+        return sglang_peer.load().why_not(spec, T)
     return None
 
 
@@ -207,13 +276,43 @@ def time_impl(name, fn, cases):
         return eager_time_us(calls, reps=10), "eager"
 
 
-def run(args):
+class Progress:
+    """What a run reports as it goes: ``case`` before a (preset, T) case is measured, ``row`` after.
+    This default prints each row's fields on one line (the script's log); `moekit bench` shows rich's
+    progress instead."""
+
+    def case(self, preset: str, T: int) -> None:
+        pass
+
+    def row(self, row: dict) -> None:
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def drop_unavailable(args, announce=print) -> dict[str, str]:
+    """Take the peers that cannot run here out of ``args.peers``, one line each, before any GPU work; the
+    reasons go to ``args.skipped_peers`` (and from there into the results)."""
+    skipped = unavailable_peers(args.peers)
+    for name, why in skipped.items():
+        announce(f"skipping peer {name}: {why}")
+    args.peers = [p for p in args.peers if p not in skipped]
+    args.skipped_peers = {**getattr(args, "skipped_peers", {}), **skipped}
+    return skipped
+
+
+def run(args, progress: Progress | None = None):
+    progress = progress or Progress()
+    drop_unavailable(args)
     rate = matmul_rate()
     print(f"bf16 matmul rate here: {rate / 1e12:.0f} TFLOP/s", flush=True)
     records = []
+
+    def on_row(row):
+        records.append(row)
+        save(args, records, rate)  # after every row: a call cut by a time limit keeps what it measured
+        progress.row(row)
+
     for name in args.presets:
-        # saved after every row: a call cut by a time limit keeps what it measured
-        run_preset(args, presets.get(name), rate, lambda row: (records.append(row), save(args, records, rate)))
+        run_preset(args, presets.get(name), rate, on_row, progress)
         torch.cuda.empty_cache()
     return records, rate
 
@@ -222,20 +321,30 @@ def save(args, records, rate, render=None):
     """Write {name}.json and {name}.md (``render(records, env, rate)``; default this script's table)."""
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "matmul_rate": rate, "records": records}, indent=1))
-    md = render(records, env, rate) if render else markdown(records, env, rate, args.peers)
+    result = {"env": env, "matmul_rate": rate}
+    if render is None:  # this benchmark's peers: which ran (and their versions), which were skipped and why
+        result |= {"peers": args.peers, "peer_versions": peer_versions(args.peers),
+                   "skipped_peers": getattr(args, "skipped_peers", {})}
+    result["records"] = records
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    md = (render(records, env, rate) if render
+          else markdown(records, env, rate, args.peers, skipped=result["skipped_peers"],
+                        versions=result["peer_versions"]))
     (args.out / f"{args.name}.md").write_text(md)
     return md
 
 
-def run_preset(args, spec, rate, on_row):
-    """Every T of one preset, each row handed to ``on_row`` as it is measured; the weights are freed on return."""
+def run_preset(args, spec, rate, on_row, progress: Progress | None = None):
+    """Every T of one preset, each row handed to ``on_row`` as it is measured; the weights are freed on return.
+    A peer that fails on a case is recorded as failed (with its error) and the run goes on."""
+    progress = progress or Progress()
     name = spec.name
     n_layers = min(args.layers, 4)
     reseed(f"{name} weights")
     layers = [Layer(spec, args.peers) for _ in range(n_layers)]
     impls = implementations(spec, args.peers)
     for T in args.tokens:
+        progress.case(name, T)
         cases = make_cases(spec, T, layers)
         hit = torch.unique(cases[0][3]).numel()
         expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
@@ -254,6 +363,8 @@ def run_preset(args, spec, rate, on_row):
                 row[impl] = None
                 row[f"{impl}_note"] = why
                 continue
+            if impl == "sglang":
+                row |= {f"sglang_{k}": v for k, v in sglang_peer.load().describe(spec, T).items()}
             try:
                 us, mode = time_impl(impl, fn, cases)
                 if ref is not None:
@@ -261,16 +372,36 @@ def run_preset(args, spec, rate, on_row):
             except torch.OutOfMemoryError:
                 us, mode = None, "out of memory"
                 torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 - one implementation's failure must not end the run
+                us, mode = None, "failed"
+                row[f"{impl}_note"] = f"failed: {_one_line(exc)}"
+                print(f"{name} T={T}: {impl} {row[f'{impl}_note']}", flush=True)
+                _settle()
             row[impl], row[f"{impl}_mode"] = us, mode
-        peers = [row[p] for p in impls if p != "moekit" and row.get(p) is not None]
-        if peers and row.get("moekit"):
-            row["best_peer_us"] = min(peers)
-            row["speedup_vs_best_peer"] = min(peers) / row["moekit"]
+        timed = {p: row[p] for p in impls if p != "moekit" and row.get(p) is not None}
+        if timed and row.get("moekit"):
+            best = min(timed, key=timed.get)
+            row["best_peer_us"], row["best_peer"] = timed[best], best
+            row["speedup_vs_best_peer"] = timed[best] / row["moekit"]
             row["floor_ratio"] = row["moekit"] / row["floor_us"]
         on_row(row)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         del cases, ref
         torch.cuda.empty_cache()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+def _settle() -> None:
+    """Let the device finish after a failed call; a fault that poisoned the context fails every later call
+    too, and each is then recorded the same way."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001, S110 - the next call reports the device's state
+        pass
 
 
 def _rates(r) -> tuple[float | None, float | None]:
@@ -306,15 +437,24 @@ def merge(paths, args):
     records = sorted(by_case.values(), key=lambda r: (order.get(r["preset"], len(order)), r["T"]))
     env = dict(runs[-1]["env"], date=" and ".join(sorted({r["env"]["date"] for r in runs})))
     rates = [r["matmul_rate"] for r in runs]
+    versions = {k: v for run_ in runs for k, v in run_.get("peer_versions", {}).items()}
+    # a peer skipped by one run but measured by another is not skipped in the merged table
+    skipped = {k: v for run_ in runs for k, v in run_.get("skipped_peers", {}).items()
+               if not any(r.get(k) is not None for r in records)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(
-        {"env": env, "matmul_rate": rates, "merged_from": [Path(p).name for p in paths], "records": records}, indent=1))
-    md = markdown(records, env, rates, args.peers)
+        {"env": env, "matmul_rate": rates, "merged_from": [Path(p).name for p in paths], "peer_versions": versions,
+         "skipped_peers": skipped, "records": records}, indent=1))
+    md = markdown(records, env, rates, args.peers, skipped=skipped, versions=versions)
     (args.out / f"{args.name}.md").write_text(md)
     return md
 
 
-def markdown(records, env, rate, impl_names):
+NOTE_CELL = 28  # longer notes go below the table, numbered, so the table stays readable
+
+
+def markdown(records, env, rate, impl_names, skipped=None, versions=None):
+    """The table of one run (or a merge); ``skipped``: {peer: why it did not run}; ``versions``: {package: version}."""
     cols = ["moekit"] + [p for p in impl_names if any(r.get(p) is not None or f"{p}_note" in r for r in records)]
     layers = max((r.get("layers", 4) for r in records), default=4)  # records before this field used 4
     lines = [f"# Experts benchmark ({env['gpu']}, {env['date']})", "",
@@ -322,15 +462,26 @@ def markdown(records, env, rate, impl_names):
              "us per fused_experts call (alignment and combine included). CUDA-graph replay: T <= 64 a graph of 8",
              f"calls over {layers} layers' weights (replay / 8), above one call per graph; `(e)` = eager (cannot be",
              "captured). floor = max(bytes of the distinct experts hit + x + out at 4.2 TB/s, FLOPs at the",
-             f"bf16 matmul rate measured in {_rate_words(rate)}). x floor = moekit / floor.", "",
-             "| preset | T | " + " | ".join(cols) + " | best peer / moekit | floor us | x floor | moekit TFLOP/s | "
-             "moekit GB/s | rel err moekit |",
-             "|---|---|" + "---|" * (len(cols) + 6)]
+             f"bf16 matmul rate measured in {_rate_words(rate)}). x floor = moekit / floor."]
+    if versions:
+        lines.append("Peer versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".")
+    if skipped:
+        lines.append("Peers skipped (not run): " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ".")
+    lines += ["", "| preset | T | " + " | ".join(cols) + " | best peer / moekit | floor us | x floor | "
+              "moekit TFLOP/s | moekit GB/s | rel err moekit |",
+              "|---|---|" + "---|" * (len(cols) + 6)]
+    notes: list[str] = []
     for r in records:
         cells = []
         for c in cols:
             if r.get(c) is None:
-                cells.append(r.get(f"{c}_note", r.get(f"{c}_mode", "-")))
+                note = r.get(f"{c}_note", r.get(f"{c}_mode", "-"))
+                if len(note) > NOTE_CELL:
+                    text = f"{c}: {note}"
+                    if text not in notes:
+                        notes.append(text)
+                    note = f"n/a [{notes.index(text) + 1}]"
+                cells.append(note)
             else:
                 cells.append(_fmt(r[c]) + (" (e)" if r.get(f"{c}_mode") == "eager" else ""))
         tflops, gbps = _rates(r)
@@ -338,13 +489,37 @@ def markdown(records, env, rate, impl_names):
                      f" | {_fmt(r.get('speedup_vs_best_peer'), 2)} | {_fmt(r['floor_us'])} ({r['floor_kind']}) | "
                      f"{_fmt(r.get('floor_ratio'), 2)} | {_fmt(tflops)} | {_fmt(gbps, 0)} | "
                      f"{_fmt(r.get('moekit_err'), 5) if r.get('moekit_err') is not None else '-'} |")
+    if notes:
+        lines += [""] + [f"[{i}] {text}" for i, text in enumerate(notes, 1)]
+    lines += _sglang_notes(records)
     return "\n".join(lines) + "\n"
+
+
+def _sglang_notes(records) -> list[str]:
+    """Per preset, the config the SGLang peer ran with and the kernels that aligned and summed."""
+    rows = [r for r in records if "sglang_config" in r]
+    if not rows:
+        return []
+    lines = ["", "SGLang fused_moe_kernel: the engine's config lookup for the shape on this GPU, its alignment and sum "
+             "over k (per row in the JSON):"]
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        mine = [r for r in rows if r["preset"] == preset]
+        parts = []
+        for key in ("config", "align", "combine"):
+            by_value: dict[str, list[int]] = {}
+            for r in mine:
+                by_value.setdefault(r[f"sglang_{key}"], []).append(r["T"])
+            parts.append(f"{key} " + "; ".join(v if len(by_value) == 1 else f"{v} (T = {', '.join(map(str, ts))})"
+                                                for v, ts in by_value.items()))
+        lines.append(f"- {preset}: " + ". ".join(parts) + ".")
+    return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", "--presets", dest="presets", nargs="+", type=_argtypes.preset_name, default=PRESETS)
     p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count, default=TOKENS)
-    p.add_argument("--peers", nargs="*", default=PEERS, help=f"subset of {PEERS}")
+    p.add_argument("--peers", nargs="*", type=peer_name, default=PEERS,
+                   help=f"peers to time against (default: all; those not installed are skipped): {', '.join(PEERS)}")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--accuracy-tokens", nargs="*", type=int, default=[16, 1024])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))

@@ -25,7 +25,8 @@ from ... import presets, reference
 from ...experts import fused_experts
 from ...formats import dequantize, quantize_experts
 from ...metrics import rel_errors
-from .experts import COPY_BW, _gen, _torch_grouped_mm, make_cases, matmul_rate, reseed, save, script_main, time_impl
+from .experts import (COPY_BW, Progress, _gen, _torch_grouped_mm, make_cases, matmul_rate, reseed, save,
+                      script_main, time_impl)
 
 FORMATS = ("mxfp4", "nvfp4", "fp8_block", "fp8_channel")
 
@@ -69,7 +70,8 @@ class LowBitLayer:
         return dequantize(self.q13), dequantize(self.q2)
 
 
-def run(args):
+def run(args, progress: Progress | None = None):
+    progress = progress or Progress()
     rate = matmul_rate()
     records = []
     for name in args.presets:
@@ -93,6 +95,7 @@ def run(args):
         impls = {"moekit_lowbit": lowbit, "moekit_w4a8": w4a8 if has_w4a8 else None, "moekit_bf16": bf16,
                  "torch_grouped_mm": _torch_grouped_mm}
         for T in args.tokens:
+            progress.case(name, T)
             cases = make_cases(spec, T, layers)
             hit = torch.unique(cases[0][3]).numel()
             params = 3 * spec.hidden_size * spec.intermediate_size
@@ -133,7 +136,7 @@ def run(args):
                 row["w4a8_vs_lowbit"] = row["moekit_w4a8"] / row["moekit_lowbit"]
                 del ref
             records.append(row)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            progress.row(row)
             del cases
         del layers
         torch.cuda.empty_cache()
