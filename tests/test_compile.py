@@ -43,3 +43,17 @@ def test_fused_experts_triton_op_compiles_fullgraph(device):
     run = lambda x, tw, tid: fused_experts(x, w13, w2, tw, tid, backend="triton")  # noqa: E731
     check_close("compiled fused_experts", torch.compile(run, fullgraph=True)(x, tw, tid), run(x, tw, tid),
                 Tolerance(1e-6, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_with_an_expert_map_compiles_after_an_eager_call(device):
+    # the eager call checks the map's values (a host sync); the trace must not look at them again
+    torch._dynamo.reset()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    layer = moekit.FusedMoE.from_preset("mixtral-8x7b", dtype=dtype, device=device, scaled=True)
+    E = layer.spec.num_experts
+    layer.expert_map = torch.where(torch.arange(E, device=device) % 2 == 0, torch.arange(E, device=device), -1).int()
+    x = torch.randn(7, layer.spec.hidden_size, device=device, dtype=dtype)
+    with torch.no_grad():
+        eager = layer(x)
+        check_close("compiled with expert_map", torch.compile(layer, fullgraph=True)(x), eager, Tolerance(1e-5, 1e-6))

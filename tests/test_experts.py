@@ -324,7 +324,7 @@ def test_bad_input_is_named():
     _bad(lambda: fused_experts(x, w13, w2[:, :, :4], tw, tid), ValueError, r"w2 must have shape \(4, 16, 8\)")
     _bad(lambda: fused_experts(x, w13, w2, tw.double(), tid), TypeError, "topk_weights must have dtype")
     _bad(lambda: fused_experts(x, w13, w2, tw, tid.long()), TypeError, "topk_ids must have dtype")
-    _bad(lambda: fused_experts(x, w13, w2, tw, tid[:2]), ValueError, r"topk_ids must have shape \(3, 2\)")
+    _bad(lambda: fused_experts(x, w13, w2, tw, tid[:2]), ValueError, r"topk_weights and topk_ids must both be \[T=3, k\]")
     _bad(lambda: fused_experts(x, w13, w2, tw, tid, activation="gelu"), ValueError, "activation must be one of")
     _bad(lambda: fused_experts(x, w13, w2, tw, tid, w13_bias=torch.zeros(4, 15)), ValueError, r"w13_bias must have shape \(4, 16\)")
     _bad(lambda: fused_experts(x, w13, w2, tw, tid, out=torch.empty(3, 16).T.contiguous().T), ValueError, "unit stride")

@@ -5,7 +5,7 @@ is shown by the eager benchmark, not here; these tests keep the work from coming
 import pytest
 import torch
 
-from moekit import fused_experts, fused_router, route, router_gemm
+from moekit import batched_experts, fused_experts, fused_router, route, router_gemm
 from moekit.experts import backends, configs
 
 E, H, I, K, T = 6, 32, 16, 2, 5
@@ -21,6 +21,7 @@ def _call():
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_a_repeated_call_decides_nothing_again(monkeypatch, backend):
     selections = []
+    monkeypatch.setattr(backends, "_SELECTED", {})                   # what earlier tests asked is forgotten
     real = backends._select_auto
     monkeypatch.setattr(backends, "_select_auto", lambda call: selections.append(call) or real(call))
     configs._choose.cache_clear()
@@ -39,10 +40,11 @@ def test_eager_calls_do_not_go_through_the_custom_ops(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call went through a torch.library op")
 
-    for op in ("fused_experts_into", "router_gemm_into", "fused_router", "route_triton"):
+    for op in ("fused_experts_into", "batched_experts_into", "router_gemm_into", "fused_router", "route_triton"):
         monkeypatch.setattr(torch.ops.moekit, op, refuse)
     x, w13, w2, tw, ids = _call()
     fused_experts(x, w13, w2, tw, ids, backend="triton")
+    batched_experts(torch.randn(E, 3, H), torch.full((E,), 2, dtype=torch.int32), w13, w2, backend="triton")
     w = torch.randn(E, H)
     router_gemm(x, w, tier="triton")
     fused_router(x, w, top_k=K, method="softmax_topk", impl="fused")

@@ -107,16 +107,27 @@ def test_fp8_experts_serve_the_layer_as_w8a8(granularity):
     check_close("FP8 W8A16 layer", plain, reference.fused_experts(x, d13, d2, tw, tid), Tolerance(1e-4, 1e-5))
 
 
-def test_quantized_experts_follow_the_module_to_another_dtype_of_buffers():
-    # .to() replaces the buffers: the cached quantized tensors are rebuilt over the new ones
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_block", "mxfp4"])
+def test_quantized_experts_survive_to_and_half(fmt):
+    # .to(dtype) / .half() cast the dense parameters only: FP8 codes and every scale keep their dtypes (a cast
+    # would destroy them), and the quantized tensors are rebuilt over the buffers that .to() replaced
     from moekit.formats import quantize_experts
 
-    layer = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
-    layer.load_quantized_experts(quantize_experts(layer.w13.detach(), "nvfp4"),
-                                 quantize_experts(layer.w2.detach(), "nvfp4"))
+    layer = moekit.FusedMoE.from_preset("deepseek-v3", dtype=torch.float32, scaled=True)
+    q13, q2 = quantize_experts(layer.w13.detach(), fmt), quantize_experts(layer.w2.detach(), fmt)
+    layer.load_quantized_experts(q13, q2, act_quant=None)
+    dtypes = {n: b.dtype for n, b in layer.named_buffers() if n.startswith(("w13_", "w2_"))}
     before = layer.expert_weights()[0]
-    layer.w13_data = layer.w13_data.clone()
-    assert layer.expert_weights()[0] is not before and layer.expert_weights()[0].data is layer.w13_data
+    x = torch.randn(6, layer.spec.hidden_size)
+    with torch.no_grad():
+        ref = layer(x)
+        for moved in (layer.to(torch.bfloat16), layer.half(), layer.float()):
+            assert {n: b.dtype for n, b in moved.named_buffers() if n.startswith(("w13_", "w2_"))} == dtypes
+    assert layer.expert_weights()[0] is not before
+    with torch.no_grad():
+        check_close(f"{fmt} after .to()/.half()/.float()", layer(x), ref, Tolerance(1e-2, 5e-3))
+    layer.w13_data = layer.w13_data.clone()                              # a replaced buffer: rebuilt over it
+    assert layer.expert_weights()[0].data is layer.w13_data
 
 
 def test_expert_map_values_are_checked_once_per_version():

@@ -229,3 +229,33 @@ def test_gpu_real_sizes_eager_graph_and_compile(family, cls_name, sizes):
     args = inputs(16, 4)
     with torch.no_grad():
         check_close(f"{family} compiled", compiled(*args), _run(module, "grouped_mm", *args), bf16)
+
+
+def test_the_prepared_stack_follows_the_module():
+    # a cast, a replaced weight or a copy of the module prepares again; forget() after a .data write
+    import copy
+
+    oss = _experts_module("gpt_oss", "GptOssExperts")
+    args = _inputs(oss)
+    _run(oss, NAME, *args)
+    oss.to(torch.bfloat16)                                              # same parameters, cast in place
+    x16 = [a.bfloat16() if a.is_floating_point() else a for a in args]
+    check_close("gpt-oss in bf16", _run(oss, NAME, *x16).float(), _run(oss, "eager", *x16).float(),
+                Tolerance(2e-2, 1e-2))
+    twin = copy.deepcopy(oss)
+    assert twin.__dict__.get("_moekit_plan") is None                    # the copy prepares its own
+    oss.to(torch.float32)
+    oss.gate_up_proj.data[0] *= -1.0                                    # no version counter sees this
+    transformers_experts.forget(oss)
+    check_close("gpt-oss after forget()", _run(oss, NAME, *args), _run(oss, "eager", *args), FP32)
+
+
+def test_compiles_fullgraph_after_an_eager_call():
+    module = _experts_module("qwen3_moe", "Qwen3MoeExperts")
+    args = _inputs(module)
+    module.config._experts_implementation = NAME
+    with torch.no_grad():
+        eager = module(*args)                                           # prepares the plan
+        torch._dynamo.reset()
+        compiled = torch.compile(module, fullgraph=True, backend="eager")
+        check_close("compiled", compiled(*args), eager, FP32)

@@ -8,8 +8,8 @@ from torch import nn
 
 from . import presets as _presets
 from ._checks import check_shape, check_tensor
-from .experts import check_act_quant, fused_experts, weight_format
-from .formats import fp8, mxfp4, nvfp4
+from .experts import check_act_quant, fused_experts
+from .formats import format_of, fp8, mxfp4, nvfp4
 from .presets import MoESpec
 from .routing import GateLinear, fused_router
 
@@ -114,8 +114,8 @@ class FusedMoE(nn.Module):
         4-bit weights (W4A16: dequantized inside the kernels). None with FP8 weights is W8A16 (the
         torch backend dequantizes them).
         """
-        fmt = weight_format(w13)
-        if fmt == "dense" or weight_format(w2) != fmt:
+        fmt = format_of(w13)
+        if fmt == "dense" or format_of(w2) != fmt:
             raise TypeError("w13 and w2 must both be MXFP4Tensor, NVFP4Tensor or FP8Tensor, "
                             f"got {type(w13).__name__} and {type(w2).__name__}")
         if act_quant == "auto":
@@ -136,6 +136,20 @@ class FusedMoE(nn.Module):
         self.weight_format = fmt
         self.act_quant = act_quant
         self._quantized = None
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.cuda()`` and the like: quantized experts move between devices but keep their
+        dtypes (a cast would destroy FP8 codes and block scales); the rest of the module follows ``fn``."""
+        names = {f"{name}_{field}" for name in ("w13", "w2") for field in _QUANTIZED_PARTS.get(self.weight_format, ())}
+        kept = {name: self._buffers.pop(name) for name in names if self._buffers.get(name) is not None}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buf in kept.items():
+                moved = fn(buf)
+                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
+            self._quantized = None
+        return self
 
     def expert_weights(self):
         """(w13, w2) as fused_experts takes them: dense parameters, or the quantized tensors over

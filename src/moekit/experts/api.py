@@ -9,6 +9,7 @@ This module holds the public API, its validation and the ``out=`` contract; the 
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -103,12 +104,14 @@ def check_expert_map_values(expert_map: torch.Tensor, num_local: int) -> None:
     [0, num_local). A value past the local experts would drop its tokens silently, so it is refused;
     reading the values costs one host sync, made once per map and version (an in-place change of
     the map is checked again at the next call), never while a CUDA graph is captured or
-    torch.compile traces (the eager call before them checked it)."""
+    torch.compile traces (the eager call before them checked it). Writes that bypass the version
+    counter (``.data``, numpy or DLPack views, or a map made under torch.inference_mode, which keeps
+    none) are not seen: such a map is checked once."""
+    if torch.compiler.is_compiling() or (expert_map.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
     key = id(expert_map)
     seen = _CHECKED_MAPS.get(key)
     if seen is not None and seen[0]() is expert_map and seen[1:] == (_version(expert_map), num_local):
-        return
-    if torch.compiler.is_compiling() or (expert_map.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     if expert_map.numel():
         lo, hi = (int(v) for v in torch.aminmax(expert_map))
@@ -132,6 +135,21 @@ def check_ids_within_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> No
         if lo < -1 or hi >= expert_map.shape[0]:
             raise ValueError(f"topk_ids must be global expert ids in [0, {expert_map.shape[0]}) (the length of "
                              f"expert_map: one entry per global expert) or -1, got ids in [{lo}, {hi}]")
+
+
+_WARNED_NO_GRAD: set[str] = set()
+
+
+def _warn_if_gradients_asked(chosen, *tensors) -> None:
+    """The kernels compute no gradients (moekit's experts are for inference): say so once per backend when a call
+    asks for them, rather than hand back an output that silently does not require grad."""
+    if chosen.name == "torch" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    if chosen.name not in _WARNED_NO_GRAD and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        _WARNED_NO_GRAD.add(chosen.name)
+        warnings.warn(f"moekit's {chosen.name} experts compute no gradients (inference only): the output does not "
+                      "require grad; run under torch.no_grad(), or backend='torch' to differentiate", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _storage(w) -> torch.Tensor:
@@ -195,7 +213,7 @@ def fused_experts(
         out: optional [T, H] tensor of x's dtype, contiguous; written in place and returned.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
         config: block configuration for the Triton kernels (default: the tuned table or the
-            heuristic of :mod:`moekit.expert_configs`).
+            heuristic of :mod:`moekit.experts.configs`).
         act_quant: ``"nvfp4"`` emulates NVFP4 W4A4 (Blackwell): each expert's GEMM inputs are
             NVFP4-rounded with a global scale from the amax of the tokens routed to it (torch
             backend; with NVFP4 weights this reproduces a W4A4 deployment's numerics).
@@ -225,8 +243,9 @@ def fused_experts(
     E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=x.device)
-    check_shape("topk_ids", topk_ids, (x.shape[0], topk_weights.shape[1]))
-    check_shape("topk_weights", topk_weights, (x.shape[0], topk_ids.shape[1]))
+    if topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, k], got {tuple(topk_weights.shape)} "
+                         f"and {tuple(topk_ids.shape)}")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
         check_expert_map_values(expert_map, E)
@@ -237,9 +256,10 @@ def fused_experts(
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    runner = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation).fused
-    runner(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map, config,
-           act_quant)
+    chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation)
+    _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
+    chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map,
+                 config, act_quant)
     return out  # the caller's tensor itself, whatever a runner returned
 
 
@@ -285,6 +305,7 @@ def batched_experts(
     _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    runner = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation).batched
-    runner(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant)
+    chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation)
+    _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
+    chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant)
     return out

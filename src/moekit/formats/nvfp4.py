@@ -54,7 +54,9 @@ class NVFP4Tensor:
             check_field("NVFP4Tensor", "scales", self.scales, (torch.float8_e4m3fn,), (*lead, k // BLOCK), device)
         gs = self.global_scale
         check_field("NVFP4Tensor", "global_scale", gs, (torch.float32,), None, device)
-        if gs.dim() > len(shape) or any(g not in (1, d) for g, d in zip(gs.shape, shape)):
+        # one value per leading index (e.g. per expert), broadcast along K: never a distinct value per column
+        if (gs.dim() > len(shape) or any(g not in (1, d) for g, d in zip(gs.shape, shape[:-1]))
+                or (gs.dim() == len(shape) and gs.shape[-1] != 1)):
             raise ValueError(f"NVFP4Tensor.global_scale must be a scalar or broadcast over the leading dims of "
                              f"shape {shape} (e.g. one per expert), got shape {tuple(gs.shape)}")
 
@@ -65,8 +67,8 @@ class NVFP4Tensor:
             return self.scales
         try:
             version = self.scales._version
-        except RuntimeError:  # an inference-mode tensor keeps no version counter
-            version = -1
+        except RuntimeError:  # an inference-mode tensor keeps no version counter: unswizzled on every call
+            return unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK)
         cached = self.__dict__.get("_linear")
         if cached is None or cached[0] != version:
             cached = (version, unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK))

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .. import presets
 from ..formats import mxfp4
@@ -58,9 +58,7 @@ def _opened(path: Path):
             yield f
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such checkpoint file (named by the checkpoint's index)") from None
-    except Exception as exc:
-        if isinstance(exc, (KeyError, ValueError)) and str(path) in str(exc):
-            raise
+    except (OSError, SafetensorError) as exc:  # a truncated or foreign file; other errors (memory) pass as they are
         raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
 
 

@@ -23,9 +23,9 @@ from torch import nn
 from .. import layouts
 from ..layer import FusedMoE
 from ..presets import MoESpec
-from .transformers_experts import NAME, experts_forward, register
+from .transformers_experts import NAME, experts_forward, forget, register
 
-__all__ = ["NAME", "MoekitBlock", "PatchReport", "experts_forward", "patch", "register", "unpatch"]
+__all__ = ["NAME", "MoekitBlock", "PatchReport", "experts_forward", "forget", "patch", "register", "unpatch"]
 
 
 @dataclass

@@ -10,8 +10,8 @@ replaces whole blocks instead (moekit's fp32 router and routing too).
 What the experts module says of its weights decides what runs:
 - ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] (``is_transposed=False``) are used as they are
   stored, without a copy; ``is_transposed=True`` stacks ([E, H, 2I], [E, I, H]) are laid out as moekit's
-  once per module and cached (one copy of the stack, refreshed when a weight changes in place or is
-  replaced);
+  once per module and cached (one copy of the stack, prepared again when a weight is replaced, moved, cast
+  or changed in place; :func:`forget` after writes no version counter sees, such as ``.data`` writes);
 - the module's gate function decides the activation: run once on a probe that crosses gpt-oss's clamp
   limits, it must equal ``silu_and_mul`` ([gate; up] halves) or ``swiglu_oai`` (gpt-oss: interleaved
   gate/up columns, alpha 1.702, limit 7) to be served;
@@ -81,16 +81,51 @@ def _activation(module: nn.Module, two_i: int) -> str | None:
 
 def _plan(module: nn.Module):
     """(w13 [E, 2I, H], w2 [E, H, I], activation) for moekit, or why moekit cannot serve the module.
-    Built once per module and weights (a transposed stack's copy is the only one made)."""
+    Built once per module and weights: a weight replaced, moved, cast or changed in place (its version
+    counter) builds it again; a transposed stack's copy is the only one made. Under torch.compile the plan
+    built by the eager call before serves as it is (tracing reads no version counters)."""
+    cache = module.__dict__.get("_moekit_plan")
+    if torch.compiler.is_compiling():
+        return cache.plan if cache is not None else _build_plan(module, module.gate_up_proj, module.down_proj)
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
-    key = (id(gate_up), _version(gate_up), id(down), _version(down))
-    cached = module.__dict__.get("_moekit_plan")
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    key = (_identity(gate_up), _identity(down))
+    if cache is not None and cache.key == key and None not in key:
+        return cache.plan
     plan = _build_plan(module, gate_up, down)
-    module.__dict__["_moekit_plan"] = (key, plan)  # beside the module's state: not a buffer, never saved
+    module.__dict__["_moekit_plan"] = _PlanCache(key, plan)
     return plan
+
+
+def forget(module: nn.Module) -> None:
+    """Drop the module's prepared weights: after writes that no version counter sees (``param.data[...] = ...``,
+    numpy or DLPack views of the weights), so that the next call prepares them again."""
+    module.__dict__.pop("_moekit_plan", None)
+
+
+class _PlanCache:
+    """A module's plan, beside its state: not a buffer, not copied with the module, never saved (a transposed
+    stack's copy is prepared again where the module lands)."""
+
+    def __init__(self, key, plan):
+        self.key, self.plan = key, plan
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+
+def _identity(t):
+    """What a prepared weight depends on; None where it cannot be known (no version counter: never cached)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        version = t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None
+    return t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), version
 
 
 def _build_plan(module, gate_up, down):
@@ -108,13 +143,6 @@ def _build_plan(module, gate_up, down):
         with torch.no_grad():  # moekit's layout, once: the copy is the prepared weight, not a parameter
             return gate_up.detach().transpose(1, 2).contiguous(), down.detach().transpose(1, 2).contiguous(), activation
     return gate_up, down, activation
-
-
-def _version(t) -> int:
-    try:
-        return t._version if isinstance(t, torch.Tensor) else -1
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        return -1
 
 
 def _fallback(module: nn.Module, why: str):

@@ -17,7 +17,8 @@ from .. import _triton
 from .._checks import check_out, check_shape, check_tensor
 from . import gate_case
 from . import tiers as router_tiers
-from .topk import (FLOAT_DTYPES, RoutingOptions, check_replay, empty_routes, record, replay, route_with,
+from .options import RoutingOptions, empty_routes
+from .topk import (FLOAT_DTYPES, check_replay, record, replay, route_with,
                    validate_routing)
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -105,7 +106,7 @@ def router_gemm(
             place and returned.
         lora: optional :class:`RouterLoRA`.
         tier: ``"auto"`` or one of ``"triton"``, ``"cublas"``, ``"torch"``
-            (:func:`moekit.router_tiers.explain` says which one auto picks and why).
+            (:func:`moekit.routing.tiers.explain` says which one auto picks and why).
 
     Returns:
         logits [..., E] in ``out_dtype``.
@@ -215,7 +216,7 @@ def fused_router(
             ``correction_bias``, ``num_groups``, ``topk_groups``, ``scaling``).
         lora: optional :class:`RouterLoRA`.
         impl: ``"auto"`` (on CUDA the fused kernel up to the measured crossover of
-            :func:`moekit.router_tiers.fused_limit`, else router_gemm + route), ``"fused"`` (the
+            :func:`moekit.routing.tiers.fused_limit`, else router_gemm + route), ``"fused"`` (the
             one-launch kernel, T <= 128; CUDA or TRITON_INTERPRET=1) or ``"unfused"``.
         replay_ids, record_ids: routing replay and recording, as :func:`moekit.route` (a replay computes
             the fp32 logits with :func:`router_gemm` and the weights of the given ids from them).
@@ -226,18 +227,18 @@ def fused_router(
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
-    check_replay(replay_ids, record_ids, num_tokens, top_k, weight.device)
-    if replay_ids is not None:
-        logits = router_gemm(args.x, weight, bias, lora=lora)
-        return record(replay(logits, replay_ids, opts), record_ids)
-    corr_bias = routing_kwargs.get("correction_bias")
-    corr_bias = None if corr_bias is None else corr_bias.contiguous()
     if impl not in ("auto", "fused", "unfused"):
         raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', got {impl!r}")
     if impl == "fused" and not _triton.can_launch(weight.device):
         raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
     if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
         raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")
+    check_replay(replay_ids, record_ids, num_tokens, top_k, weight.device)
+    if replay_ids is not None:
+        logits = router_gemm(args.x, weight, bias, lora=lora)
+        return record(replay(logits, replay_ids, opts), record_ids)
+    corr_bias = routing_kwargs.get("correction_bias")
+    corr_bias = None if corr_bias is None else corr_bias.contiguous()
     if torch.compiler.is_compiling():
         routes = torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
                                                opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,

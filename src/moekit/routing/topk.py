@@ -6,29 +6,16 @@ path elsewhere. Both follow the selection rules of :mod:`moekit.reference`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import _triton, reference
 from .._checks import check_tensor, check_top_k
 from ..presets import ROUTING_METHODS
 from . import gate_case
+from .options import RoutingOptions, empty_routes
 
 MAX_EXPERTS = 4096
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-@dataclass(frozen=True)
-class RoutingOptions:
-    """Everything that defines a routing function besides the logits (host-side, hashable)."""
-
-    top_k: int
-    method: str
-    renormalize: bool = True
-    num_groups: int = 1
-    topk_groups: int = 1
-    scaling: float = 1.0
 
 
 def validate_routing(
@@ -114,6 +101,7 @@ def route(
         correction_bias=correction_bias, num_groups=num_groups, topk_groups=topk_groups, scaling=scaling,
     )
     check_replay(replay_ids, record_ids, logits.shape[0], top_k, logits.device)
+    _check_impl(impl, logits.device)
     if replay_ids is not None:
         routes = replay(logits, replay_ids, opts)
     else:
@@ -158,17 +146,21 @@ def record(routes: tuple[torch.Tensor, torch.Tensor], record_ids) -> tuple[torch
     return routes
 
 
+def _check_impl(impl: str, device: torch.device) -> None:
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "triton" and not _triton.can_launch(device):
+        raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {device}")
+
+
 def _triton_serves_auto(logits: torch.Tensor) -> bool:
     return logits.is_cuda and _triton.can_launch(logits.device)
 
 
 def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str = "auto"):
     """:func:`route` on already validated arguments (used by the router)."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    _check_impl(impl, logits.device)
     use_triton = impl == "triton" or (impl == "auto" and _triton_serves_auto(logits))
-    if use_triton and not _triton.can_launch(logits.device):
-        raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {logits.device}")
     if use_triton and impl == "auto" and logits.shape[0]:
         use_triton = gate_case.route_refusal(logits, correction_bias, opts, route_with) is None
     if not use_triton:
@@ -197,20 +189,9 @@ def _(logits, correction_bias, top_k, method, renormalize, num_groups, topk_grou
     return empty_routes(logits.shape[0], top_k, logits.device)
 
 
-def empty_routes(num_tokens: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized (topk_weights float32 [T, k], topk_ids int32 [T, k])."""
-    return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=device),
-            torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
-
-
 def _route_torch(logits, opts: RoutingOptions, correction_bias):
     weights, ids = reference.route(
         logits, opts.top_k, opts.method, renormalize=opts.renormalize, correction_bias=correction_bias,
         num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling,
     )
     return weights.to(torch.float32), ids.to(torch.int32)
-
-
-def routing_block_tokens(num_experts: int) -> int:
-    """Tokens per program: keep about 2048 scores in registers per program."""
-    return max(1, min(16, 2048 // _triton.next_pow2(num_experts)))

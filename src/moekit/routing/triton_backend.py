@@ -11,7 +11,7 @@ from . import tiers
 from .kernels import topk as topk_kernels
 from .kernels.router import router_kernel
 from .kernels.topk import routing_kernel
-from .topk import RoutingOptions, empty_routes, routing_block_tokens
+from .options import RoutingOptions, empty_routes, routing_block_tokens
 
 _NO_ROUTING = RoutingOptions(top_k=1, method="softmax_topk")  # fills the routing constexprs of a GEMM-only launch
 METHOD_CODES = {"softmax_topk": topk_kernels.SOFTMAX_TOPK.value, "topk_softmax": topk_kernels.TOPK_SOFTMAX.value,
@@ -22,19 +22,19 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def kernel_constants(self: RoutingOptions, num_experts: int, has_corr_bias: bool) -> dict:
+def kernel_constants(opts: RoutingOptions, num_experts: int, has_corr_bias: bool) -> dict:
     """The routing constexprs of both kernels (routing and the fused router's epilogue)."""
     return dict(
-        TOP_K=self.top_k,
-        K_PAD=_triton.next_pow2(self.top_k),
-        METHOD=METHOD_CODES[self.method],
-        RENORMALIZE=self.renormalize,
+        TOP_K=opts.top_k,
+        K_PAD=_triton.next_pow2(opts.top_k),
+        METHOD=METHOD_CODES[opts.method],
+        RENORMALIZE=opts.renormalize,
         HAS_CORR_BIAS=has_corr_bias,
-        NUM_GROUPS=self.num_groups,
-        TOPK_GROUPS=self.topk_groups,
-        GROUP_SIZE=num_experts // self.num_groups,
-        G_PAD=_triton.next_pow2(self.num_groups),
-        GROUPS_RESHAPE=_pow2(self.num_groups) and _pow2(num_experts // self.num_groups),
+        NUM_GROUPS=opts.num_groups,
+        TOPK_GROUPS=opts.topk_groups,
+        GROUP_SIZE=num_experts // opts.num_groups,
+        G_PAD=_triton.next_pow2(opts.num_groups),
+        GROUPS_RESHAPE=_pow2(opts.num_groups) and _pow2(num_experts // opts.num_groups),
     )
 
 

@@ -84,7 +84,7 @@ def cmd_verify(args) -> int:
     device = _device()
     console = _console()
     on_gpu = device.type == "cuda"
-    names = args.preset or presets_names()
+    names = args.preset or presets.names()
     tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
     # The interpreter computes bf16 dots wrongly: CPU runs check the kernels in fp16.
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float16)
@@ -156,10 +156,6 @@ def _run_groups(groups, names, tokens, console, run):
             if not console.is_terminal:
                 print(f"  {group}: {len(done)} checks, {failed} failed, {time.time() - started:.0f} s", flush=True)
     return results
-
-
-def presets_names() -> list[str]:
-    return presets.names()
 
 
 def cmd_bench(args) -> int:

@@ -231,7 +231,7 @@ PER_PAIR_TUNE_MAX = 4  # buckets up to this many tokens also try the per-pair de
 GEMV_TUNE_MAX = 16  # ... and up to this many, the CUDA-core decode kernels
 
 
-MODES = ("aligned", "per_pair", "gemv")
+MODES = expert_configs.MODES  # the kernel modes a sweep can try
 INCUMBENT_PER_PAIR_MAX = 64  # tokens up to which the table's per-pair entries are incumbents (benchmarks/results/archive/ab_bucket_gaps_2026-12-03.md)
 
 
