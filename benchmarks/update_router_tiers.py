@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from moekit import presets  # noqa: E402
 
-TABLE = Path(__file__).resolve().parents[1] / "src" / "moekit" / "configs" / "router_tiers.json"
+TABLE = Path(__file__).resolve().parents[1] / "src" / "moekit" / "routing" / "tiers.json"
 
 
 def main():
