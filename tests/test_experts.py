@@ -1141,7 +1141,7 @@ def test_w4a8_nan_scale_poisons_only_its_output_column():
 
 
 def test_w4a8_oracle():
-    from moekit import backends, explain
+    from moekit import backends
     from moekit.formats import nvfp4
 
     w13, w2, _, _ = _weights(4, 64, 32, torch.float32, False)

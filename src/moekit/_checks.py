@@ -56,6 +56,15 @@ def check_top_k(top_k, num_experts: int) -> None:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place write torch sees), or None for a tensor made under
+    torch.inference_mode, which keeps none: caches keyed on it must treat None as "unknown"."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False

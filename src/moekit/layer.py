@@ -9,14 +9,14 @@ from torch import nn
 from . import presets as _presets
 from ._checks import check_shape, check_tensor
 from .experts import check_act_quant, fused_experts
-from .formats import format_of, fp8, mxfp4, nvfp4
+from .formats import TYPES as QUANTIZED_TYPES
+from .formats import format_of
 from .presets import MoESpec
 from .routing import GateLinear, fused_router
 
 
 # The tensors of each quantized type that become buffers (names as the types' fields).
 _QUANTIZED_PARTS = {"mxfp4": ("data", "scales"), "nvfp4": ("data", "scales", "global_scale"), "fp8": ("data", "scale")}
-_QUANTIZED_TYPES = {"mxfp4": mxfp4.MXFP4Tensor, "nvfp4": nvfp4.NVFP4Tensor, "fp8": fp8.FP8Tensor}
 
 
 class FusedMoE(nn.Module):
@@ -161,7 +161,7 @@ class FusedMoE(nn.Module):
                       for field in _QUANTIZED_PARTS[self.weight_format])
         cached = self._quantized
         if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
-            cls = _QUANTIZED_TYPES[self.weight_format]
+            cls = QUANTIZED_TYPES[self.weight_format]
             built = tuple(cls(**{field: getattr(self, f"{name}_{field}") for field in _QUANTIZED_PARTS[self.weight_format]},
                               **{k: v for k, v in self._quantized_meta[name].items() if k in cls.__dataclass_fields__})
                           for name in ("w13", "w2"))

@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from .. import gate
-from .._checks import check_out, check_shape, check_tensor
+from .._checks import check_out, check_shape, check_tensor, tensor_version
 from ..formats import format_of
 from ..presets import ACTIVATIONS
 from .backends import ExpertsCall, select_backend
@@ -92,11 +92,15 @@ def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
 _CHECKED_MAPS: dict[int, tuple] = {}  # id(expert_map) -> (weakref to it, its version, local experts)
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter: checked once
-        return -1
+def _may_sync(t: torch.Tensor) -> bool:
+    """A value check may read ``t`` on the host now: not while torch.compile traces or a CUDA graph is captured."""
+    return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _value_range(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of ``t``'s values: one host sync."""
+    lo, hi = torch.aminmax(t)
+    return int(lo), int(hi)
 
 
 def check_expert_map_values(expert_map: torch.Tensor, num_local: int) -> None:
@@ -107,31 +111,31 @@ def check_expert_map_values(expert_map: torch.Tensor, num_local: int) -> None:
     torch.compile traces (the eager call before them checked it). Writes that bypass the version
     counter (``.data``, numpy or DLPack views, or a map made under torch.inference_mode, which keeps
     none) are not seen: such a map is checked once."""
-    if torch.compiler.is_compiling() or (expert_map.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not _may_sync(expert_map):
         return
     key = id(expert_map)
     seen = _CHECKED_MAPS.get(key)
-    if seen is not None and seen[0]() is expert_map and seen[1:] == (_version(expert_map), num_local):
+    if seen is not None and seen[0]() is expert_map and seen[1:] == (tensor_version(expert_map), num_local):
         return
     if expert_map.numel():
-        lo, hi = (int(v) for v in torch.aminmax(expert_map))
+        lo, hi = _value_range(expert_map)
         if lo < -1 or hi >= num_local:
             raise ValueError(f"expert_map values must be -1 (expert not on this rank) or a local expert index in "
                              f"[0, {num_local}) (E={num_local} from w13), got values in [{lo}, {hi}]")
     if len(_CHECKED_MAPS) >= 256:  # forget maps that are gone
         for k in [k for k, v in _CHECKED_MAPS.items() if v[0]() is None]:
             del _CHECKED_MAPS[k]
-    _CHECKED_MAPS[key] = (weakref.ref(expert_map), _version(expert_map), num_local)
+    _CHECKED_MAPS[key] = (weakref.ref(expert_map), tensor_version(expert_map), num_local)
 
 
 def check_ids_within_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> None:
     """With the verification gate on (eager calls): every id is -1 or indexes ``expert_map`` (one entry
     per global expert). An id past a short map would contribute nothing, silently. One host sync per
     call, so only in the gate's mode."""
-    if torch.compiler.is_compiling() or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not _may_sync(topk_ids):
         return
     if topk_ids.numel():
-        lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+        lo, hi = _value_range(topk_ids)
         if lo < -1 or hi >= expert_map.shape[0]:
             raise ValueError(f"topk_ids must be global expert ids in [0, {expert_map.shape[0]}) (the length of "
                              f"expert_map: one entry per global expert) or -1, got ids in [{lo}, {hi}]")
@@ -168,12 +172,19 @@ def check_act_quant(act_quant, hidden: int | None = None, inter: int | None = No
         raise ValueError(f"act_quant='nvfp4' needs H and I multiples of 16 (NVFP4 blocks), got H={hidden}, I={inter}")
 
 
-def _check_out(out, x, inputs) -> None:
-    """``out=`` must be x's shape, dtype and device, contiguous, and must not alias any input."""
-    if out is not None:
-        check_out("out", out, tuple(x.shape), x.dtype, x.device, inputs)
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+def _options_and_out(x, w13, w2, act_quant, config, out, **other_inputs) -> torch.Tensor:
+    """The checks both formats share past the weights (act_quant against H and I, config, the ``out=`` contract),
+    then the output: ``out`` itself, or a new tensor of x's shape, dtype and device. ``out`` must be contiguous
+    and must not alias x, the weights or ``other_inputs``."""
+    check_act_quant(act_quant, x.shape[-1], w2.shape[2])
+    _check_config(config)
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    check_out("out", out, tuple(x.shape), x.dtype, x.device,
+              {"x": x, "w13": _storage(w13), "w2": _storage(w2), **other_inputs})
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    return out
 
 
 def fused_experts(
@@ -251,11 +262,7 @@ def fused_experts(
         check_expert_map_values(expert_map, E)
         if gate.active():
             check_ids_within_map(topk_ids, expert_map)
-    check_act_quant(act_quant, H, w2.shape[2])
-    _check_config(config)
-    _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2), "topk_weights": topk_weights})
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
     chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation)
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
     chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map,
@@ -300,11 +307,7 @@ def batched_experts(
         raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
-    check_act_quant(act_quant, x.shape[2], w2.shape[2])
-    _check_config(config)
-    _check_out(out, x, {"x": x, "w13": _storage(w13), "w2": _storage(w2)})
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _options_and_out(x, w13, w2, act_quant, config, out)
     chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation)
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
     chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_tensor, tensor_version
 from . import fp4
 from ._common import blocks, check_block_multiple, check_field, check_format, check_quantize_input, shape_tuple
 
@@ -65,9 +65,8 @@ class NVFP4Tensor:
         tensor: the kernels read the linear layout on every call)."""
         if not self.swizzled:
             return self.scales
-        try:
-            version = self.scales._version
-        except RuntimeError:  # an inference-mode tensor keeps no version counter: unswizzled on every call
+        version = tensor_version(self.scales)
+        if version is None:  # an inference-mode tensor keeps no version counter: unswizzled on every call
             return unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK)
         cached = self.__dict__.get("_linear")
         if cached is None or cached[0] != version:

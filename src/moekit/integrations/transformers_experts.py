@@ -29,6 +29,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._checks import tensor_version
 from ..experts import fused_experts
 from ..reference import ACTIVATION_FNS
 
@@ -119,11 +120,8 @@ class _PlanCache:
 
 def _identity(t):
     """What a prepared weight depends on; None where it cannot be known (no version counter: never cached)."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    try:
-        version = t._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
+    version = tensor_version(t) if isinstance(t, torch.Tensor) else None
+    if version is None:  # not a tensor, or an inference-mode one, which keeps no version counter
         return None
     return t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), version
 

@@ -122,22 +122,10 @@ def check_replay(replay_ids, record_ids, num_tokens: int, top_k: int, device) ->
 
 
 def replay(logits: torch.Tensor, ids: torch.Tensor, opts: RoutingOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [T, k], ids int32 [T, k]) for given ids: :func:`moekit.reference.route_weights` in fp32."""
-    l32 = logits.float()
-    valid = (ids >= 0) & (ids < l32.shape[1])
-    safe = torch.where(valid, ids, 0).long()
-    if opts.method == "softmax_topk" and not opts.renormalize:
-        w = torch.softmax(l32, dim=-1).gather(1, safe)
-    elif opts.method in ("softmax_topk", "topk_softmax"):
-        w = torch.softmax(l32.gather(1, safe).masked_fill(~valid, -torch.inf), dim=-1)
-    elif opts.method == "sigmoid_top1":
-        w = torch.sigmoid(l32.gather(1, safe))
-    else:  # sigmoid_grouped: the unbiased scores of the given experts
-        w = torch.where(valid, torch.sigmoid(l32).gather(1, safe), 0.0)
-        if opts.renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
-        w = w * opts.scaling
-    return torch.where(valid, w, 0.0).contiguous(), ids.to(torch.int32).contiguous()
+    """(weights fp32 [T, k], ids int32 [T, k]) for given ids: :func:`moekit.reference.route_weights` itself (as
+    the torch routing path serves :func:`moekit.reference.route`): torch ops, static shapes, no host sync."""
+    weights = reference.route_weights(logits, ids, opts.method, renormalize=opts.renormalize, scaling=opts.scaling)
+    return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
 
 
 def record(routes: tuple[torch.Tensor, torch.Tensor], record_ids) -> tuple[torch.Tensor, torch.Tensor]:

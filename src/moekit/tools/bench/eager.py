@@ -55,7 +55,7 @@ def kernels_per_call(fn) -> int:
 def cases(spec, T: int) -> dict:
     """op -> a no-argument call on fresh inputs of ``spec`` at ``T`` tokens."""
     dev, dt = "cuda", torch.bfloat16
-    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    E, H, k = spec.num_experts, spec.hidden_size, spec.top_k
     layer = FusedMoE(spec, dtype=dt, device=dev)
     x = torch.randn(T, H, device=dev, dtype=dt)
     with torch.no_grad():
