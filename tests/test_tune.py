@@ -62,3 +62,21 @@ def test_w4a8_is_tuned_as_its_own_table_family_and_bad_pairs_are_refused(capsys)
             run(["--format", "nvfp4", "--act-quant", "fp8_group"])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.startswith("moekit tune: error: ") and "'nvfp4'" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weight_format", ["dense", "mxfp4"])
+def test_gpu_a_small_sweep_runs_every_mode(weight_format):
+    # the sweep's own code paths (aligned row blocks, per-pair, gemv) at a size that takes seconds
+    import dataclasses
+
+    from moekit import presets
+    from moekit.experts.configs import ExpertsConfig
+
+    spec = dataclasses.replace(presets.get("qwen3-30b-a3b"), num_experts=8, hidden_size=256, intermediate_size=128,
+                               top_k=2)
+    weights = tune.random_weights(spec, weight_format=weight_format)
+    cfg, info = tune.tune(spec, 4, weights, weight_format, ("aligned", "per_pair", "gemv"), {}, None)
+    assert isinstance(cfg, ExpertsConfig) and cfg.mode in ("aligned", "per_pair", "gemv")
+    assert info

@@ -112,17 +112,20 @@ class _Problem:
         calls = DECODE_CALLS if num_tokens <= DECODE_CALLS_MAX else 1
         self.routes = [routes(spec, num_tokens) for _ in range(calls)]  # (topk weights [T, k], ids [T, k])
 
-    def best(self, block_m: int, which: int, per_pair: bool = False, gemv: bool = False) -> tuple[GemmConfig, float]:
-        """Fastest candidate for GEMM ``which`` (1 or 2) with this row block (or the per-pair mode,
-        on tensor cores or, with ``gemv``, on the CUDA cores)."""
+    def best(self, block_m: int, which: int, mode: str = "aligned") -> tuple[GemmConfig, float]:
+        """Fastest candidate for GEMM ``which`` (1 or 2) in ``mode`` (an ExpertsConfig mode: "aligned" with
+        this row block, "per_pair" on the tensor cores, "gemv" on the CUDA cores)."""
+        if mode not in ("aligned", "per_pair", "gemv"):
+            raise ValueError(f"mode must be 'aligned', 'per_pair' or 'gemv', got {mode!r}")
+        per_pair, gemv = mode == "per_pair", mode == "gemv"
         spec, T = self.spec, self.T
         num_pairs = T * spec.top_k
         if per_pair:
-            blocks, block_m, mode = num_pairs, ext.PER_PAIR_BLOCK_M, ext.ROWS_PER_PAIR
+            blocks, block_m, rows_mode = num_pairs, ext.PER_PAIR_BLOCK_M, ext.ROWS_PER_PAIR
             rows = [(ids, ids, ids) for _, ids in self.routes]
             y = torch.empty(T, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
         else:
-            mode, rows = ext.ROWS_ALIGNED, []
+            rows_mode, rows = ext.ROWS_ALIGNED, []
             for _, ids in self.routes:
                 _, sorted_pairs, block_expert = ext.align(ids, None, spec.num_experts, block_m)
                 rows.append((block_expert, sorted_pairs, block_expert))
@@ -156,14 +159,14 @@ class _Problem:
                 return ext.gemv2_tokens(h, w2, None, flat_tw, flat_ids, None, spec.num_experts,
                                          y, spec.top_k, cfg)
             elif which == 1:
-                return ext.gemm1(self.x, w13, None, h, rows[r], self.spec.activation, blocks, cfg, block_m, mode,
+                return ext.gemm1(self.x, w13, None, h, rows[r], self.spec.activation, blocks, cfg, block_m, rows_mode,
                                   num_pairs, spec.top_k, 0, None, spec.num_experts, self.xs, hs)
             elif per_pair:
                 return ext.gemm2_tokens(h, w2, None, flat_tw, ids, None, spec.num_experts, y, spec.top_k,
                                          cfg, hs)
             else:
                 return ext.gemm2(h, w2, None, flat_tw, y, (0, y.stride(0)), rows[r], blocks, cfg, block_m,
-                                  mode, num_pairs, 0, hs)
+                                  rows_mode, num_pairs, 0, hs)
 
         def measure(cfg):
             try:

@@ -26,6 +26,7 @@ from .timing import environment, graph_time_us
 PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b"]
 TOKENS = [1, 16, 256]
 LOOP = 300
+GRAPH_CALLS = 20
 OPS = ("fused_experts", "batched_experts", "fused_router", "GateLinear", "route", "FusedMoE", "torch_chain",
        "hf_grouped_mm")
 
@@ -118,8 +119,8 @@ def run(args) -> list[dict]:
             torch.manual_seed(T)
             with torch.no_grad():
                 for op, fn in cases(spec, T).items():
-                    try:
-                        graph = graph_time_us([fn], replays=30)
+                    try:  # many calls per graph: the graph's own launch is not the op's time
+                        graph = graph_time_us([fn] * GRAPH_CALLS, replays=20)
                     except Exception as exc:  # noqa: BLE001 - not capturable: say so, time it eagerly only
                         torch.cuda.synchronize()
                         graph, note = None, f"no graph: {type(exc).__name__}"
@@ -133,6 +134,32 @@ def run(args) -> list[dict]:
                     print(rec, flush=True)
         torch.cuda.empty_cache()
     return records
+
+
+def profile(args) -> str:
+    """cProfile of ``LOOP`` eager calls of each op named in ``args.profile`` (``op:preset:T``), sorted by own
+    time: where an eager call's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    report = []
+    for item in args.profile:
+        op, name, T = item.split(":")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            fn = cases(presets.get(name), int(T))[op]
+            eager_loop_us(fn, loop=20)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(LOOP):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        report.append(f"## {item}: {LOOP} calls\n{text.getvalue()}")
+    return "\n".join(report)
 
 
 def generate_tokens_per_s(patched: bool, new_tokens: int = 64) -> float:
@@ -182,7 +209,12 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     p.add_argument("--no-generate", dest="generate", action="store_false")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--profile", nargs="+", default=None, metavar="OP:PRESET:T",
+                   help="print a cProfile of these calls (e.g. fused_experts:qwen3-30b-a3b:16) and stop")
     args = p.parse_args(argv)
+    if args.profile:
+        print(profile(args))
+        return
     records = run(args)
     generation = {}
     if args.generate:
