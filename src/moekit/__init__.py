@@ -8,7 +8,7 @@ nothing in the runtime imports it.
 """
 
 from . import formats, layouts, presets, reference
-from .experts import backends, batched_experts, fused_experts
+from .experts import ExpertsLoRA, backends, batched_experts, fused_experts
 from .experts.backends import explain, select_backend
 from .gate import set_verification
 from .layer import FusedMoE
@@ -18,7 +18,7 @@ from .routing import GateLinear, RouterLoRA, fused_router, route, router_gemm
 __version__ = "0.1.0"
 
 __all__ = [
-    "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "backends", "batched_experts", "explain", "formats",
+    "ExpertsLoRA", "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "backends", "batched_experts", "explain", "formats",
     "fused_experts", "fused_router", "layouts", "select_backend", "set_verification",
     "presets", "reference", "route", "router_gemm",
 ]

@@ -8,7 +8,8 @@ from torch import nn
 
 from . import presets as _presets
 from ._checks import check_shape, check_tensor
-from .experts import check_act_quant, fused_experts
+from .experts import ExpertsLoRA, check_act_quant, fused_experts
+from .experts.lora import check_call as check_lora
 from .formats import TYPES as QUANTIZED_TYPES
 from .formats import format_of
 from .presets import MoESpec
@@ -17,6 +18,7 @@ from .routing import GateLinear, fused_router
 
 # The tensors of each quantized type that become buffers (names as the types' fields).
 _QUANTIZED_PARTS = {"mxfp4": ("data", "scales"), "nvfp4": ("data", "scales", "global_scale"), "fp8": ("data", "scale")}
+_LORA_PARTS = ("w13_a", "w13_b", "w2_a", "w2_b", "scaling")  # ExpertsLoRA's fields, buffers lora_<field>
 
 
 class FusedMoE(nn.Module):
@@ -55,6 +57,7 @@ class FusedMoE(nn.Module):
         self._expert_shapes = {"w13": (E, 2 * I, H), "w2": (E, H, I)}
         self._quantized_meta: dict[str, dict] = {}
         self._quantized = None  # (the buffers it was built from, (w13, w2))
+        self._lora = None  # (the buffers it was built from, the ExpertsLoRA)
         self.reset_parameters()
 
     @classmethod
@@ -168,6 +171,34 @@ class FusedMoE(nn.Module):
             cached = self._quantized = (parts, built)
         return cached[1]
 
+    @torch.no_grad()
+    def load_lora(self, lora: ExpertsLoRA | None) -> None:
+        """Serve expert LoRA adapters (:class:`moekit.experts.ExpertsLoRA`, stacked over this layer's experts in its
+        dtype; None removes them). Their tensors become buffers (``lora_w13_a``, ``lora_w13_b``, ``lora_w2_a``,
+        ``lora_w2_b``, ``lora_scaling``), so that ``state_dict()`` and ``.to()`` carry them; ``forward(x,
+        lora_ids=...)`` then picks each token's adapter."""
+        if lora is not None:
+            H, I = self.spec.hidden_size, self.spec.intermediate_size
+            probe = torch.empty(0, H, dtype=self.gate.weight.dtype, device=self.gate.weight.device)
+            check_lora(lora, torch.empty(0, dtype=torch.int32, device=probe.device), probe,
+                       self._expert_shapes["w13"][0], I, H, batched=False)
+        for field in _LORA_PARTS:
+            self._buffers.pop(f"lora_{field}", None)
+            if lora is not None and getattr(lora, field) is not None:
+                self.register_buffer(f"lora_{field}", getattr(lora, field))
+        self._lora = None
+
+    def expert_lora(self) -> ExpertsLoRA | None:
+        """The loaded adapters as fused_experts takes them (built once over this module's buffers, again only after
+        they were replaced, e.g. by ``.to()``), or None."""
+        parts = tuple(self._buffers.get(f"lora_{field}") for field in _LORA_PARTS)
+        if parts[-1] is None:
+            return None
+        cached = self._lora
+        if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
+            cached = self._lora = (parts, ExpertsLoRA(*parts))
+        return cached[1]
+
     def route(self, x2: torch.Tensor, *, replay_ids: torch.Tensor | None = None,
               record_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) of tokens x2 [T, H]; routing replay and
@@ -180,18 +211,29 @@ class FusedMoE(nn.Module):
                             lora=self.gate.lora, replay_ids=replay_ids, record_ids=record_ids, **kwargs)
 
     def forward(self, x: torch.Tensor, *, replay_ids: torch.Tensor | None = None,
-                record_ids: torch.Tensor | None = None) -> torch.Tensor:
+                record_ids: torch.Tensor | None = None, lora_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> [..., H]. ``record_ids`` (int32/int64 [T, k], T = x's tokens): the experts each token
         chose are copied into it; ``replay_ids`` ([T, k]): those experts serve instead of a selection, with the
-        weights the routing method gives them from this call's logits (routing replay)."""
+        weights the routing method gives them from this call's logits (routing replay). ``lora_ids`` (int32,
+        x's shape without H, or [T]): each token's adapter of :meth:`load_lora`'s, -1 for none."""
         spec = self.spec
         self._check_input(x)
         x2 = x.reshape(-1, spec.hidden_size)
         weights, ids = self.route(x2, replay_ids=replay_ids, record_ids=record_ids)
         w13, w2 = self.expert_weights()
+        lora = self.expert_lora()
+        if lora_ids is not None and lora is not None:
+            if not isinstance(lora_ids, torch.Tensor) or lora_ids.numel() != x2.shape[0]:
+                raise ValueError(f"lora_ids must have one entry per token, shape {tuple(x.shape[:-1])} or "
+                                 f"({x2.shape[0]},), got {getattr(lora_ids, 'shape', type(lora_ids).__name__)}")
+            lora_ids = lora_ids.reshape(-1)
+        elif lora_ids is not None:
+            raise ValueError("lora_ids was given, but no adapters are loaded (load_lora)")
+        elif lora is not None:  # adapters loaded, none asked for: the base layer
+            lora = None
         out = fused_experts(x2, w13, w2, weights, ids, activation=spec.activation,
                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map,
-                            act_quant=self.act_quant)
+                            act_quant=self.act_quant, lora=lora, lora_ids=lora_ids)
         if self.shared_w13 is not None:
             gate, up = F.linear(x2, self.shared_w13).float().chunk(2, dim=-1)
             out = out + F.linear((F.silu(gate) * up).to(x2.dtype), self.shared_w2)

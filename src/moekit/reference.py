@@ -183,11 +183,32 @@ def expert_mlp(
     return y
 
 
-def _expert(e, rows, w13, w2, activation, w13_bias, w2_bias) -> torch.Tensor:
+def _expert(e, rows, w13, w2, activation, w13_bias, w2_bias, lora=None, adapters=None, rounded=None) -> torch.Tensor:
     """Expert ``e`` of stacked [E, ...] weights (and optional stacked biases) on ``rows``; quantized
-    stacks (moekit.formats) are dequantized one expert at a time."""
-    return expert_mlp(rows, expert(w13, e), expert(w2, e), activation,
-                      None if w13_bias is None else w13_bias[e], None if w2_bias is None else w2_bias[e])
+    stacks (moekit.formats) are dequantized one expert at a time. ``lora`` (see :func:`fused_experts`) adds
+    each row's adapter terms (``adapters``: int [n], -1 none); ``rounded`` rounds both GEMM inputs first."""
+    keep = rounded or (lambda t: t.to(F64))
+    v = keep(rows)
+    h = v @ expert(w13, e).to(F64).T
+    if w13_bias is not None:
+        h = h + w13_bias[e].to(F64)
+    h = h + _lora_term(lora, "w13", e, v, adapters)
+    a = keep(ACTIVATION_FNS[activation](h))
+    y = a @ expert(w2, e).to(F64).T + _lora_term(lora, "w2", e, a, adapters)
+    return y if w2_bias is None else y + w2_bias[e].to(F64)
+
+
+def _lora_term(lora, which: str, e: int, v: torch.Tensor, adapters) -> torch.Tensor | float:
+    """scaling[a] * B[a, e] (A[a, e] v) for each row of v (float64) with adapter a in [0, adapters); 0 elsewhere."""
+    if lora is None or getattr(lora, which + "_a") is None:
+        return 0.0
+    a_stack, b_stack = getattr(lora, which + "_a"), getattr(lora, which + "_b")
+    out = torch.zeros(v.shape[0], b_stack.shape[2], dtype=F64, device=v.device)
+    for i in range(a_stack.shape[0]):
+        sel = adapters.long() == i
+        if sel.any():
+            out[sel] = float(lora.scaling[i]) * ((v[sel] @ a_stack[i, e].to(F64).T) @ b_stack[i, e].to(F64).T)
+    return out
 
 
 def fused_experts(
@@ -201,14 +222,27 @@ def fused_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    lora=None,
+    lora_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Standard format: out[t] = sum_j w[t, j] * expert_{id[t, j]}(x[t]); float64 [T, H].
 
     ``expert_map`` maps global ids to local weight indices (-1: not here, contributes zero).
+
+    ``lora`` (a :class:`moekit.experts.ExpertsLoRA`, or anything with its fields ``w13_a`` [n, E, r, H],
+    ``w13_b`` [n, E, 2I, r], ``w2_a`` [n, E, r, I], ``w2_b`` [n, E, H, r], ``scaling`` [n]) with ``lora_ids``
+    [T] (-1: no adapter): expert e on token t of adapter a computes
+    ``h = W13_e x + b13_e + scaling[a] B13[a, e] A13[a, e] x`` and
+    ``y = W2_e act(h) + b2_e + scaling[a] B2[a, e] A2[a, e] act(h)``.
     """
     _check_experts(x, 2, w13, w2, topk_weights, topk_ids)
     return _combine(x, w13.shape[0], w2.shape[1], topk_weights, topk_ids, expert_map,
-                    lambda e, rows: _expert(e, rows, w13, w2, activation, w13_bias, w2_bias))
+                    lambda e, rows, tok: _expert(e, rows, w13, w2, activation, w13_bias, w2_bias, lora,
+                                                 _adapters(lora_ids, tok)))
+
+
+def _adapters(lora_ids, tok):
+    return None if lora_ids is None else lora_ids[tok]
 
 
 def _check_experts(x, ndim, w13, w2, topk_weights=None, topk_ids=None) -> None:
@@ -237,7 +271,7 @@ def _combine(x, num_experts, hidden, topk_weights, topk_ids, expert_map, expert_
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        out.index_add_(0, tok, expert_fn(e, x[tok]) * topk_weights[tok, slot].to(F64)[:, None])
+        out.index_add_(0, tok, expert_fn(e, x[tok], tok) * topk_weights[tok, slot].to(F64)[:, None])
     return out
 
 
@@ -252,25 +286,22 @@ def fused_experts_w8a8(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    lora=None,
+    lora_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 W8A8 (DeepSeek-V3's scheme): :func:`fused_experts` in float64 on FP8Tensor weights,
     with both GEMM inputs of each expert rounded to E4M3 in 1x128 groups first (scales per row
     and group: formats.fp8.quantize_groups). Weights are dequantized one expert at a time, so a
     DeepSeek-V3 stack never exists in float. Any moekit weight works: MXFP4 stacks make it the
-    W4A8 reference."""
+    W4A8 reference. ``lora``, ``lora_ids``: as :func:`fused_experts`, the adapters reading the same
+    rounded inputs as the weights."""
     _check_experts(x, 2, w13, w2, topk_weights, topk_ids)
     def rounded(t):
         return fp8.dequantize(fp8.quantize_groups(t.float(), check_finite=False), torch.float32).to(F64)
 
-    def expert_fn(e, rows):
-        d13, d2 = expert(w13, e), expert(w2, e)
-        h = rounded(rows) @ d13.to(F64).T
-        if w13_bias is not None:
-            h = h + w13_bias[e].to(F64)
-        y = rounded(ACTIVATION_FNS[activation](h)) @ d2.to(F64).T
-        return y if w2_bias is None else y + w2_bias[e].to(F64)
-
-    return _combine(x, w13.shape[0], w2.shape[1], topk_weights, topk_ids, expert_map, expert_fn)
+    return _combine(x, w13.shape[0], w2.shape[1], topk_weights, topk_ids, expert_map,
+                    lambda e, rows, tok: _expert(e, rows, w13, w2, activation, w13_bias, w2_bias, lora,
+                                                 _adapters(lora_ids, tok), rounded))
 
 
 def batched_experts(
@@ -282,10 +313,13 @@ def batched_experts(
     activation: str = "silu_and_mul",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    lora=None,
+    lora_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched (masked) format: x [E, M, H]; valid rows [0, n_e) per expert; float64 [E, M, H].
 
-    Padding rows of the reference output are zero (fast paths leave them undefined).
+    Padding rows of the reference output are zero (fast paths leave them undefined). ``lora`` as
+    :func:`fused_experts`, with ``lora_ids`` [E, M] (each row's adapter, -1 none).
     """
     _check_experts(x, 3, w13, w2)
     num_experts, max_tokens, _ = x.shape
@@ -295,7 +329,8 @@ def batched_experts(
     for e in range(num_experts):
         n = int(expert_num_tokens[e])
         if n:
-            out[e, :n] = _expert(e, x[e, :n], w13, w2, activation, w13_bias, w2_bias)
+            out[e, :n] = _expert(e, x[e, :n], w13, w2, activation, w13_bias, w2_bias, lora,
+                                 None if lora_ids is None else lora_ids[e, :n])
     return out
 
 

@@ -20,6 +20,7 @@ from ..formats import format_of
 from ..presets import ACTIVATIONS
 from .backends import ExpertsCall, select_backend
 from .configs import ExpertsConfig
+from .lora import ExpertsLoRA, check_call as check_lora
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,9 +33,9 @@ def _check_config(config) -> None:
 
 
 def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None, *,
-                   op: str = "fused", activation: str = "silu_and_mul"):
+                   op: str = "fused", activation: str = "silu_and_mul", lora: bool = False):
     """The :class:`moekit.experts.backends.Backend` that serves this call (the oracle explains why)."""
-    return select_backend(ExpertsCall.of(x, w13, act_quant, op=op, activation=activation), backend)
+    return select_backend(ExpertsCall.of(x, w13, act_quant, op=op, activation=activation, lora=lora), backend)
 
 
 def _check_quantized(name, w, ndim, device):
@@ -202,6 +203,8 @@ def fused_experts(
     backend: str = "auto",
     config: ExpertsConfig | None = None,
     act_quant: str | None = None,
+    lora: ExpertsLoRA | None = None,
+    lora_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Standard format: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
@@ -240,6 +243,13 @@ def fused_experts(
             2^14 of each other; :func:`moekit.formats.mxfp4.to_e4m3` defines the result
             otherwise). On the H200 it is correct but slower than W4A16 (benchmarks/LIMITS.md,
             "W4A8"); it serves those numerics, not speed.
+        lora: expert LoRA adapters (:class:`moekit.experts.ExpertsLoRA`: stacked [adapters, E, ...] in x's
+            dtype, E the local experts under ``expert_map``), on dense or quantized weights; each token's
+            adapter term is added to its experts' GEMM1 output before the activation and to GEMM2's output,
+            on the GEMMs' inputs as the base weights see them (see :mod:`moekit.experts.lora`).
+        lora_ids: int32 [T], with ``lora``: each token's adapter, -1 for none. Values outside [-1, adapters)
+            are a ValueError where checking them needs no device sync (CPU tensors, or the verification gate
+            on); elsewhere they contribute nothing.
 
     Ids outside the valid range (or mapped to -1) contribute zero; they are never read out of
     bounds. The k slots are summed in fp32 in slot order, without atomics: results are the same
@@ -262,12 +272,18 @@ def fused_experts(
         check_expert_map_values(expert_map, E)
         if gate.active():
             check_ids_within_map(topk_ids, expert_map)
+    check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
     out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
-    chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation)
+    chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None)
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
     chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map,
-                 config, act_quant)
+                 config, act_quant, **_lora_args(lora, lora_ids))
     return out  # the caller's tensor itself, whatever a runner returned
+
+
+def _lora_args(lora, lora_ids) -> dict:
+    """The LoRA keywords of a backend call: none without adapters (backends without LoRA take none)."""
+    return {} if lora is None else {"lora": lora, "lora_ids": lora_ids.contiguous()}
 
 
 def batched_experts(
@@ -283,6 +299,8 @@ def batched_experts(
     backend: str = "auto",
     config: ExpertsConfig | None = None,
     act_quant: str | None = None,
+    lora: ExpertsLoRA | None = None,
+    lora_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched (masked) format: out[e, m] = expert_e(x[e, m]) for m < expert_num_tokens[e].
 
@@ -295,6 +313,9 @@ def batched_experts(
         out: optional [E, M, H] contiguous tensor of x's dtype, written in place and returned.
         backend, config, act_quant: as :func:`fused_experts` (NVFP4 activation scales come from
             valid rows only: padding never moves them).
+        lora: as :func:`fused_experts`.
+        lora_ids: int32 [E, M], with ``lora``: each row's adapter (-1 for none). Padding rows' values are
+            never read, but are checked like the others.
 
     Returns:
         [E, M, H] in x's dtype. Padding rows of the output are unspecified: the Triton backend
@@ -307,8 +328,10 @@ def batched_experts(
         raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
     check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
     check_shape("expert_num_tokens", expert_num_tokens, (E,))
+    check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
     out = _options_and_out(x, w13, w2, act_quant, config, out)
-    chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation)
+    chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, lora=lora is not None)
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
-    chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant)
+    chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant,
+                   **_lora_args(lora, lora_ids))
     return out

@@ -34,12 +34,13 @@ class ExpertsCall:
     act_quant: str | None = None
     op: str = "fused"  # "fused" (standard format) or "batched"
     activation: str = "silu_and_mul"
+    lora: bool = False  # expert LoRA adapters (moekit.experts.ExpertsLoRA) ride along
 
     @classmethod
     def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
-           activation: str = "silu_and_mul") -> "ExpertsCall":
+           activation: str = "silu_and_mul", lora: bool = False) -> "ExpertsCall":
         tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
-        return cls(format_of(w13), x.dtype, x.device, tokens, act_quant, op, activation)
+        return cls(format_of(w13), x.dtype, x.device, tokens, act_quant, op, activation, lora)
 
     def shape_class(self) -> "ExpertsCall":
         """What the verification gate checks once: the call without its token count."""
@@ -51,13 +52,22 @@ class Backend:
     """A candidate: ``rejects(call, explicit)`` returns None when it can serve the call, else why
     not. ``fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
     expert_map, config, act_quant)`` and ``batched(out, x, expert_num_tokens, w13, w2, activation,
-    w13_bias, w2_bias, config, act_quant)`` compute validated calls INTO ``out``."""
+    w13_bias, w2_bias, config, act_quant)`` compute validated calls INTO ``out``. A backend with ``lora``
+    also takes expert LoRA (keywords ``lora``, an ExpertsLoRA, and ``lora_ids``, passed only when given);
+    one without it is not asked to serve such calls."""
 
     name: str
     rejects: Callable[[ExpertsCall, bool], str | None]
     summary: str
     fused: Callable = None
     batched: Callable = None
+    lora: bool = False
+
+    def refuses(self, call: ExpertsCall, explicit: bool) -> str | None:
+        """``rejects`` plus what every backend declares: expert LoRA."""
+        if call.lora and not self.lora:
+            return "takes no expert LoRA adapters"
+        return self.rejects(call, explicit)
 
 
 def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
@@ -126,9 +136,9 @@ BUILTIN = (
     Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
                                        "weight, fixed-order combine; 4-bit weights dequantized in the kernel, "
                                        "FP8 W8A8 and MXFP4 W4A8 on FP8 tensor cores",
-            _triton_fused, _triton_batched),
+            _triton_fused, _triton_batched, lora=True),
     Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
-            torch_backend.fused_torch, torch_backend.batched_torch),
+            torch_backend.fused_torch, torch_backend.batched_torch, lora=True),
 )
 BACKENDS: tuple[Backend, ...] = BUILTIN
 """Priority order: the first candidate that supports a call serves it."""
@@ -165,7 +175,7 @@ def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
         match = [b for b in BACKENDS if b.name == backend]
         if not match:
             raise ValueError(f"backend must be 'auto' or one of {names()}, got {backend!r}")
-        why = match[0].rejects(call, True)
+        why = match[0].refuses(call, True)
         if why:
             raise ValueError(f"backend={backend!r} cannot serve this call: {why}")
         return match[0]
@@ -189,7 +199,7 @@ _SELECTED: dict = {}
 def _select_auto(call: ExpertsCall) -> Backend:
     reasons = []
     for b in BACKENDS:
-        why = b.rejects(call, False) or gate_case.refusal(b, call)
+        why = b.refuses(call, False) or gate_case.refusal(b, call)
         if why is None:
             return b
         reasons.append(f"{b.name}: {why}")
@@ -201,14 +211,14 @@ def explain(call: ExpertsCall, backend: str = "auto") -> str:
     _check_call(call)
     chosen = select_backend(call, backend).name
     act = str(call.act_dtype).removeprefix("torch.") + (f" rounded to {call.act_quant}" if call.act_quant else "")
-    lines = [f"experts call: {call.weight_format} weights, {act} activations, "
+    lines = [f"experts call: {call.weight_format} weights, {act} activations{', LoRA' if call.lora else ''}, "
              f"{call.device}, T={call.num_tokens}, backend={backend!r}"]
     taken = False
     for b in BACKENDS:
         if taken:
             lines.append(f"  {b.name:7s} not reached")
             continue
-        why = b.rejects(call, backend == b.name) or gate_case.known_failure(b, call)
+        why = b.refuses(call, backend == b.name) or gate_case.known_failure(b, call)
         if b.name == chosen:
             lines.append(f"  {b.name:7s} TAKEN: {b.summary}")
             taken = True

@@ -4,7 +4,8 @@ float64 reference before it serves an automatic call.
 
 The case exercises what broke engines' kernels: biases, a strided input, a token count that leaves
 a partial tile, an expert with no tokens, NaN padding rows (batched), and ``out`` poisoned with NaN
-so that an unwritten or rebound output shows.
+so that an unwritten or rebound output shows. A call with expert LoRA is its own shape class: its case adds
+three adapters of rank 5 (both matrices), mixed over the tokens with some of none (-1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from .. import gate, reference
 from ..formats import FP8_ACTIVATION_FORMATS, dequantize, quantize_experts
 from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
+from .lora import ExpertsLoRA
 
 
 def refusal(backend, call) -> str | None:
@@ -34,7 +36,21 @@ def _key(backend, call) -> tuple:
 
 def _describe(call) -> str:
     dtype = str(call.act_dtype).removeprefix("torch.")
-    return f"{call.op} experts, {call.weight_format} weights, {dtype}, {call.activation}, {call.device}"
+    lora = ", LoRA" if call.lora else ""
+    return f"{call.op} experts, {call.weight_format} weights{lora}, {dtype}, {call.activation}, {call.device}"
+
+
+def _lora_case(call, gen, E, H, I, rows):
+    """(ExpertsLoRA of three rank-5 adapters on w13 and w2, int32 adapter ids of ``rows`` shape: each adapter and
+    -1 appear), or (None, None) for a call without LoRA."""
+    if not call.lora:
+        return None, None
+    n, r, dev, dt = 3, 5, call.device, call.act_dtype
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    lora = ExpertsLoRA((rnd(n, E, r, H) * H ** -0.5).to(dev, dt), (rnd(n, E, 2 * I, r) * 0.3).to(dev, dt),
+                       (rnd(n, E, r, I) * I ** -0.5).to(dev, dt), (rnd(n, E, H, r) * 0.3).to(dev, dt), [0.5, 1.0, 2.0])
+    ids = (torch.arange(rows[0] * (rows[1] if len(rows) > 1 else 1)) % (n + 1) - 1).reshape(rows)
+    return lora, ids.to(dev, torch.int32)
 
 
 def _case(call, gen):
@@ -71,12 +87,15 @@ def check(backend, call) -> tuple[bool, str]:
             valid = torch.arange(M, device=dev)[None, :] < counts[:, None].long()
             x[~valid] = float("nan")                                                      # padding must not leak
             out = torch.full_like(x, float("nan"))
-            backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, None, call.act_quant)
+            lora, lora_ids = _lora_case(call, gen, E, H, w2.shape[2], (E, M))
+            backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, None, call.act_quant,
+                            **_lora_args(lora, lora_ids))
             if w8a8:
-                ref = torch.stack([_w8a8_one_expert(x[e], w13, w2, e, call.activation, b13, b2) for e in range(E)])
+                ref = torch.stack([_w8a8_one_expert(x[e], w13, w2, e, call.activation, b13, b2, lora,
+                                                    None if lora is None else lora_ids[e]) for e in range(E)])
             else:
                 ref = reference.batched_experts(x, counts, ref13, ref2, activation=call.activation, w13_bias=b13,
-                                                w2_bias=b2)
+                                                w2_bias=b2, lora=lora, lora_ids=lora_ids)
             got, ref = out[valid], ref[valid]
         else:
             T, k = 9, 2                                                                   # a partial row block
@@ -86,11 +105,13 @@ def check(backend, call) -> tuple[bool, str]:
             ids = torch.stack([first, second], dim=1).to(dev, torch.int32)
             tw = torch.rand(T, k, generator=gen).to(dev)
             out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
-            backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, None, None, call.act_quant)
+            lora, lora_ids = _lora_case(call, gen, E, H, w2.shape[2], (T,))
+            backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, None, None, call.act_quant,
+                          **_lora_args(lora, lora_ids))
             got = out
             ref_fn = reference.fused_experts_w8a8 if w8a8 else reference.fused_experts
             ref = ref_fn(x, w13 if w8a8 else ref13, w2 if w8a8 else ref2, tw, ids, activation=call.activation,
-                         w13_bias=b13, w2_bias=b2)
+                         w13_bias=b13, w2_bias=b2, lora=lora, lora_ids=lora_ids)
     except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
         return False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     max_rel, rms_rel = rel_errors(got, ref)
@@ -99,9 +120,14 @@ def check(backend, call) -> tuple[bool, str]:
     return max_rel <= tol.max_rel and rms_rel <= tol.rms_rel, detail
 
 
-def _w8a8_one_expert(rows, w13, w2, e, activation, b13, b2) -> torch.Tensor:
+def _w8a8_one_expert(rows, w13, w2, e, activation, b13, b2, lora=None, lora_ids=None) -> torch.Tensor:
     """Expert ``e`` of FP8 stacks on every row (float64 W8A8): the batched format's reference."""
     n = rows.shape[0]
     ones = torch.ones(n, 1, device=rows.device)
     ids = torch.full((n, 1), e, dtype=torch.int32, device=rows.device)
-    return reference.fused_experts_w8a8(rows, w13, w2, ones, ids, activation=activation, w13_bias=b13, w2_bias=b2)
+    return reference.fused_experts_w8a8(rows, w13, w2, ones, ids, activation=activation, w13_bias=b13, w2_bias=b2,
+                                        lora=lora, lora_ids=lora_ids)
+
+
+def _lora_args(lora, lora_ids) -> dict:
+    return {} if lora is None else {"lora": lora, "lora_ids": lora_ids}

@@ -9,6 +9,7 @@ import torch
 
 from ..formats import expert, fp8, nvfp4
 from ..reference import SWIGLU_ALPHA, SWIGLU_LIMIT
+from .lora import torch_term
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -40,24 +41,29 @@ def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 _ROUND_ACTIVATIONS = {"nvfp4": _nvfp4_rows, "fp8_group": _fp8_rows}
 
 
-def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None):
+def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None, lora=None, adapters=None):
     """Expert ``e`` of stacked weights (and optional stacked biases) on fp32 rows, in fp32; with
-    ``act_quant`` both GEMM inputs are rounded as that format's kernels see them, over ``rows``."""
+    ``act_quant`` both GEMM inputs are rounded as that format's kernels see them, over ``rows``. ``lora``
+    (an ExpertsLoRA) adds its terms on the same GEMM inputs, ``adapters`` (int [n]) naming each row's adapter."""
     if act_quant:
         x32 = _ROUND_ACTIVATIONS[act_quant](x32, rows)
     # Quantized stacks are dequantized one expert at a time: kimi-k2's whole stack in fp32 is 68 GB.
     h = x32 @ expert(w13, e).float().T
     if w13_bias is not None:
         h = h + w13_bias[e].float()
+    if lora is not None and lora.w13_a is not None:
+        h = h + torch_term(lora, "w13", e, x32, adapters)
     a = _activate(h, activation)
     if act_quant:
         a = _ROUND_ACTIVATIONS[act_quant](a, rows)
     y = a @ expert(w2, e).float().T
+    if lora is not None and lora.w2_a is not None:
+        y = y + torch_term(lora, "w2", e, a, adapters)
     return y if w2_bias is None else y + w2_bias[e].float()
 
 
 def fused_torch(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None,
-                act_quant=None) -> None:
+                act_quant=None, lora=None, lora_ids=None) -> None:
     """The torch backend of :func:`fused_experts` (validated arguments), written into ``out``."""
     E, H = w13.shape[0], x.shape[1]
     num_global = expert_map.shape[0] if expert_map is not None else E
@@ -75,19 +81,20 @@ def fused_torch(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w
     # replaces it with token-aligned grouped GEMMs.
     for e in range(E):
         mine = (local == e) & valid
-        y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant, mine.any(dim=1))
+        y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant, mine.any(dim=1), lora, lora_ids)
         coeff = (weights * mine).sum(dim=1)
         acc += coeff[:, None] * y  # experts in a fixed order: deterministic
     out.copy_(acc)
 
 
 def batched_torch(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None,
-                  act_quant=None) -> None:
+                  act_quant=None, lora=None, lora_ids=None) -> None:
     """The torch backend of :func:`batched_experts`: valid rows computed, padding rows zero."""
     E, M = x.shape[0], x.shape[1]
     valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.long()[:, None]  # [E, M]
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
     # them first keeps NaN padding out of the arithmetic altogether.
     x32 = torch.where(valid[..., None], x.float(), 0.0)
-    ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias, act_quant, valid[e]) for e in range(E)]
+    ys = [_expert(e, x32[e], w13, w2, activation, w13_bias, w2_bias, act_quant, valid[e], lora,
+                  None if lora_ids is None else lora_ids[e]) for e in range(E)]
     out.copy_(torch.where(valid[..., None], torch.stack(ys), 0.0))

@@ -558,6 +558,7 @@ def _gemm1_rows(
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
+    delta_ptr, stride_dm,  # HAS_DELTA: added before the activation, [rows, 2I] in w13's row order (h's rows)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
@@ -575,6 +576,7 @@ def _gemm1_rows(
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: each step's scale codes loaded a step ahead (_w4_scales)
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
     H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order (for a word-decoded GEMM2)
+    HAS_DELTA: tl.constexpr = False,  # LoRA on w13 (kernels/lora.py): its term per row, added like the bias
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
@@ -667,6 +669,11 @@ def _gemm1_rows(
             b_e = bias_ptr + e.to(tl.int64) * stride_be
             acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_DELTA:
+            d_rows = delta_ptr + h_rows[:, None] * stride_dm
+            d_ok = row_ok[:, None] & n_ok[None, :]
+            acc_gate += tl.load(d_rows + gate_rows[None, :], mask=d_ok, other=0.0).to(tl.float32)
+            acc_up += tl.load(d_rows + up_rows[None, :], mask=d_ok, other=0.0).to(tl.float32)
         act = _activate(acc_gate, acc_up, ACTIVATION)
         if FORMAT >= FP8:
             _fp8_quantize_store(act, h_ptr, h_rows, stride_hm, offs_n, hs_ptr, stride_hs, pid_n, row_ok, n_ok,
@@ -684,6 +691,7 @@ def gemm1_act_kernel(
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
+    delta_ptr, stride_dm,  # HAS_DELTA: added before the activation, [rows, 2I] in w13's row order (h's rows)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
     block_expert_ptr, sorted_pairs_ptr,
     expert_tokens_ptr,  # batched: tokens per expert [E]
@@ -703,6 +711,7 @@ def gemm1_act_kernel(
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: scale codes a step ahead
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time
     H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order
+    HAS_DELTA: tl.constexpr = False,  # LoRA on w13: delta rows added before the activation
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
@@ -712,20 +721,20 @@ def gemm1_act_kernel(
     if half:
         _gemm1_rows(BLOCK_M // 2, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr,
-                    stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, delta_ptr, stride_dm,
+                    xs_ptr, stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
                     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
                     up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
                     BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS,
-                    H_PAIRED)
+                    H_PAIRED, HAS_DELTA)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
-                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, xs_ptr, stride_xs,
-                    hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, top_k,
+                    stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, delta_ptr, stride_dm,
+                    xs_ptr, stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, top_k,
                     rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step, up_offset, HAS_BIAS, ROWS,
                     HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED,
-                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS, H_PAIRED)
+                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA)
 
 
 @triton.jit

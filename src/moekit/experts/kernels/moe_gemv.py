@@ -300,6 +300,7 @@ def gemv1_act_kernel(
     s_ptr, stride_se, stride_sn, gs_ptr,  # 4-bit block scales [E, 2I, H/group]; NVFP4 global scales [E]
     bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
     h_ptr, stride_hm,  # out: activations [T*k, I], one row per pair
+    delta_ptr, stride_dm,  # HAS_DELTA: added before the activation, [T*k, 2I] in w13's row order
     ids_ptr, expert_map_ptr,  # int32 [T*k]; int32 [num_global] (HAS_MAP)
     top_k, num_global, num_local, I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
@@ -308,6 +309,7 @@ def gemv1_act_kernel(
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
     SLOTS: tl.constexpr = 1,  # pairs per program: slots [g * SLOTS, (g + 1) * SLOTS) of one token
     PACKED: tl.constexpr = False,  # 4-bit: products as fp16x2 FMAs on the prepared activations
+    HAS_DELTA: tl.constexpr = False,  # LoRA on w13 (kernels/lora.py): its term per pair, added like the bias
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -360,6 +362,10 @@ def gemv1_act_kernel(
             b_e = bias_ptr + e64[:, None] * stride_be
             gate += tl.load(b_e + gate_rows[None, :] * stride_bn, mask=ok, other=0.0).to(tl.float32)
             up += tl.load(b_e + up_rows[None, :] * stride_bn, mask=ok, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            d_rows = delta_ptr + pair.to(tl.int64)[:, None] * stride_dm
+            gate += tl.load(d_rows + gate_rows[None, :], mask=ok, other=0.0).to(tl.float32)
+            up += tl.load(d_rows + up_rows[None, :], mask=ok, other=0.0).to(tl.float32)
         act = _activate(gate, up, ACTIVATION)
         tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
                  mask=ok)

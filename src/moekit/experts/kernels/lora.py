@@ -1,0 +1,191 @@
+"""LoRA on the experts: each (token, expert) pair's adapter term scaling[a] * B[a, e] (A[a, e] v), over the same
+rows the expert GEMMs run (experts/lora.py launches them and documents the layouts).
+
+Each kernel runs the shrink (v [rows, K] times A^T: [rows, r] in fp32) and the expand (times B^T: [rows, N]) in one
+program, so the rank-r intermediate never leaves registers:
+- lora_blocks_kernel: rows in blocks of one expert (the aligned pair list, or a batched slab), both products on the
+  tensor cores. A block's rows may belong to different adapters: the program runs the products once per adapter
+  present in the block (an absent adapter costs one compare), each on that adapter's rows only;
+- lora_pairs_kernel: one pair, or one token's slots, per program on the CUDA cores: the decode modes, which have no
+  alignment and so no block of one expert.
+STAGE W13 writes the term as GEMM1's ``delta`` rows, which GEMM1 adds before its activation (zero rows where a pair
+has no adapter: GEMM1 reads every live row). STAGE W2 adds the router-weighted term into GEMM2's output, before the
+slots are combined. Adapter ids outside [0, adapters) contribute nothing, like -1.
+"""
+
+import triton
+import triton.language as tl
+
+from .moe_gemm import ALIGNED, BATCHED, FP8_GROUP, _pair_expert
+
+W13 = tl.constexpr(1)  # input x, output GEMM1's delta rows (stored)
+W2 = tl.constexpr(2)  # input GEMM1's output h, output GEMM2's (added to, router-weighted)
+
+
+@triton.jit
+def _block_rows(pid, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
+                ROWS: tl.constexpr, BLOCK_M: tl.constexpr, LORA_M: tl.constexpr):
+    """(expert, h row of each lane, pair (aligned) or slab row (batched) of each lane, lane valid) of LoRA block
+    pid: LORA_M rows inside one BLOCK_M row block of the aligned list (one expert), or of one expert's slab."""
+    lanes = tl.arange(0, LORA_M)
+    if ROWS == BATCHED:
+        per_expert = tl.cdiv(rows_per_expert, LORA_M)
+        e = pid // per_expert
+        m = (pid % per_expert) * LORA_M + lanes
+        valid = m < tl.minimum(tl.load(expert_tokens_ptr + e), rows_per_expert)
+        return e, e.to(tl.int64) * rows_per_expert + m, m, valid
+    pos = pid * LORA_M + lanes
+    e = tl.load(block_expert_ptr + (pid * LORA_M) // BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + pos)
+    return e, pos.to(tl.int64), pair, pair < num_pairs
+
+
+@triton.jit
+def _adapter_base(ptr, a, e64, stride_a, stride_e):
+    """Adapter a's matrix of expert e: 64-bit offsets (a is a loop counter; e64 makes the product 64-bit)."""
+    return ptr + (e64 * 0 + a) * stride_a + e64 * stride_e
+
+
+@triton.jit
+def lora_blocks_kernel(
+    v_ptr, stride_ve, stride_vm, stride_vk,  # W13: x [T, H] (stride_ve unused) or batched x [E, M, H]; W2: h [rows, I]
+    vs_ptr, stride_vs,  # HAS_SCALES: v's FP8 group scales [v rows, K/128] (v holds E4M3 codes)
+    a_ptr, stride_aa, stride_ae, stride_ar, stride_ak,  # A [adapters, E, r, K]
+    b_ptr, stride_ba, stride_be, stride_bn, stride_br,  # B [adapters, E, N, r]
+    scaling_ptr,  # fp32 [adapters]
+    adapter_ptr,  # int32 adapter ids: aligned, per token [T]; batched, per slab row [E * M]
+    out_ptr, stride_oe, stride_om,  # W13: delta [rows, N] (stride_oe unused); W2: y [pairs, H] or batched out [E, M, H]
+    weights_ptr,  # W2, aligned: fp32 router weights [pairs]
+    block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+    num_pairs, top_k, rows_per_expert, num_adapters, N, K, R,
+    STAGE: tl.constexpr, ROWS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, LORA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+):
+    e, h_rows, pair, valid = _block_rows(tl.program_id(0), block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+                                         num_pairs, rows_per_expert, ROWS, BLOCK_M, LORA_M)
+    if e >= 0:
+        e64 = e.to(tl.int64)
+        if ROWS == BATCHED:
+            adapter = tl.load(adapter_ptr + h_rows, mask=valid, other=-1)
+            x_rows = e64 * stride_ve + pair.to(tl.int64) * stride_vm
+            x_scale_rows = h_rows
+            y_rows = e64 * stride_oe + pair.to(tl.int64) * stride_om
+        else:
+            token = (pair // top_k).to(tl.int64)
+            adapter = tl.load(adapter_ptr + token, mask=valid, other=-1)
+            x_rows = token * stride_vm
+            x_scale_rows = token
+            y_rows = pair.to(tl.int64) * stride_om
+        if STAGE == W13:
+            v_rows, vs_rows, out_rows = x_rows, x_scale_rows * stride_vs, h_rows * stride_om
+        else:
+            v_rows, vs_rows, out_rows = h_rows * stride_vm, h_rows * stride_vs, y_rows
+        live = valid & (adapter >= 0) & (adapter < num_adapters)
+        offs_r = tl.arange(0, R_PAD)
+        r_ok = offs_r < R
+        for a in range(0, num_adapters):
+            mine = live & (adapter == a)
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
+                a_e = _adapter_base(a_ptr, a, e64, stride_aa, stride_ae)
+                s = tl.zeros([LORA_M, R_PAD], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = offs_k < K
+                    # rows of other adapters (and padding) read zeros: their values never enter the sums
+                    v = tl.load(v_ptr + v_rows[:, None] + offs_k[None, :] * stride_vk,
+                                mask=mine[:, None] & k_ok[None, :], other=0.0)
+                    w = tl.load(a_e + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                                mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                    part = tl.dot(v.to(w.dtype), w, input_precision=DOT_PRECISION)
+                    if HAS_SCALES:  # E4M3 codes are exact in 16 bits; one group scale per row and step (BLOCK_K | 128)
+                        part *= tl.load(vs_ptr + vs_rows + k0 // FP8_GROUP, mask=mine, other=0.0)[:, None]
+                    s += part
+                b_e = _adapter_base(b_ptr, a, e64, stride_ba, stride_be)
+                # the expand runs on the tensor cores in B's dtype, as the GEMMs run theirs in the weights'
+                s = (s * tl.load(scaling_ptr + a)).to(b_ptr.dtype.element_ty)
+                if STAGE == W2 and ROWS == ALIGNED:  # GEMM2 weighted its output rows by the router: so is the term
+                    coeff = tl.load(weights_ptr + pair, mask=mine, other=0.0)
+                else:
+                    coeff = tl.full([LORA_M], 1.0, tl.float32)
+                for n0 in range(0, N, BLOCK_N):
+                    offs_n = n0 + tl.arange(0, BLOCK_N)
+                    n_ok = offs_n < N
+                    w = tl.load(b_e + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                                mask=n_ok[None, :] & r_ok[:, None], other=0.0)
+                    d = tl.dot(s, w, input_precision=DOT_PRECISION)
+                    ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
+                    ok = mine[:, None] & n_ok[None, :]
+                    if STAGE == W13:
+                        tl.store(ptrs, d.to(out_ptr.dtype.element_ty), mask=ok)
+                    else:
+                        y = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+                        tl.store(ptrs, (y + d * coeff[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+        none = valid & (live == 0)
+        if STAGE == W13 and tl.max(none.to(tl.int32), axis=0) > 0:
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                tl.store(out_ptr + out_rows[:, None] + offs_n[None, :],
+                         tl.zeros([LORA_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                         mask=none[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def lora_pairs_kernel(
+    v_ptr, stride_vm, stride_vk,  # W13: x [T, H]; W2: h [pairs, I]
+    vs_ptr, stride_vs,  # HAS_SCALES: v's FP8 group scales [v rows, K/128] (v holds E4M3 codes)
+    a_ptr, stride_aa, stride_ae, stride_ar, stride_ak,  # A [adapters, E, r, K]
+    b_ptr, stride_ba, stride_be, stride_bn, stride_br,  # B [adapters, E, N, r]
+    scaling_ptr,  # fp32 [adapters]
+    adapter_ptr,  # int32 adapter id per token [T]
+    out_ptr, stride_om,  # W13: delta [pairs, N]; W2: out [T, H] (slots = top_k) or y [pairs, H] (slots = 1)
+    weights_ptr, ids_ptr, expert_map_ptr,  # fp32 [pairs], int32 [pairs], int32 [num_global] (HAS_MAP)
+    top_k, slots, num_global, num_local, num_adapters, N, K, R,
+    STAGE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SCALES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+):
+    """Program (row g, BLOCK_N columns): the terms of pairs g * slots .. g * slots + slots - 1 summed in slot order
+    into output row g. W13 runs one pair per row; W2 a token's slots (the per-token GEMM2 wrote out[t]) or one pair
+    (the split GEMM2 wrote y[pair]). The shrink is recomputed per column tile: r x K products, against the
+    expand's BLOCK_N x r, it is what keeps several programs per pair at one token."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    g = tl.program_id(0) // num_n
+    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    terms = 0
+    for j in range(0, slots):
+        pair = g * slots + j
+        token = pair // top_k
+        e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+        a = tl.load(adapter_ptr + token)
+        if (e >= 0) & (a >= 0) & (a < num_adapters):
+            e64 = e.to(tl.int64)
+            v_row = (token if STAGE == W13 else pair).to(tl.int64)
+            a_e = _adapter_base(a_ptr, a, e64, stride_aa, stride_ae)
+            s = tl.zeros([R_PAD], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                v = tl.load(v_ptr + v_row * stride_vm + offs_k * stride_vk, mask=k_ok, other=0.0).to(tl.float32)
+                if HAS_SCALES:
+                    v *= tl.load(vs_ptr + v_row * stride_vs + k0 // FP8_GROUP)
+                w = tl.load(a_e + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                            mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                s += tl.sum(w * v[None, :], axis=1)
+            s *= tl.load(scaling_ptr + a)
+            b_e = _adapter_base(b_ptr, a, e64, stride_ba, stride_be)
+            w = tl.load(b_e + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                        mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+            d = tl.sum(w * s[None, :], axis=1)
+            if STAGE == W2:
+                d *= tl.load(weights_ptr + pair)
+            total += d
+            terms += 1
+    ptrs = out_ptr + g.to(tl.int64) * stride_om + offs_n
+    if STAGE == W13:  # every pair's row: GEMM1 reads it (zeros without an adapter)
+        tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+    elif terms > 0:
+        y = tl.load(ptrs, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(ptrs, (y + total).to(out_ptr.dtype.element_ty), mask=n_ok)

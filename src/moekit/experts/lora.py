@@ -1,0 +1,305 @@
+"""LoRA adapters on the experts' weights: :class:`ExpertsLoRA` (several adapters, stacked), its checks against a
+call, the torch backend's terms, and the Triton launches (kernels in :mod:`moekit.experts.kernels.lora`).
+
+For a token t with adapter a = lora_ids[t] (-1: none) and one of its experts e, with v the GEMM's input as the
+base weights see it (x; under ``act_quant`` the rounded x and activations):
+
+    h = W13_e x + b13_e + scaling[a] * B13[a, e] (A13[a, e] x)
+    y = W2_e act(h) + b2_e + scaling[a] * B2[a, e] (A2[a, e] act(h))
+
+(:func:`moekit.reference.fused_experts` with ``lora=``). The adapters are never merged into the weights: on the
+Triton backend the terms run over the rows the expert GEMMs run (the aligned pair list, the pairs of the decode
+modes, the batched slabs), GEMM1's term added to its accumulators before the activation and GEMM2's to its output
+before the slots are combined, so quantized base weights keep their format and every adapter of a batch is served
+in the same call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import _triton, gate
+from .._checks import check_tensor
+
+MAX_RANK = 256  # the kernels keep a block's rank-r products in registers
+LORA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_PARTS = ("w13_a", "w13_b", "w2_a", "w2_b")
+
+
+@dataclass(frozen=True)
+class ExpertsLoRA:
+    """LoRA adapters on the experts' w13 and w2, stacked over adapters and experts.
+
+    Args:
+        w13_a: ``[num_adapters, E, r13, H]``, bf16/fp16/fp32 (the call's activation dtype), any strides. The
+            down projection of the adapter on w13: expert e's adapter a computes ``A = w13_a[a, e]`` on x.
+        w13_b: ``[num_adapters, E, 2I, r13]``, w13_a's dtype. The up projection, its rows in w13's row order
+            ([gate; up] halves for ``silu_and_mul``, interleaved gate/up rows for ``swiglu_oai``).
+        w2_a: ``[num_adapters, E, r2, I]``, the same dtype: down projection of the adapter on w2.
+        w2_b: ``[num_adapters, E, H, r2]``, the same dtype: its up projection.
+        scaling: per adapter, ``lora_alpha / r`` for a PEFT adapter: a float, a sequence of ``num_adapters``
+            floats or a float tensor ``[num_adapters]`` (or ``[]``); kept as a contiguous float32 tensor
+            ``[num_adapters]`` on the adapters' device (a given fp32 tensor of that shape is kept as it is, so
+            writing into it changes the scaling of later calls, CUDA-graph replays included).
+
+    Either pair may be None (an adapter on w13 only, or on w2 only), not both, and not one half of a pair. E is
+    the experts the call's weights hold (with ``expert_map``, this rank's local experts). Ranks are at most
+    256; adapters of different ranks share a stack by zero padding A's rows and B's columns (exact: the padded
+    products are zero). An adapter that targets no expert of a stack has zero B there.
+    """
+
+    w13_a: torch.Tensor | None = None
+    w13_b: torch.Tensor | None = None
+    w2_a: torch.Tensor | None = None
+    w2_b: torch.Tensor | None = None
+    scaling: torch.Tensor | float | Sequence[float] = 1.0
+
+    def __post_init__(self) -> None:
+        present = [name for name in _PARTS if getattr(self, name) is not None]
+        if not present:
+            raise ValueError("ExpertsLoRA needs w13_a/w13_b or w2_a/w2_b (or both pairs), got neither")
+        for a, b in (("w13_a", "w13_b"), ("w2_a", "w2_b")):
+            if (getattr(self, a) is None) != (getattr(self, b) is None):
+                raise ValueError(f"ExpertsLoRA: {a} and {b} come together, got only {a if getattr(self, a) is not None else b}")
+        first = getattr(self, present[0])
+        for name in present:
+            check_tensor(f"lora.{name}", getattr(self, name), ndim=4, dtypes=LORA_DTYPES, device=first.device)
+            if getattr(self, name).dtype != first.dtype:
+                raise TypeError(f"lora.{name} must have lora.{present[0]}'s dtype {first.dtype}, "
+                                f"got {getattr(self, name).dtype}")
+        n, E = first.shape[0], first.shape[1]
+        if n < 1 or E < 1:
+            raise ValueError(f"lora.{present[0]} must hold at least one adapter and one expert, got {tuple(first.shape)}")
+        for a_name, b_name in (("w13_a", "w13_b"), ("w2_a", "w2_b")):
+            a, b = getattr(self, a_name), getattr(self, b_name)
+            if a is None:
+                continue
+            r = a.shape[2]
+            if not 1 <= r <= MAX_RANK:
+                raise ValueError(f"lora.{a_name} rank (dim 2 of [adapters, E, r, in]) must be in [1, {MAX_RANK}], "
+                                 f"got {r}")
+            if a.shape[:2] != (n, E):
+                raise ValueError(f"lora.{a_name} must be [adapters={n}, E={E}, r, in] (from lora.{present[0]}), "
+                                 f"got {tuple(a.shape)}")
+            if b.shape[:2] != (n, E) or b.shape[3] != r:
+                raise ValueError(f"lora.{b_name} must be [adapters={n}, E={E}, out, r={r}] (from lora.{a_name}), "
+                                 f"got {tuple(b.shape)}")
+        if self.w13_a is not None and self.w2_a is not None:
+            hidden, two_i = self.w13_a.shape[3], self.w13_b.shape[2]
+            if self.w2_a.shape[3] * 2 != two_i or self.w2_b.shape[2] != hidden:
+                raise ValueError(f"lora: w2_a [.., r, I] and w2_b [.., H, r] must fit w13_a [.., r, H={hidden}] and "
+                                 f"w13_b [.., 2I={two_i}, r], got {tuple(self.w2_a.shape)} and {tuple(self.w2_b.shape)}")
+        object.__setattr__(self, "scaling", _scaling(self.scaling, n, first.device))
+
+    @property
+    def num_adapters(self) -> int:
+        return self._first.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self._first.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._first.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._first.device
+
+    @property
+    def _first(self) -> torch.Tensor:
+        return self.w13_a if self.w13_a is not None else self.w2_a
+
+
+def _scaling(value, n: int, device: torch.device) -> torch.Tensor:
+    """``scaling`` as a contiguous fp32 tensor [n] on ``device`` (a tensor of that kind is kept, not copied)."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"lora.scaling must be a float tensor, got dtype {value.dtype}")
+        if value.device != device:
+            raise ValueError(f"lora.scaling must be on the adapters' device {device}, got {value.device}")
+        if value.shape not in ((), (n,)):
+            raise ValueError(f"lora.scaling must have shape ({n},) (one per adapter) or (), got {tuple(value.shape)}")
+        if value.dtype == torch.float32 and value.shape == (n,) and value.is_contiguous():
+            return value
+        return value.float().expand(n).contiguous()
+    values = [value] * n if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(values, Sequence) or len(values) != n or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise TypeError(f"lora.scaling must be a finite float, {n} finite floats (one per adapter) or a float tensor, "
+                        f"got {value!r}")
+    return torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+
+
+def check_call(lora, lora_ids, x: torch.Tensor, num_experts: int, inter: int, hidden: int, batched: bool) -> None:
+    """``lora`` and ``lora_ids`` fit the call (validated x and weights: E experts, sizes I and H). The ids' values
+    are read where that costs no device sync (CPU tensors) and with the verification gate on: elsewhere an id
+    outside [-1, adapters) contributes nothing (the kernels never read past the stacks)."""
+    if lora is None:
+        if lora_ids is not None:
+            raise ValueError("lora_ids was given without lora (an ExpertsLoRA)")
+        return
+    if not isinstance(lora, ExpertsLoRA):
+        raise TypeError(f"lora must be a moekit.experts.ExpertsLoRA, got {type(lora).__name__}")
+    what = "[E, M] (one adapter per slab row)" if batched else "[T] (one adapter per token)"
+    if lora_ids is None:
+        raise ValueError(f"lora_ids is required with lora: int32 {what}, -1 for no adapter")
+    rows = tuple(x.shape[:2]) if batched else (x.shape[0],)
+    check_tensor("lora_ids", lora_ids, ndim=len(rows), dtypes=(torch.int32,), device=x.device)
+    if tuple(lora_ids.shape) != rows:
+        raise ValueError(f"lora_ids must have shape {rows} ({what}), got {tuple(lora_ids.shape)}")
+    if lora.dtype != x.dtype:
+        raise TypeError(f"lora tensors must have x's dtype {x.dtype} (adapters run in the activations' dtype), "
+                        f"got {lora.dtype}")
+    if lora.device != x.device:
+        raise ValueError(f"lora tensors must be on {x.device} (the device of the input), got {lora.device}")
+    n = lora.num_adapters
+    expect = {"w13_a": (num_experts, hidden), "w13_b": (num_experts, 2 * inter), "w2_a": (num_experts, inter),
+              "w2_b": (num_experts, hidden)}
+    for name in _PARTS:
+        t = getattr(lora, name)
+        if t is None:
+            continue
+        e, size = expect[name]
+        r = t.shape[3] if name.endswith("_b") else t.shape[2]
+        want = (n, e, r, size) if name.endswith("_a") else (n, e, size, r)
+        if tuple(t.shape) != want:
+            layout = "[adapters, E, r, in]" if name.endswith("_a") else "[adapters, E, out, r]"
+            raise ValueError(f"lora.{name} must have shape {want} ({layout} for E={num_experts}, H={hidden}, "
+                             f"I={inter}), got {tuple(t.shape)}")
+    if lora_ids.numel() and (not lora_ids.is_cuda or gate.active()) and _may_sync(lora_ids):
+        lo, hi = torch.aminmax(lora_ids)
+        lo, hi = int(lo), int(hi)
+        if lo < -1 or hi >= n:
+            raise ValueError(f"lora_ids values must be -1 (no adapter) or an adapter index in [0, {n}), "
+                             f"got values in [{lo}, {hi}]")
+
+
+def _may_sync(t: torch.Tensor) -> bool:
+    return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+# ------------------------------------------------------------------------------------------------ torch backend
+def torch_term(lora: ExpertsLoRA, which: str, e: int, v32: torch.Tensor, adapters: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, out]: the adapter terms of expert ``e`` on rows ``v32`` (fp32 [n, in]) whose adapters are
+    ``adapters`` (int [n]; rows of no adapter get zero). ``which``: "w13" or "w2". Every adapter runs on every row
+    and is selected after (static shapes, no host sync)."""
+    a_stack, b_stack = getattr(lora, which + "_a"), getattr(lora, which + "_b")
+    out = v32.new_zeros(v32.shape[0], b_stack.shape[2])
+    for i in range(a_stack.shape[0]):
+        term = (v32 @ a_stack[i, e].float().T) @ b_stack[i, e].float().T * lora.scaling[i]
+        out = torch.where((adapters == i)[:, None], term, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- Triton launches
+@dataclass(frozen=True)
+class Rows:
+    """The rows a call's expert GEMMs run, as the LoRA launches take them (see experts/triton_backend.py): the
+    aligned pair list (``block_expert``, ``sorted_pairs``), the pairs of the decode modes (``ids``, ``expert_map``)
+    or the batched slabs (``expert_num_tokens``)."""
+
+    mode: str  # "aligned", "pairs" or "batched"
+    count: int  # GEMM1's output rows (h)
+    top_k: int = 1
+    block_m: int = 16
+    num_pairs: int = 0
+    block_expert: torch.Tensor | None = None
+    sorted_pairs: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    expert_map: torch.Tensor | None = None
+    num_global: int = 0
+    expert_num_tokens: torch.Tensor | None = None
+    rows_per_expert: int = 0
+
+
+def _kernels():
+    from .kernels import lora as kernels  # built on first use, as triton_backend's (TRITON_INTERPRET is read then)
+
+    return kernels
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def _r_pad(r: int) -> int:
+    return max(16, _triton.next_pow2(r))
+
+
+def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor,
+              rows: Rows) -> torch.Tensor | None:
+    """GEMM1's delta rows [rows.count, 2I] in x's dtype (the LoRA term on w13 of each of h's rows, zero without an
+    adapter; padding rows unwritten), or None when the adapters leave w13 alone. ``x``: the GEMM input ([T, H],
+    or [E, M, H] batched; E4M3 codes with ``x_scales`` [rows of x, H/128] under FP8 activations)."""
+    if lora.w13_a is None:
+        return None
+    dtype = lora.dtype if x_scales is not None else x.dtype
+    delta = torch.empty(rows.count, lora.w13_b.shape[2], dtype=dtype, device=x.device)
+    _launch(1, x, x_scales, lora.w13_a, lora.w13_b, lora, lora_ids, delta, None, rows)
+    return delta
+
+
+def w2_add(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor, rows: Rows,
+           y: torch.Tensor, weights: torch.Tensor | None, per_token: bool = False) -> None:
+    """Add the LoRA term on w2 of GEMM2's input rows ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8
+    activations) into GEMM2's output ``y``: per pair [pairs, H] (aligned; pairs with ``per_token=False``), times the
+    router weight ``weights`` [pairs]; per token [T, H], its slots summed in order (pairs, ``per_token``); or the
+    batched output [E, M, H]."""
+    if lora.w2_a is not None:
+        _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, y, weights, rows, per_token)
+
+
+def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, per_token: bool = False) -> None:
+    kernels = _kernels()
+    n_out, r = b.shape[2], a.shape[2]
+    k = a.shape[3]
+    r_pad = _r_pad(r)
+    scales = (v_scales, v_scales.stride(0)) if v_scales is not None else (v, 0)
+    adapters = (a, *a.stride(), b, *b.stride(), lora.scaling, lora_ids)
+    precision = _precision(a.dtype)
+    if rows.mode == "pairs":
+        slots = rows.top_k if per_token else 1
+        groups = rows.ids.numel() // slots
+        if groups == 0:
+            return
+        block = max(16, min(128, 4096 // r_pad))
+        emap = rows.expert_map if rows.expert_map is not None else rows.ids
+        kernels.lora_pairs_kernel[(groups * _triton.cdiv(n_out, block),)](
+            v, v.stride(-2), v.stride(-1), *scales, *adapters,
+            out, out.stride(0),
+            weights if weights is not None else lora.scaling, rows.ids, emap,
+            rows.top_k, slots, rows.num_global, a.shape[1], lora.num_adapters, n_out, k, r,
+            STAGE=stage, HAS_MAP=rows.expert_map is not None, HAS_SCALES=v_scales is not None,
+            BLOCK_N=block, BLOCK_K=block, R_PAD=r_pad, num_warps=4)
+        return
+    lora_m = max(16, min(rows.block_m, 64 if r_pad <= 64 else 8192 // r_pad // 2))
+    if rows.mode == "batched":
+        lora_m = max(16, min(lora_m, _triton.next_pow2(rows.rows_per_expert)))
+        programs = a.shape[1] * _triton.cdiv(rows.rows_per_expert, lora_m)
+        v_strides = (v.stride(0), v.stride(1), v.stride(2)) if stage == 1 else (0, v.stride(0), v.stride(1))
+        out_strides = (out.stride(0), out.stride(1)) if stage == 2 else (0, out.stride(0))
+        ent = rows.expert_num_tokens
+        row_args = (ent, ent, ent, 0)
+        mode = kernels.BATCHED.value
+    else:
+        programs = rows.count // lora_m
+        v_strides = (0, v.stride(0), v.stride(1))
+        out_strides = (0, out.stride(0))
+        row_args = (rows.block_expert, rows.sorted_pairs, rows.block_expert, rows.num_pairs)
+        mode = kernels.ALIGNED.value
+    if programs == 0:
+        return
+    kernels.lora_blocks_kernel[(programs,)](
+        v, *v_strides, *scales, *adapters,
+        out, *out_strides,
+        weights if weights is not None else lora.scaling,
+        *row_args, rows.top_k, rows.rows_per_expert, lora.num_adapters, n_out, k, r,
+        STAGE=stage, ROWS=mode, HAS_SCALES=v_scales is not None, DOT_PRECISION=precision,
+        BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // r_pad)), BLOCK_K=64,
+        R_PAD=r_pad, num_warps=4)

@@ -1,0 +1,425 @@
+"""LoRA on the experts (moekit.experts.ExpertsLoRA) against the float64 reference.
+
+CPU: the torch backend and the Triton kernels through the interpreter (fp32/fp16: the interpreter's bf16 dot is
+wrong) at tiny sizes, in every mode the kernels have (aligned blocks, per-pair, CUDA-core decode with and without
+split slots, batched slabs), on dense and quantized base weights, with expert_map. GPU (-m gpu): bf16 at the sizes
+of qwen3-30b-a3b and gpt-oss-120b, and inside a CUDA graph.
+"""
+
+import pytest
+import torch
+
+from moekit import FusedMoE, reference
+from moekit.experts import ExpertsConfig, ExpertsLoRA, GemmConfig, batched_experts, fused_experts
+from moekit.formats import dequantize, quantize_experts
+from moekit.metrics import EXPERTS_TOL, W8A8_TOL, check_close
+
+AUTO = None
+ALIGNED_32 = ExpertsConfig(32, GemmConfig(32, 32), GemmConfig(32, 32))
+ALIGNED_64 = ExpertsConfig(64, GemmConfig(32, 32), GemmConfig(32, 32))
+PER_PAIR = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="per_pair")
+GEMV = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv")
+GEMV_SPLIT = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv", split_slots=True)
+MODES = {"auto": AUTO, "aligned": ALIGNED_32, "per_pair": PER_PAIR, "gemv": GEMV, "gemv_split": GEMV_SPLIT}
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def _weights(E, H, I, dtype, device="cpu"):
+    w13 = (torch.randn(E, 2 * I, H, device=device) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=device) * I ** -0.5).to(dtype)
+    return w13, w2
+
+
+def _lora(n, E, H, I, r, dtype, device="cpu", which=("w13", "w2"), scaling=None):
+    """n adapters of rank r whose terms are about as large as the base GEMMs' outputs (a wrong term shows)."""
+    parts = {}
+    if "w13" in which:
+        parts["w13_a"] = (torch.randn(n, E, r, H, device=device) * H ** -0.5).to(dtype)
+        parts["w13_b"] = (torch.randn(n, E, 2 * I, r, device=device) * r ** -0.5).to(dtype)
+    if "w2" in which:
+        parts["w2_a"] = (torch.randn(n, E, r, I, device=device) * I ** -0.5).to(dtype)
+        parts["w2_b"] = (torch.randn(n, E, H, r, device=device) * r ** -0.5).to(dtype)
+    return ExpertsLoRA(**parts, scaling=scaling if scaling is not None else [0.5 + i for i in range(n)])
+
+
+def _routes(T, E, k, device="cpu"):
+    """k distinct experts per token among the first E - 1: expert E - 1 never gets a token."""
+    ids = torch.rand(T, E - 1, device=device).argsort(dim=1)[:, :k].int()
+    return torch.softmax(torch.randn(T, k, device=device), -1), ids
+
+
+def _lora_ids(T, n, device="cpu"):
+    """Every adapter and -1 (none) among T tokens, in a shuffled order."""
+    ids = torch.arange(T) % (n + 1) - 1
+    return ids[torch.randperm(T)].to(device, torch.int32)
+
+
+def _poisoned(shape, dtype, device="cpu"):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _tol(dtype):
+    return EXPERTS_TOL[dtype]
+
+
+FUSED_CASES = [
+    (0, 5, 32, 16, 2, "silu_and_mul", 2, 4, "auto", "no tokens"),
+    (1, 7, 33, 17, 6, "silu_and_mul", 2, 4, "per_pair", "one token, k=6, odd H and I, prime E"),
+    (1, 7, 33, 17, 6, "swiglu_oai", 3, 8, "gemv", "one token on the CUDA-core kernels, gpt-oss activation"),
+    (7, 7, 33, 19, 6, "silu_and_mul", 3, 5, "aligned", "prime E, k=6, odd sizes, aligned blocks"),
+    (7, 5, 40, 24, 3, "swiglu_oai", 4, 16, "gemv_split", "CUDA-core decode, slots split then combined"),
+    (9, 11, 48, 24, 2, "silu_and_mul", 4, 16, "aligned", "a partial row block, four adapters"),
+    (9, 5, 33, 17, 3, "swiglu_oai", 2, 3, "per_pair", "per-pair tensor-core GEMMs"),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,E,H,I,k,act,n,r,mode,why", FUSED_CASES)
+def test_fused_experts_with_mixed_adapters(backend, dtype, T, E, H, I, k, act, n, r, mode, why):
+    if backend == "torch" and (dtype == torch.float16 or mode != "auto" and mode != "aligned"):
+        pytest.skip("the torch backend computes in fp32 and has no modes")
+    w13, w2 = _weights(E, H, I, dtype)
+    lora = _lora(n, E, H, I, r, dtype)
+    x = torch.randn(T, H + 3).to(dtype)[:, 3:]                      # strided, offset rows
+    tw, tid = _routes(T, E, k)
+    lids = _lora_ids(T, n)
+    out = _poisoned((T, H), dtype)
+    got = fused_experts(x, w13, w2, tw, tid, activation=act, out=out, backend=backend, lora=lora, lora_ids=lids,
+                        config=MODES[mode] if backend == "triton" else None)
+    assert got is out
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation=act, lora=lora, lora_ids=lids)
+    check_close(f"{why} ({mode})", got, ref, _tol(dtype))
+    if T > 1:  # the adapters changed the result: a kernel that dropped their terms would not pass
+        base = reference.fused_experts(x, w13, w2, tw, tid, activation=act)
+        assert (base - ref).norm() > 0.1 * ref.norm()
+
+
+def test_rank_past_64_runs_in_sub_blocks_of_the_aligned_rows():
+    """r = 70 pads to 128: the block kernel then takes 32 of each 64-row block per program."""
+    T, E, H, I, k, n, r = 20, 3, 40, 24, 2, 2, 70
+    w13, w2 = _weights(E, H, I, torch.float32)
+    lora = _lora(n, E, H, I, r, torch.float32)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    lids = _lora_ids(T, n)
+    got = fused_experts(x, w13, w2, tw, tid, backend="triton", lora=lora, lora_ids=lids, config=ALIGNED_64)
+    check_close("r=70", got, reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids),
+                _tol(torch.float32))
+
+
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "gemv_split"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_expert_map_selects_the_local_adapters(backend, mode):
+    if backend == "torch" and mode != "aligned":
+        pytest.skip("the torch backend has no modes")
+    T, E_local, E_global, H, I, k, n = 9, 3, 7, 33, 17, 3, 2
+    w13, w2 = _weights(E_local, H, I, torch.float32)
+    lora = _lora(n, E_local, H, I, 4, torch.float32)            # adapters over the local experts only
+    emap = torch.full((E_global,), -1, dtype=torch.int32)
+    emap[torch.tensor([5, 1, 3])] = torch.arange(E_local, dtype=torch.int32)
+    tid = torch.rand(T, E_global).argsort(dim=1)[:, :k].int()
+    tw = torch.rand(T, k)
+    lids = _lora_ids(T, n)
+    out = _poisoned((T, H), torch.float32)
+    fused_experts(x := torch.randn(T, H), w13, w2, tw, tid, expert_map=emap, out=out, backend=backend, lora=lora,
+                  lora_ids=lids, config=MODES[mode] if backend == "triton" else None)
+    ref = reference.fused_experts(x, w13, w2, tw, tid, expert_map=emap, lora=lora, lora_ids=lids)
+    check_close(f"expert_map ({mode})", out, ref, _tol(torch.float32))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("act", ["silu_and_mul", "swiglu_oai"])
+def test_batched_experts_with_adapters_per_row(backend, dtype, act):
+    if backend == "torch" and dtype == torch.float16:
+        pytest.skip("the torch backend computes in fp32")
+    E, M, H, I, n = 5, 9, 33, 19, 3
+    w13, w2 = _weights(E, H, I, dtype)
+    lora = _lora(n, E, H, I, 6, dtype)
+    counts = torch.tensor([9, 0, 4, 1, 7], dtype=torch.int32)      # full, empty, partial
+    valid = torch.arange(M)[None, :] < counts[:, None].long()
+    x = torch.randn(E, M, H).to(dtype)
+    x[~valid] = float("nan")                                          # padding must not leak
+    lids = torch.randint(-1, n, (E, M), dtype=torch.int32)
+    out = _poisoned((E, M, H), dtype)
+    got = batched_experts(x, counts, w13, w2, activation=act, out=out, backend=backend, lora=lora, lora_ids=lids)
+    assert got is out
+    ref = reference.batched_experts(x, counts, w13, w2, activation=act, lora=lora, lora_ids=lids)
+    check_close("batched", got[valid], ref[valid], _tol(dtype))
+
+
+QUANTIZED = [  # (weight format, act_quant, H, I): 4-bit K in whole 32-groups, FP8 in 1x128 groups
+    ("mxfp4", None, 64, 32),
+    ("nvfp4", None, 64, 32),
+    ("fp8_block", "fp8_group", 256, 128),
+    ("mxfp4", "fp8_group", 256, 128),
+]
+
+
+@pytest.mark.parametrize("fmt,act_quant,H,I", QUANTIZED)
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "batched"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_quantized_base_weights_keep_16_bit_adapters(fmt, act_quant, H, I, mode, backend):
+    """The adapters read the GEMMs' inputs as the base weights do (under act_quant, the E4M3-rounded ones)."""
+    if backend == "torch" and mode in ("per_pair", "gemv"):
+        pytest.skip("the torch backend has no modes")
+    if mode == "gemv" and act_quant:
+        pytest.skip("FP8 activations have no CUDA-core decode kernels")
+    E, k, n, T, dtype = 5, 2, 2, 7, torch.float16
+    w13, w2 = _weights(E, H, I, torch.float32)
+    q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    lora = _lora(n, E, H, I, 4, dtype)
+    ref_fn = reference.fused_experts_w8a8 if act_quant else reference.fused_experts
+    weights = (q13, q2) if act_quant else (dequantize(q13), dequantize(q2))
+    tol = W8A8_TOL if act_quant else _tol(dtype)
+    if mode == "batched":
+        M = 6
+        counts = torch.tensor([6, 0, 2, 5, 1], dtype=torch.int32)
+        valid = torch.arange(M)[None, :] < counts[:, None].long()
+        x = torch.randn(E, M, H).to(dtype)
+        lids = torch.randint(-1, n, (E, M), dtype=torch.int32)
+        got = batched_experts(x, counts, q13, q2, act_quant=act_quant, backend=backend, lora=lora, lora_ids=lids)
+        ref = torch.stack([ref_fn(x[e], *weights, torch.ones(M, 1), torch.full((M, 1), e, dtype=torch.int32),
+                                  lora=lora, lora_ids=lids[e]) for e in range(E)])
+        check_close(f"{fmt} batched", got[valid], ref[valid], tol)
+        return
+    x = torch.randn(T, H).to(dtype)
+    tw, tid = _routes(T, E, k)
+    lids = _lora_ids(T, n)
+    out = _poisoned((T, H), dtype)
+    fused_experts(x, q13, q2, tw, tid, act_quant=act_quant, out=out, backend=backend, lora=lora, lora_ids=lids,
+                  config=MODES[mode] if backend == "triton" else None)
+    check_close(f"{fmt} {act_quant} ({mode})", out, ref_fn(x, *weights, tw, tid, lora=lora, lora_ids=lids), tol)
+
+
+@pytest.mark.parametrize("which", [("w13",), ("w2",)])
+@pytest.mark.parametrize("mode", ["aligned", "gemv"])
+def test_adapters_on_one_matrix_only(which, mode):
+    T, E, H, I, k, n = 9, 5, 33, 17, 2, 2
+    w13, w2 = _weights(E, H, I, torch.float32)
+    lora = _lora(n, E, H, I, 4, torch.float32, which=which)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    lids = _lora_ids(T, n)
+    got = fused_experts(x, w13, w2, tw, tid, backend="triton", lora=lora, lora_ids=lids, config=MODES[mode])
+    check_close(f"{which} only", got, reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids),
+                _tol(torch.float32))
+
+
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "gemv_split"])
+def test_tokens_without_an_adapter_get_the_base_result_bit_for_bit(mode):
+    T, E, H, I, k = 9, 5, 33, 17, 3
+    w13, w2 = _weights(E, H, I, torch.float16)
+    x = torch.randn(T, H).half()
+    tw, tid = _routes(T, E, k)
+    cfg = MODES[mode]
+    base = fused_experts(x, w13, w2, tw, tid, backend="triton", config=cfg)
+    none = torch.full((T,), -1, dtype=torch.int32)
+    got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=cfg, lora=_lora(2, E, H, I, 4, torch.float16),
+                        lora_ids=none)
+    assert torch.equal(got, base)
+
+
+def test_zero_padded_ranks_change_nothing():
+    """Adapters of different ranks share a stack by zero padding A's rows and B's columns."""
+    T, E, H, I, k = 9, 5, 33, 17, 2
+    w13, w2 = _weights(E, H, I, torch.float32)
+    small = _lora(1, E, H, I, 3, torch.float32, scaling=[1.5])
+    pad = lambda a, b: (torch.nn.functional.pad(a, (0, 0, 0, 5)), torch.nn.functional.pad(b, (0, 5)))  # noqa: E731
+    padded = ExpertsLoRA(*pad(small.w13_a, small.w13_b), *pad(small.w2_a, small.w2_b), scaling=1.5)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    lids = torch.zeros(T, dtype=torch.int32)
+    a = fused_experts(x, w13, w2, tw, tid, backend="triton", lora=small, lora_ids=lids)
+    b = fused_experts(x, w13, w2, tw, tid, backend="triton", lora=padded, lora_ids=lids)
+    check_close("rank 3 padded to 8", b, a, EXPERTS_TOL[torch.float32])
+
+
+def test_scaling_forms_and_a_scaling_tensor_written_in_place():
+    E, H, I, n = 3, 16, 8, 2
+    base = _lora(n, E, H, I, 2, torch.float32)
+    parts = (base.w13_a, base.w13_b, base.w2_a, base.w2_b)
+    assert torch.equal(ExpertsLoRA(*parts, scaling=2.0).scaling, torch.tensor([2.0, 2.0]))
+    assert torch.equal(ExpertsLoRA(*parts, scaling=(1, 3.0)).scaling, torch.tensor([1.0, 3.0]))
+    s = torch.tensor([1.0, 1.0])
+    lora = ExpertsLoRA(*parts, scaling=s)
+    assert lora.scaling is s                                          # kept: a write into it is seen by later calls
+    x, (tw, tid), (w13, w2) = torch.randn(4, H), _routes(4, E, 2), _weights(E, H, I, torch.float32)
+    lids = torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    s.copy_(torch.tensor([0.25, 3.0]))
+    got = fused_experts(x, w13, w2, tw, tid, backend="triton", lora=lora, lora_ids=lids)
+    check_close("scaling written in place", got, reference.fused_experts(
+        x, w13, w2, tw, tid, lora=ExpertsLoRA(*parts, scaling=[0.25, 3.0]), lora_ids=lids), EXPERTS_TOL[torch.float32])
+    assert torch.equal(ExpertsLoRA(*parts, scaling=torch.tensor(0.5, dtype=torch.float64)).scaling,
+                       torch.tensor([0.5, 0.5]))
+
+
+def _bad(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_bad_adapters_are_refused_by_name_before_any_launch():
+    T, E, H, I, k, n, r = 4, 3, 16, 8, 2, 2, 4
+    w13, w2 = _weights(E, H, I, torch.float32)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    good = _lora(n, E, H, I, r, torch.float32)
+    lids = torch.zeros(T, dtype=torch.int32)
+    call = lambda lora=good, ids=lids, **kw: fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=ids, **kw)  # noqa: E731
+    parts = dict(w13_a=good.w13_a, w13_b=good.w13_b, w2_a=good.w2_a, w2_b=good.w2_b)
+    # the adapters themselves
+    _bad(lambda: ExpertsLoRA(), ValueError, "needs w13_a/w13_b or w2_a/w2_b")
+    _bad(lambda: ExpertsLoRA(w13_a=good.w13_a), ValueError, "w13_a and w13_b come together")
+    _bad(lambda: ExpertsLoRA(**{**parts, "w13_a": good.w13_a[0]}), ValueError, r"lora\.w13_a must have 4 dimensions")
+    _bad(lambda: ExpertsLoRA(**{**parts, "w2_b": good.w2_b.half()}), TypeError, r"lora\.w2_b must have lora\.w13_a's dtype")
+    _bad(lambda: ExpertsLoRA(**{**parts, "w13_a": good.w13_a.int()}), TypeError, r"lora\.w13_a must have dtype in")
+    _bad(lambda: ExpertsLoRA(**{**parts, "w13_b": good.w13_b[..., :3]}), ValueError, r"lora\.w13_b must be .*r=4")
+    _bad(lambda: ExpertsLoRA(**{**parts, "w2_a": good.w2_a[:1], "w2_b": good.w2_b[:1]}), ValueError,
+         r"lora\.w2_a must be \[adapters=2")
+    zero = torch.zeros(n, E, 0, H)
+    _bad(lambda: ExpertsLoRA(**{**parts, "w13_a": zero, "w13_b": torch.zeros(n, E, 2 * I, 0)}), ValueError,
+         r"rank .* must be in \[1, 256\], got 0")
+    _bad(lambda: ExpertsLoRA(**parts, scaling=[1.0]), TypeError, "2 finite floats")
+    _bad(lambda: ExpertsLoRA(**parts, scaling=float("nan")), TypeError, "finite float")
+    _bad(lambda: ExpertsLoRA(**parts, scaling=torch.ones(3)), ValueError, r"lora\.scaling must have shape \(2,\)")
+    _bad(lambda: ExpertsLoRA(**{**parts, "w2_a": good.w2_a[..., :5]}), ValueError, "must fit w13_a")
+    # against the call
+    _bad(lambda: call(lora="adapters"), TypeError, "lora must be a moekit.experts.ExpertsLoRA")
+    _bad(lambda: call(ids=None), ValueError, "lora_ids is required with lora")
+    _bad(lambda: fused_experts(x, w13, w2, tw, tid, lora_ids=lids), ValueError, "lora_ids was given without lora")
+    _bad(lambda: call(ids=lids.long()), TypeError, r"lora_ids must have dtype in \(int32\)")
+    _bad(lambda: call(ids=lids[:3]), ValueError, r"lora_ids must have shape \(4,\)")
+    _bad(lambda: call(ids=torch.full((T,), 2, dtype=torch.int32)), ValueError, r"adapter index in \[0, 2\)")
+    _bad(lambda: call(ids=torch.full((T,), -2, dtype=torch.int32)), ValueError, r"got values in \[-2, -2\]")
+    half = ExpertsLoRA(**{k_: v.half() for k_, v in parts.items()})
+    _bad(lambda: call(lora=half), TypeError, "lora tensors must have x's dtype torch.float32")
+    wide = _lora(n, E + 1, H, I, r, torch.float32)
+    _bad(lambda: call(lora=wide), ValueError, r"lora\.w13_a must have shape \(2, 3, 4, 16\)")
+    xb = torch.randn(E, 5, H)
+    counts = torch.ones(E, dtype=torch.int32)
+    _bad(lambda: batched_experts(xb, counts, w13, w2, lora=good, lora_ids=torch.zeros(E * 5, dtype=torch.int32)),
+         ValueError, r"lora_ids must have 2 dimensions")
+
+
+def test_fused_moe_serves_loaded_adapters():
+    layer = FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+    spec = layer.spec
+    E, H, I, n = spec.num_experts, spec.hidden_size, spec.intermediate_size, 3
+    lora = _lora(n, E, H, I, 4, torch.float32)
+    layer.load_lora(lora)
+    assert {"lora_w13_a", "lora_scaling"} <= set(layer.state_dict())
+    x = torch.randn(2, 5, H)
+    lids = _lora_ids(10, n).reshape(2, 5)
+    with torch.no_grad():
+        got = layer(x, lora_ids=lids)
+        base = layer(x)
+        weights, ids = layer.route(x.reshape(-1, H))
+    ref = reference.fused_experts(x.reshape(-1, H), layer.w13, layer.w2, weights, ids, lora=lora,
+                                  lora_ids=lids.reshape(-1))
+    check_close("FusedMoE with LoRA", got.reshape(-1, H), ref, EXPERTS_TOL[torch.float32])
+    assert not torch.allclose(got, base)                              # no lora_ids: the base layer
+    _bad(lambda: layer(x, lora_ids=lids[:, :4]), ValueError, "lora_ids must have one entry per token")
+    layer.load_lora(None)
+    _bad(lambda: layer(x, lora_ids=lids), ValueError, "no adapters are loaded")
+    _bad(lambda: layer.load_lora(_lora(n, E, H, I, 4, torch.float16)), TypeError, "x's dtype torch.float32")
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+GPU_PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_PRESETS)
+@pytest.mark.parametrize("T", [1, 16, 256, 4096])
+@pytest.mark.parametrize("n", [1, 4])
+def test_gpu_real_sizes_bf16(name, T, n):
+    from moekit import presets
+
+    spec = presets.get(name)
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    w13, w2 = _weights(E, H, I, torch.bfloat16, "cuda")
+    lora = _lora(n, E, H, I, 16, torch.bfloat16, "cuda")
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    tw, tid = _routes(T, E, k, "cuda")
+    lids = _lora_ids(T, n, "cuda") if n > 1 else torch.zeros(T, dtype=torch.int32, device="cuda")
+    out = _poisoned((T, H), torch.bfloat16, "cuda")
+    fused_experts(x, w13, w2, tw, tid, activation=spec.activation, out=out, lora=lora, lora_ids=lids)
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, lora=lora, lora_ids=lids)
+    check_close(f"{name} T={T} adapters={n}", out, ref, EXPERTS_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,act_quant", [("mxfp4", None), ("nvfp4", None), ("fp8_block", "fp8_group")])
+@pytest.mark.parametrize("T", [1, 256])
+def test_gpu_quantized_bases(fmt, act_quant, T):
+    from moekit import presets
+
+    spec = presets.get("gpt-oss-120b" if fmt == "mxfp4" else "qwen3-30b-a3b")
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    w13, w2 = _weights(E, H, I, torch.bfloat16, "cuda")
+    q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    lora = _lora(4, E, H, I, 16, torch.bfloat16, "cuda")
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    tw, tid = _routes(T, E, k, "cuda")
+    lids = _lora_ids(T, 4, "cuda")
+    out = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, act_quant=act_quant, lora=lora, lora_ids=lids)
+    ref_fn = reference.fused_experts_w8a8 if act_quant else reference.fused_experts   # dequantizes expert by expert
+    ref = ref_fn(x, q13, q2, tw, tid, activation=spec.activation, lora=lora, lora_ids=lids)
+    check_close(f"{fmt} T={T}", out, ref, W8A8_TOL if act_quant else EXPERTS_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 256])
+def test_gpu_lora_replays_in_a_cuda_graph_with_new_adapter_ids(T):
+    from moekit import presets
+
+    spec = presets.get("qwen3-30b-a3b")
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    w13, w2 = _weights(E, H, I, torch.bfloat16, "cuda")
+    lora = _lora(4, E, H, I, 16, torch.bfloat16, "cuda")
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    tw, tid = _routes(T, E, k, "cuda")
+    lids = _lora_ids(T, 4, "cuda")
+    out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
+    fused_experts(x, w13, w2, tw, tid, out=out, lora=lora, lora_ids=lids)     # eager first: configs, checks
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_experts(x, w13, w2, tw, tid, out=out, lora=lora, lora_ids=lids)
+    lids.copy_(_lora_ids(T, 4, "cuda"))
+    lora.scaling.mul_(2.0)
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids)
+    check_close(f"graph replay T={T}", out, ref, EXPERTS_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_batched_and_expert_map():
+    from moekit import presets
+
+    spec = presets.get("gpt-oss-120b")
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    E_local = E // 4
+    w13, w2 = _weights(E_local, H, I, torch.bfloat16, "cuda")
+    lora = _lora(4, E_local, H, I, 16, torch.bfloat16, "cuda")
+    emap = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    emap[E_local:2 * E_local] = torch.arange(E_local, dtype=torch.int32, device="cuda")
+    T = 256
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    tw, tid = _routes(T, E, k, "cuda")
+    lids = _lora_ids(T, 4, "cuda")
+    got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, expert_map=emap, lora=lora, lora_ids=lids)
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, expert_map=emap, lora=lora,
+                                  lora_ids=lids)
+    check_close("expert_map", got, ref, EXPERTS_TOL[torch.bfloat16])
+    M = 64
+    counts = torch.randint(0, M + 1, (E_local,), dtype=torch.int32, device="cuda")
+    valid = torch.arange(M, device="cuda")[None, :] < counts[:, None]
+    xb = torch.randn(E_local, M, H, device="cuda").bfloat16()
+    xb[~valid] = float("nan")
+    lb = torch.randint(-1, 4, (E_local, M), dtype=torch.int32, device="cuda")
+    got = batched_experts(xb, counts, w13, w2, activation=spec.activation, lora=lora, lora_ids=lb)
+    ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, lora=lora, lora_ids=lb)
+    check_close("batched", got[valid], ref[valid], EXPERTS_TOL[torch.bfloat16])
