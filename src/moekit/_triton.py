@@ -51,6 +51,7 @@ def dependent_launches(device: torch.device) -> bool:
     return not interpreting() and _hopper_or_later(device)
 
 
+@functools.cache  # per device: torch's property lookup costs microseconds per eager call
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter's stand-in)."""
     if device.type != "cuda":
@@ -68,7 +69,12 @@ def counters(device: torch.device) -> torch.Tensor:
     One buffer per (device, stream): kernels on one stream run in order and each kernel resets
     the counters it used, so they are zero again at the next launch (also on CUDA-graph replay).
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device.type != "cuda":
+        stream = 0
+    elif device.index is not None:  # a tensor's device: the raw stream lookup (the stream object costs more)
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
     key = (device, stream)
     buf = _COUNTERS.get(key)
     if buf is None:

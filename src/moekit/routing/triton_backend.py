@@ -9,8 +9,12 @@ import torch
 from .. import _triton
 from . import tiers
 from .kernels import topk as topk_kernels
-from .kernels.router import router_kernel
-from .kernels.topk import routing_kernel
+from .._launch import Launcher
+from .kernels import router as router_kernels
+
+# Every launch binds its call signature once (moekit._launch): the eager host time of a call.
+router_kernel = Launcher(router_kernels.router_kernel)
+routing_kernel = Launcher(topk_kernels.routing_kernel)
 from .options import RoutingOptions, empty_routes, routing_block_tokens
 
 _NO_ROUTING = RoutingOptions(top_k=1, method="softmax_topk")  # fills the routing constexprs of a GEMM-only launch
@@ -75,10 +79,10 @@ def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions |
         float(lora.scale) if lora is not None else 0.0, routing.scaling,
         BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
         # The interpreter runs programs one by one: a finisher waiting for a later one would hang.
-        FIN_PROGRAMS=1 if _triton.interpreting() else cfg.fin_programs,
+        FIN_PROGRAMS=cfg.fin_programs if router_kernel.compiled else 1,
         E_PAD=_triton.next_pow2(num_experts), S_CHUNK=cfg.s_chunk, R_PAD=cfg.r_pad,
         HAS_BIAS=bias is not None, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
-        IEEE=x.dtype == torch.float32, FENCE=not _triton.interpreting(),
+        IEEE=x.dtype == torch.float32, FENCE=router_kernel.compiled,
         **kernel_constants(routing, num_experts, corr_bias is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,148 @@
+"""moekit._launch: a bound launch must never reuse a kernel where Triton would have specialized another."""
+
+import itertools
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from moekit import _launch  # noqa: E402
+
+try:
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+except ImportError:  # another Triton: the signature's own rules are still checked below
+    native_specialize_impl = None
+
+
+def _args():
+    base = torch.empty(64, dtype=torch.float32)
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, -(2**31), -(2**31) - 1]
+    tensors = [base, base[1:], base[4:], base[2:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
+               base.to(torch.int32), torch.nn.Parameter(base.clone())]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    stack = torch.empty(8, 64, 128, dtype=torch.bfloat16)
+    descriptors = [TensorDescriptor.from_tensor(stack, [1, 32, 64]), TensorDescriptor.from_tensor(stack[1:], [1, 32, 64]),
+                   TensorDescriptor.from_tensor(stack, [1, 16, 64]), TensorDescriptor.from_tensor(stack.half(), [1, 32, 64])]
+    return ints + tensors + descriptors + [None, True, False, 0.5, 1.0]
+
+
+@pytest.mark.skipif(native_specialize_impl is None, reason="this Triton has no native_specialize_impl")
+@pytest.mark.parametrize("specialize,align", [(True, True), (False, True), (True, False)])
+def test_equal_signatures_mean_equal_triton_specializations(specialize, align):
+    # the signature may split finer than Triton (a wasted bind), never coarser (a wrong kernel)
+    args = _args()
+    for a, b in itertools.product(args, args):
+        if _launch.signature((a,), {}) == _launch.signature((b,), {}):
+            spec_a = native_specialize_impl(BaseBackend, a, False, specialize, align)
+            spec_b = native_specialize_impl(BaseBackend, b, False, specialize, align)
+            assert spec_a == spec_b, (a, b)
+
+
+def test_keywords_are_keyed_by_value_and_other_types_go_to_triton():
+    assert _launch.signature((), {"BLOCK": 16}) != _launch.signature((), {"BLOCK": 32})
+    assert _launch.signature((), {"FLAG": True}) != _launch.signature((), {"FLAG": 1.5})
+    with pytest.raises(_launch._Unkeyed):
+        _launch.signature((object(),), {})
+    with pytest.raises(_launch._Unkeyed):
+        _launch.signature((), {"X": torch.empty(1)})  # a runtime tensor by keyword: not a constexpr
+
+
+class _FakeCompiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def run(self, *args):
+        self.log.append(("bound", args))
+
+
+class _Param:
+    def __init__(self, name, default=None, has_default=False):
+        self.name, self.default, self.has_default = name, default, has_default
+
+
+class _FakeJit:
+    """A stand-in for a JITFunction(x_ptr, n, BLOCK: constexpr, EXTRA: constexpr = 7)."""
+
+    params = [_Param("x_ptr"), _Param("n"), _Param("BLOCK"), _Param("EXTRA", 7, True)]
+    device_caches = {}
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", args, kwargs))
+            return _FakeCompiled(self.log)
+        return run
+
+
+def test_a_signature_binds_once_then_launches_through_the_compiled_kernel(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    fn = _FakeJit()
+    launcher = _launch.Launcher(fn)
+    x = torch.empty(64)
+    launcher[(3,)](x, 5, BLOCK=16)
+    launcher[(4, 2)](x, 9, BLOCK=16)             # same classes: the compiled kernel, the keyword tail in order
+    launcher[(4,)](x[1:], 9, BLOCK=16)           # unaligned: Triton's path (another specialization)
+    launcher[(4,)](x, 16, BLOCK=16)              # a multiple of 16: Triton's path
+    launcher[(4,)](x, 9, BLOCK=32)               # another constexpr: Triton's path
+    kinds = [entry[0] for entry in fn.log]
+    assert kinds == ["triton", "bound", "triton", "triton", "triton"]
+    assert fn.log[1][1] == (4, 2, 1, 1234, "fn", "meta", None, None, None, x, 9, 16, 7)
+
+
+def test_under_the_interpreter_every_launch_is_tritons(monkeypatch):
+    class Interpreted:  # InterpretedFunction has no device caches
+        def __init__(self):
+            self.calls = 0
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                self.calls += 1
+            return run
+
+    fn = Interpreted()
+    launcher = _launch.Launcher(fn)
+    for _ in range(3):
+        launcher[(1,)](torch.empty(4), 3, BLOCK=4)
+    assert fn.calls == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_repeated_calls_launch_without_jitfunction_run_and_give_the_same_bits(monkeypatch):
+    # after the first call of a signature no launch goes through JITFunction.run, and the bound launches give
+    # Triton's bits: decode (gemv), small and aligned batches, an unaligned view (its own signature), the router
+    from triton.runtime.jit import JITFunction
+
+    from moekit import fused_experts, fused_router
+
+    torch.manual_seed(0)
+    E, H, I, k = 8, 264, 136, 2
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+    gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    original = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    for T in (1, 16, 300):
+        base = torch.randn(T * H + 1, device="cuda", dtype=torch.bfloat16)
+        for x in (base[:T * H].view(T, H), base[1:].view(T, H)):  # 16-byte aligned, then not
+            ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
+            tw = torch.rand(T, k, device="cuda")
+            first = (fused_experts(x, w13, w2, tw, ids), *fused_router(x, gate, top_k=k, method="softmax_topk"))
+            monkeypatch.setattr(JITFunction, "run", counted)
+            again = (fused_experts(x, w13, w2, tw, ids), *fused_router(x, gate, top_k=k, method="softmax_topk"))
+            torch.cuda.synchronize()
+            monkeypatch.setattr(JITFunction, "run", original)
+            assert calls == [], f"T={T}: {[c.__name__ for c in calls]}"
+            for a, b in zip(first, again):
+                assert torch.equal(a, b)
