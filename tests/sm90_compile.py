@@ -234,12 +234,71 @@ def expert_variants():
             yield f"tma fp8 block {name} BM=64{' half tails' if half else ''}", \
                 lambda x=x, ids=ids, q13=q13, q2=q2, cfg=cfg: fused_experts(
                     x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton", config=cfg)
+    yield from lora_variants()
     spec = presets.get("mixtral-8x7b").scaled()
     w13, w2, _ = weights(spec, torch.float32)
     x = torch.empty(40, spec.hidden_size)
     emap = torch.zeros(2 * spec.num_experts, dtype=torch.int32)
     yield "experts fp32 (ieee dot), expert_map", lambda: fused_experts(
         x, w13, w2, torch.zeros(40, 2), torch.zeros(40, 2, dtype=torch.int32), expert_map=emap, backend="triton")
+
+
+def lora_variants():
+    """Expert LoRA (rank 16, four adapters) in each mode's kernels at the benchmark's shapes, on bf16, MXFP4 and FP8
+    W8A8 bases, and rank 256 (the largest: the smallest tiles)."""
+    from moekit import presets
+    from moekit.experts import ExpertsConfig, ExpertsLoRA, GemmConfig, batched_experts, fused_experts
+    from moekit.formats import fp8, mxfp4
+
+    def lora(E, H, I, r=16, n=4):
+        one = lambda *shape: torch.empty(n, 1, *shape, dtype=torch.bfloat16).expand(n, E, *shape)  # noqa: E731
+        return ExpertsLoRA(one(r, H), one(2 * I, r), one(r, I), one(H, r), scaling=[1.0] * n)
+
+    gemv = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), mode="gemv")
+    per_pair = ExpertsConfig(16, GemmConfig(64, 128, 4, 3), GemmConfig(64, 128, 4, 3), mode="per_pair")
+    for name in ("qwen3-30b-a3b", "gpt-oss-120b"):
+        spec = presets.get(name)
+        E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+        w13 = torch.empty(1, 2 * I, H, dtype=torch.bfloat16).expand(E, -1, -1)
+        w2 = torch.empty(1, H, I, dtype=torch.bfloat16).expand(E, -1, -1)
+        ad = lora(E, H, I)
+        for T, cfg in ((1, gemv), (1, per_pair), (16, None), (4096, None)):
+            x = torch.empty(T, H, dtype=torch.bfloat16)
+            ids = torch.zeros(T, k, dtype=torch.int32)
+            lids = torch.zeros(T, dtype=torch.int32)
+            yield f"lora {name} T={T}{' ' + cfg.mode if cfg else ''}", \
+                lambda x=x, ids=ids, lids=lids, w13=w13, w2=w2, ad=ad, cfg=cfg, s=spec: fused_experts(
+                    x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg,
+                    lora=ad, lora_ids=lids)
+        xb = torch.empty(E, 64, H, dtype=torch.bfloat16)
+        yield f"lora batched {name} M=64", lambda xb=xb, w13=w13, w2=w2, ad=ad, s=spec: batched_experts(
+            xb, torch.zeros(xb.shape[0], dtype=torch.int32), w13, w2, activation=s.activation, backend="triton",
+            lora=ad, lora_ids=torch.zeros(xb.shape[:2], dtype=torch.int32))
+        if name == "qwen3-30b-a3b":
+            x = torch.empty(256, H, dtype=torch.bfloat16)
+            ids = torch.zeros(256, k, dtype=torch.int32)
+            big = lora(E, H, I, r=256, n=2)
+            yield f"lora r=256 {name} T=256", lambda x=x, ids=ids, w13=w13, w2=w2, big=big: fused_experts(
+                x, w13, w2, torch.zeros(ids.shape), ids, backend="triton", lora=big,
+                lora_ids=torch.zeros(256, dtype=torch.int32))
+    spec = presets.get("gpt-oss-120b")
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    q13 = _expand_quantized(mxfp4, mxfp4.quantize(torch.randn(1, 2 * I, H)), E)
+    q2 = _expand_quantized(mxfp4, mxfp4.quantize(torch.randn(1, H, I)), E)
+    for T in (1, 256):
+        x, ids = torch.empty(T, H, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.int32)
+        yield f"lora mxfp4 {spec.name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2, ad=lora(E, H, I), s=spec: \
+            fused_experts(x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton",
+                          lora=ad, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
+    spec = presets.get("qwen3-30b-a3b")
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    one13, one2 = fp8.quantize_blocks(torch.randn(1, 2 * I, H)), fp8.quantize_blocks(torch.randn(1, H, I))
+    grow = lambda t: fp8.FP8Tensor(t.data.expand(E, -1, -1), t.scale.expand(E, -1, -1), t.granularity)  # noqa: E731
+    for T in (1, 256):
+        x, ids = torch.empty(T, H, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.int32)
+        yield f"lora fp8 block {spec.name} T={T}", lambda x=x, ids=ids, q13=grow(one13), q2=grow(one2), ad=lora(E, H, I): \
+            fused_experts(x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton", lora=ad,
+                          lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
 
 
 def _expand_quantized(mod, one, num_experts):

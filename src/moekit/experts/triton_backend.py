@@ -20,6 +20,7 @@ from .. import _triton
 from ..formats import format_of
 from . import configs as expert_configs
 from .configs import ExpertsConfig, GemmConfig
+from . import lora as expert_lora
 from .._launch import Launcher
 from .kernels import align as align_kernels
 from .kernels import fp8_quant, moe_gemm, moe_gemv
@@ -270,9 +271,10 @@ def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
 
 def gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
            num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None,
-           h_paired=False):
+           h_paired=False, delta=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
-    ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2)."""
+    ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2).
+    ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py)."""
     words = _w4_words(w, x3.dtype)
     if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
         x3 = paired_k(x3)
@@ -290,13 +292,13 @@ def gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: Gem
         x3, *_x_strides(x3),
         d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b13, x3),
-        h, h.stride(0),
+        h, h.stride(0), *_scale_args(delta, h),
         *_scale_args(x_scales, x3), *_scale_args(h_scales, x3),
         *rows,
         num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w.shape[0],
         inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
-        DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id,
+        DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id, HAS_DELTA=delta is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale,
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
@@ -352,7 +354,8 @@ def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
 
 
 def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
-           pdl: bool = False):
+           pdl: bool = False, delta=None):
+    """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py)."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
@@ -367,11 +370,12 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         *x_args,
         *w.gemv_args(),
         *_bias_args(b13, x),
-        h, h.stride(0),
+        h, h.stride(0), *_scale_args(delta, h),
         ids, expert_map if expert_map is not None else ids,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
-        FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
+        HAS_DELTA=delta is not None, FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n,
+        BLOCK_K=w.gemv_block_k(cfg.block_k),
         HALVES_ASM=_PTX, PDL=pdl, SLOTS=slots, PACKED=packed,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -506,8 +510,10 @@ def fp8_activations(w13, act_quant: str | None) -> bool:
 
 
 def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
-                       config: ExpertsConfig | None = None, act_quant: str | None = None) -> None:
-    """Standard format, written into ``out`` [T, H] (contiguous)."""
+                       config: ExpertsConfig | None = None, act_quant: str | None = None, lora=None,
+                       lora_ids=None) -> None:
+    """Standard format, written into ``out`` [T, H] (contiguous). ``lora``: an ExpertsLoRA, ``lora_ids`` int32 [T]
+    (experts/lora.py: its terms run over the same rows as the GEMMs, added into GEMM1 and after GEMM2)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     num_pairs = num_tokens * top_k
@@ -529,21 +535,33 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     if config.per_pair:
         # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
         h, hs = activation_buffers(num_pairs, two_i // 2, dtype, x.device, fp8)
+        if lora is not None:
+            pairs = expert_lora.Rows("pairs", num_pairs, top_k, ids=ids, expert_map=expert_map, num_global=num_global)
+            delta = expert_lora.w13_delta(x, xs, lora, lora_ids, pairs)
+        else:
+            delta = None
         if config.gemv and not fp8:
             pdl = config.pdl and _triton.dependent_launches(x.device)
-            gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl)
+            gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl, delta)
             if not config.split_slots:
                 gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl)
+                if lora is not None:
+                    expert_lora.w2_add(h, hs, lora, lora_ids, pairs, out, weights, per_token=True)
                 return
             # each pair as a token of one slot (zeros for pairs not computed here), then the slots summed in order
             y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
             gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl)
+            if lora is not None:
+                expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights)
             _combine(y, ids, out, top_k)
             return
         emap = expert_map if expert_map is not None else ids
         gemm1(x, w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
-               config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global, xs, hs)
+               config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global, xs, hs,
+               delta=delta)
         gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
+        if lora is not None:
+            expert_lora.w2_add(h, hs, lora, lora_ids, pairs, out, weights, per_token=True)
         return
     bm = config.block_m
     pair_expert, sorted_pairs, block_expert = align(topk_ids, expert_map, num_experts, bm)
@@ -551,10 +569,17 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     h, hs = activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
     y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
     rows = (block_expert, sorted_pairs, block_expert)
+    if lora is not None:
+        aligned = expert_lora.Rows("aligned", blocks * bm, top_k, bm, num_pairs, block_expert, sorted_pairs)
+        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, aligned)
+    else:
+        delta = None
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_ALIGNED, num_pairs, top_k, 0,
-           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype))
+           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype), delta=delta)
     gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,
            hs)
+    if lora is not None:
+        expert_lora.w2_add(h, hs, lora, lora_ids, aligned, y, weights)
     _combine(y, pair_expert, out, top_k)
 
 
@@ -566,8 +591,10 @@ def _combine(y, pair_expert, out, top_k) -> None:
 
 
 def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias,
-                         config: ExpertsConfig | None = None, act_quant: str | None = None) -> None:
-    """Batched format, valid rows written into ``out`` [E, M, H] (contiguous); padding rows untouched."""
+                         config: ExpertsConfig | None = None, act_quant: str | None = None, lora=None,
+                         lora_ids=None) -> None:
+    """Batched format, valid rows written into ``out`` [E, M, H] (contiguous); padding rows untouched. ``lora``: as
+    :func:`fused_experts_into`, ``lora_ids`` int32 [E, M]."""
     num_experts, rows_per_expert, hidden = x.shape
     two_i = w13.shape[1]
     if rows_per_expert == 0:
@@ -586,10 +613,18 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
         xq, xs = fp8_groups(x.reshape(num_experts * rows_per_expert, hidden))
         x = xq.view(num_experts, rows_per_expert, hidden)
     rows = (expert_num_tokens, expert_num_tokens, expert_num_tokens)
+    if lora is not None:
+        slabs = expert_lora.Rows("batched", num_experts * rows_per_expert, block_m=bm,
+                                 expert_num_tokens=expert_num_tokens, rows_per_expert=rows_per_expert)
+        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, slabs)
+    else:
+        delta = None
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_BATCHED, 0, 1, rows_per_expert,
-           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype))
+           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype), delta=delta)
     gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, ROWS_BATCHED,
            0, rows_per_expert, hs)
+    if lora is not None:
+        expert_lora.w2_add(h, hs, lora, lora_ids, slabs, out, None)
 
 
 # torch.compile sees each call as one opaque op with a fake (shape-only) implementation.
@@ -624,19 +659,23 @@ def _dense_weights(*ws) -> bool:
 
 
 def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None,
-              act_quant=None):
+              act_quant=None, lora=None, lora_ids=None):
     # The custom op is for torch.compile, which must not trace the launches; an eager call goes straight to
     # them (the op's dispatch alone cost about 70 us of host time per call).
-    if torch.compiler.is_compiling() and config is None and act_quant is None and _dense_weights(w13, w2):
+    if (torch.compiler.is_compiling() and config is None and act_quant is None and lora is None
+            and _dense_weights(w13, w2)):
         torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                                             w2_bias, expert_map)
-    else:  # explicit configs and 4-bit weight objects skip the op: they are not part of its schema
+    else:  # explicit configs, 4-bit weight objects and LoRA skip the op: they are not part of its schema
         fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config,
-                           act_quant)
+                           act_quant, lora, lora_ids)
 
 
-def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None):
-    if torch.compiler.is_compiling() and config is None and act_quant is None and _dense_weights(w13, w2):
+def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None,
+                lora=None, lora_ids=None):
+    if (torch.compiler.is_compiling() and config is None and act_quant is None and lora is None
+            and _dense_weights(w13, w2)):
         torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
     else:
-        batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config, act_quant)
+        batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config, act_quant,
+                             lora, lora_ids)
