@@ -16,7 +16,8 @@ def test_verify_default_job_passes_and_writes_json(tmp_path, capsys):
                  "--json", str(report)]) == 0
     rows = json.loads(report.read_text())
     assert rows and all(r["ok"] for r in rows)
-    assert {r["op"] for r in rows} >= {"router_gemm", "route", "fused_router", "fused_experts", "batched_experts", "FusedMoE"}
+    assert {r["op"] for r in rows} >= {"router_gemm", "route", "fused_router", "fused_experts", "batched_experts", "FusedMoE",
+                                       "fused_experts[lora]", "batched_experts[lora]", "fused_experts[mxfp4+lora]"}
     out = capsys.readouterr().out
     assert "0 failed" in out
     # piped output: a line as each group starts and ends (the bar is for terminals)

@@ -423,3 +423,41 @@ def test_gpu_batched_and_expert_map():
     got = batched_experts(xb, counts, w13, w2, activation=spec.activation, lora=lora, lora_ids=lb)
     ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, lora=lora, lora_ids=lb)
     check_close("batched", got[valid], ref[valid], EXPERTS_TOL[torch.bfloat16])
+
+
+# ------------------------------------------------------------------------------------------------------- benchmark
+def test_lora_benchmark_table_and_its_peft_adapter_on_the_cpu():
+    """The pieces of benchmarks/bench_lora.py that need no GPU: the PEFT wrapping it times (converted, it is the
+    computation moekit times) and the table, with a failed peer's cells empty."""
+    pytest.importorskip("peft")
+    from types import SimpleNamespace
+
+    from moekit import presets
+    from moekit.integrations import peft as moekit_peft
+    from moekit.tools.bench import lora as bench
+
+    spec = presets.get("qwen3-30b-a3b").scaled()
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    w13, w2 = _weights(E, H, I, torch.float32)
+    from moekit.tools.bench.experts import _hf_experts
+
+    layer = SimpleNamespace(w13=w13, w2=w2, b13=None, b2=None)
+    layer.hf = _hf_experts(spec, layer)
+    holder = bench.peft_experts(layer, 4)
+    lora = moekit_peft.experts_lora(holder.experts)
+    x = torch.randn(5, H)
+    tw, tid = _routes(5, E, spec.top_k)
+    layer.hf.config._experts_implementation = "eager"
+    with torch.no_grad():
+        expect = holder.experts(x, tid.long(), tw)
+    got = fused_experts(x, w13, w2, tw, tid, backend="torch", lora=lora, lora_ids=torch.zeros(5, dtype=torch.int32))
+    check_close("PEFT adapter as the benchmark makes it", got, expect, EXPERTS_TOL[torch.float32])
+    records = [{"preset": "qwen3-30b-a3b", "T": 1, "adapters": 1, "rank": 16, "moekit_us": 20.0, "moekit_lora_us": 22.0,
+                "overhead": 0.1, "meets_target": True, "peft_base_us": 100.0, "peft_lora_us": None,
+                "peft_lora_mode": "RuntimeError: boom", "vs_peft_rms_rel": 1e-3},
+               {"preset": "gpt-oss-120b", "T": 4096, "adapters": 4, "rank": 16, "moekit_us": 900.0,
+                "moekit_lora_us": 1000.0, "overhead": 1 / 9}]
+    md = bench.markdown(records, {"gpu": "H200", "date": "today", "torch": "t", "triton": "3.6"})
+    assert "| qwen3-30b-a3b | 1 | 1 | 20.0 | 22.0 | +10% | met | 100.0 | - | - | - | 1.0e-03 |" in md
+    assert "| gpt-oss-120b | 4096 | 4 | 900.0 | 1000.0 | +11% | - |" in md
+    assert "peft_lora_mode=RuntimeError: boom" in md

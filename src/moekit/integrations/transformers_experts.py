@@ -17,7 +17,14 @@ What the experts module says of its weights decides what runs:
   gate/up columns, alpha 1.702, limit 7) to be served;
 - biases (``has_bias``) are added in fp32 like every moekit bias;
 - with expert parallelism (``_is_expert_parallel``) ids at or past ``num_experts`` contribute nothing, as
-  transformers' sentinel convention wants (moekit's rule for out-of-range ids).
+  transformers' sentinel convention wants (moekit's rule for out-of-range ids);
+- under a PEFT LoRA adapter on ``gate_up_proj`` / ``down_proj`` (``LoraConfig(target_parameters=...)``), while
+  PEFT applies one adapter through its low-rank factors, the stored weights serve as they are (their prepared
+  plan cached) and the factors run as moekit's expert LoRA (:mod:`moekit.integrations.peft`); moekit never reads
+  the adapted weight. PEFT itself still folds it once per forward: torch's ``register_parametrization``, which
+  PEFT calls on every forward, evaluates the parametrization once to check it. Serving without any fold takes
+  :func:`moekit.integrations.peft.convert` and moekit's own layer or ``fused_experts``. Several active adapters
+  (PEFT sums their deltas into one weight) are served on the weight PEFT adapted.
 A module moekit cannot serve (no gate, a post-expert norm, another activation or gate function) is served
 by transformers' own ``grouped_mm`` forward, with one warning per class saying why.
 """
@@ -30,8 +37,9 @@ import torch
 from torch import nn
 
 from .._checks import tensor_version
-from ..experts import fused_experts
+from ..experts import ExpertsLoRA, fused_experts
 from ..reference import ACTIVATION_FNS
+from .peft import active_factors
 
 NAME = "moekit"
 _WARNED: set[str] = set()
@@ -56,9 +64,27 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if isinstance(plan, str):
         return _fallback(self, plan)(self, hidden_states, top_k_index, top_k_weights)
     w13, w2, activation = plan
+    lora = _peft_lora(self)
     return fused_experts(hidden_states, w13, w2, top_k_weights.float(), top_k_index.int(), activation=activation,
                          w13_bias=self.gate_up_proj_bias if self.has_bias else None,
-                         w2_bias=self.down_proj_bias if self.has_bias else None)
+                         w2_bias=self.down_proj_bias if self.has_bias else None, lora=lora,
+                         lora_ids=None if lora is None else hidden_states.new_zeros(hidden_states.shape[0],
+                                                                                      dtype=torch.int32))
+
+
+def _peft_lora(module: nn.Module) -> ExpertsLoRA | None:
+    """The PEFT adapter applied through its factors to the module's parameters now, as one moekit adapter (None
+    without one). Its two matrices' scalings differ only with a per-parameter rank pattern: then each B is scaled."""
+    found = {which: active_factors(module, name)[1] for which, name in (("w13", "gate_up_proj"), ("w2", "down_proj"))}
+    found = {k: v for k, v in found.items() if v is not None}
+    if not found:
+        return None
+    scalings = {s for _, _, s in found.values()}
+    scaling = scalings.pop() if len(scalings) == 1 else 1.0
+    parts = {}
+    for which, (a, b, s) in found.items():
+        parts[which + "_a"], parts[which + "_b"] = a, (b if s == scaling else b * s)
+    return ExpertsLoRA(**parts, scaling=scaling)
 
 
 def _activation(module: nn.Module, two_i: int) -> str | None:
@@ -88,8 +114,8 @@ def _plan(module: nn.Module):
     cache = module.__dict__.get("_moekit_plan")
     if torch.compiler.is_compiling():
         return cache.plan if cache is not None else _build_plan(module, module.gate_up_proj, module.down_proj)
-    gate_up = getattr(module, "gate_up_proj", None)
-    down = getattr(module, "down_proj", None)
+    # stored weights: a PEFT adapter's factors, if any, run beside them (never folded in)
+    gate_up, down = active_factors(module, "gate_up_proj")[0], active_factors(module, "down_proj")[0]
     key = (_identity(gate_up), _identity(down))
     if cache is not None and cache.key == key and None not in key:
         return cache.plan

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ... import presets, reference
-from ...experts import backends, batched_experts, fused_experts
+from ...experts import ExpertsLoRA, backends, batched_experts, fused_experts
 from ...formats import quantize_experts
 from ...layer import FusedMoE
 from ...metrics import EXPERTS_TOL, W8A8_TOL, CheckResult, Tolerance, score_values
@@ -58,6 +58,16 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
                             backend=backend)
         results.append(score_values(CheckResult("fused_experts", backend, spec.name, num_tokens), got, ref, tol,
                                     got is out))
+    lora = _lora(spec, dtype, device)
+    lora_ids = _lora_ids(num_tokens, lora.num_adapters, device)
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
+                                  lora=lora, lora_ids=lora_ids)
+    for backend in backends:
+        out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
+        got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                            backend=backend, lora=lora, lora_ids=lora_ids)
+        results.append(score_values(CheckResult("fused_experts[lora]", backend, spec.name, num_tokens), got, ref, tol,
+                                    got is out))
 
     if low_bit:
         results += _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol)
@@ -77,8 +87,36 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
                               backend=backend)
         results.append(score_values(CheckResult("batched_experts", backend, spec.name, num_tokens), got[valid],
                                     ref[valid], tol, got is out))
+    lora_ids = torch.randint(-1, lora.num_adapters, (E, M), dtype=torch.int32, device=device)
+    ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2,
+                                    lora=lora, lora_ids=lora_ids)
+    for backend in backends:
+        out = torch.full_like(xb, float("nan"))
+        got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
+                              backend=backend, lora=lora, lora_ids=lora_ids)
+        results.append(score_values(CheckResult("batched_experts[lora]", backend, spec.name, num_tokens), got[valid],
+                                    ref[valid], tol, got is out))
 
     return results
+
+
+LORA_ADAPTERS, LORA_RANK = 4, 16  # the issue's benchmark: rank 16, four adapters mixed over the tokens
+
+
+def _lora(spec, dtype, device) -> ExpertsLoRA:
+    """Four rank-16 adapters on w13 and w2 whose terms are about as large as the base GEMMs' outputs."""
+    def make():
+        n, r, E, H, I = LORA_ADAPTERS, LORA_RANK, spec.num_experts, spec.hidden_size, spec.intermediate_size
+        rnd = lambda *shape, std: torch.randn(*shape, device=device, dtype=dtype).mul_(std)  # noqa: E731
+        return ExpertsLoRA(rnd(n, E, r, H, std=H ** -0.5), rnd(n, E, 2 * I, r, std=r ** -0.5),
+                           rnd(n, E, r, I, std=I ** -0.5), rnd(n, E, H, r, std=r ** -0.5), [0.5, 1.0, 1.5, 2.0])
+
+    return _cached((spec.name, dtype, device, "lora"), make)
+
+
+def _lora_ids(num_tokens, num_adapters, device) -> torch.Tensor:
+    """Each token's adapter: every adapter and -1 (none), mixed."""
+    return torch.randint(-1, num_adapters, (num_tokens,), dtype=torch.int32, device=device)
 
 
 _CACHE: dict = {}
@@ -113,20 +151,24 @@ def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[C
     W8A8 in 128x128 blocks and MXFP4 W4A8 (against float64 on dequantized weights and E4M3-rounded
     activations)."""
     results = []
+    # 16-bit adapters on a 4-bit and an FP8 base (the adapters read the inputs the base weights read)
+    with_lora = {("mxfp4", None), ("fp8_block", "fp8_group")}
+    lora = _lora(spec, x.dtype, x.device)
+    lora_ids = _lora_ids(x.shape[0], lora.num_adapters, x.device)
     for fmt, act_quant in (("mxfp4", None), ("mxfp4", "fp8_group"), ("nvfp4", None), ("fp8_block", "fp8_group")):
         q13, q2 = _cached((spec.name, x.dtype, x.device, fmt),  # quantized one expert at a time
                           lambda fmt=fmt: (quantize_experts(w13, fmt), quantize_experts(w2, fmt)))
-        if act_quant:
-            ref = reference.fused_experts_w8a8(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13,
-                                               w2_bias=b2)
-        else:
-            ref = reference.fused_experts(x, q13, q2, tw, tid, activation=spec.activation,  # dequantized per expert
-                                          w13_bias=b13, w2_bias=b2)
-        for backend in backends:
-            out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
-            got = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
-                                backend=backend, act_quant=act_quant)
-            name = f"fused_experts[{fmt}{'+' + act_quant if act_quant and fmt == 'mxfp4' else ''}]"
-            results.append(score_values(CheckResult(name, backend, spec.name, x.shape[0]), got, ref,
-                                        W8A8_TOL if act_quant else tol, got is out))
+        for adapters in ((None, None), (lora, lora_ids)) if (fmt, act_quant) in with_lora else ((None, None),):
+            # the W8A8 reference, or float64 on weights dequantized per expert
+            ref_fn = reference.fused_experts_w8a8 if act_quant else reference.fused_experts
+            ref = ref_fn(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, lora=adapters[0],
+                         lora_ids=adapters[1])
+            for backend in backends:
+                out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+                got = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
+                                    out=out, backend=backend, act_quant=act_quant, lora=adapters[0],
+                                    lora_ids=adapters[1])
+                tags = fmt + ("+" + act_quant if act_quant and fmt == "mxfp4" else "") + ("+lora" if adapters[0] else "")
+                results.append(score_values(CheckResult(f"fused_experts[{tags}]", backend, spec.name, x.shape[0]),
+                                            got, ref, W8A8_TOL if act_quant else tol, got is out))
     return results
