@@ -12,7 +12,7 @@ import torch
 from moekit import FusedMoE, reference
 from moekit.experts import ExpertsConfig, ExpertsLoRA, GemmConfig, batched_experts, fused_experts
 from moekit.formats import dequantize, quantize_experts
-from moekit.metrics import EXPERTS_TOL, W8A8_TOL, check_close
+from moekit.metrics import EXPERTS_TOL, W8A8_TOL, Tolerance, check_close
 
 AUTO = None
 ALIGNED_32 = ExpertsConfig(32, GemmConfig(32, 32), GemmConfig(32, 32))
@@ -22,6 +22,7 @@ GEMV = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv")
 GEMV_SPLIT = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv", split_slots=True)
 MODES = {"auto": AUTO, "aligned": ALIGNED_32, "per_pair": PER_PAIR, "gemv": GEMV, "gemv_split": GEMV_SPLIT}
 CPU_DTYPES = [torch.float32, torch.float16]
+FP32_REORDERED = Tolerance(1e-5, 1e-6)  # the same fp32 products summed in another order
 
 
 def _weights(E, H, I, dtype, device="cpu"):
@@ -219,6 +220,26 @@ def test_tokens_without_an_adapter_get_the_base_result_bit_for_bit(mode):
     got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=cfg, lora=_lora(2, E, H, I, 4, torch.float16),
                         lora_ids=none)
     assert torch.equal(got, base)
+
+
+def test_w2_term_reads_h_in_the_word_decoded_column_order():
+    """On the GPU, bf16 activations before a 4-bit GEMM2 leave GEMM1's output in the word-decoded tiles' column order
+    (triton_backend.paired_k): the w2 term then reads A's columns in that order (here forced in the interpreter)."""
+    from moekit.experts import lora as lora_host
+    from moekit.experts.triton_backend import align, paired_k
+
+    T, E, H, I, k, n, bm = 9, 3, 24, 32, 2, 2, 16
+    lora = _lora(n, E, H, I, 4, torch.float32, which=("w2",))
+    tw, tid = _routes(T, E, k)
+    _, sorted_pairs, block_expert = align(tid, None, E, bm)
+    rows = lora_host.Rows("aligned", block_expert.numel() * bm, k, bm, T * k, block_expert, sorted_pairs)
+    h = torch.randn(rows.count, I)
+    lids = _lora_ids(T, n)
+    natural, paired = torch.zeros(T * k, H), torch.zeros(T * k, H)
+    lora_host.w2_add(h, None, lora, lids, rows, natural, tw.reshape(-1).contiguous())
+    lora_host.w2_add(paired_k(h), None, lora, lids, rows, paired, tw.reshape(-1).contiguous(), h_paired=True)
+    assert natural.abs().sum() > 0
+    check_close("paired h", paired, natural, FP32_REORDERED)
 
 
 def test_zero_padded_ranks_change_nothing():

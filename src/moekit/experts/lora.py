@@ -246,16 +246,17 @@ def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA,
 
 
 def w2_add(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor, rows: Rows,
-           y: torch.Tensor, weights: torch.Tensor | None, per_token: bool = False) -> None:
+           y: torch.Tensor, weights: torch.Tensor | None, per_token: bool = False, h_paired: bool = False) -> None:
     """Add the LoRA term on w2 of GEMM2's input rows ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8
-    activations) into GEMM2's output ``y``: per pair [pairs, H] (aligned; pairs with ``per_token=False``), times the
-    router weight ``weights`` [pairs]; per token [T, H], its slots summed in order (pairs, ``per_token``); or the
-    batched output [E, M, H]."""
+    activations; ``h_paired``: columns in the word-decoded 4-bit GEMM2's order, as GEMM1 wrote them) into GEMM2's
+    output ``y``: per pair [pairs, H] (aligned; pairs with ``per_token=False``), times the router weight ``weights``
+    [pairs]; per token [T, H], its slots summed in order (pairs, ``per_token``); or the batched output [E, M, H]."""
     if lora.w2_a is not None:
-        _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, y, weights, rows, per_token)
+        _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, y, weights, rows, per_token, h_paired)
 
 
-def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, per_token: bool = False) -> None:
+def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, per_token: bool = False,
+            v_paired: bool = False) -> None:
     kernels = _kernels()
     n_out, r = b.shape[2], a.shape[2]
     k = a.shape[3]
@@ -263,7 +264,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
     scales = (v_scales, v_scales.stride(0)) if v_scales is not None else (v, 0)
     adapters = (a, *a.stride(), b, *b.stride(), lora.scaling, lora_ids)
     precision = _precision(a.dtype)
-    if rows.mode == "pairs":
+    if rows.mode == "pairs":  # GEMM1's per-pair outputs are in natural column order
         slots = rows.top_k if per_token else 1
         groups = rows.ids.numel() // slots
         if groups == 0:
@@ -302,4 +303,4 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         *row_args, rows.top_k, rows.rows_per_expert, lora.num_adapters, n_out, k, r,
         STAGE=stage, ROWS=mode, HAS_SCALES=v_scales is not None, DOT_PRECISION=precision,
         BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // r_pad)), BLOCK_K=64,
-        R_PAD=r_pad, num_warps=4)
+        R_PAD=r_pad, V_PAIRED=v_paired, num_warps=4)

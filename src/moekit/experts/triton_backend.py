@@ -579,7 +579,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,
            hs)
     if lora is not None:
-        expert_lora.w2_add(h, hs, lora, lora_ids, aligned, y, weights)
+        expert_lora.w2_add(h, hs, lora, lora_ids, aligned, y, weights, h_paired=_w4_words(w2, h.dtype))
     _combine(y, pair_expert, out, top_k)
 
 
@@ -624,7 +624,7 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
     gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, ROWS_BATCHED,
            0, rows_per_expert, hs)
     if lora is not None:
-        expert_lora.w2_add(h, hs, lora, lora_ids, slabs, out, None)
+        expert_lora.w2_add(h, hs, lora, lora_ids, slabs, out, None, h_paired=_w4_words(w2, h.dtype))
 
 
 # torch.compile sees each call as one opaque op with a fake (shape-only) implementation.

@@ -16,7 +16,7 @@ slots are combined. Adapter ids outside [0, adapters) contribute nothing, like -
 import triton
 import triton.language as tl
 
-from .moe_gemm import ALIGNED, BATCHED, FP8_GROUP, _pair_expert
+from .moe_gemm import ALIGNED, BATCHED, FP8_GROUP, _pair_expert, _paired_columns
 
 W13 = tl.constexpr(1)  # input x, output GEMM1's delta rows (stored)
 W2 = tl.constexpr(2)  # input GEMM1's output h, output GEMM2's (added to, router-weighted)
@@ -60,6 +60,7 @@ def lora_blocks_kernel(
     num_pairs, top_k, rows_per_expert, num_adapters, N, K, R,
     STAGE: tl.constexpr, ROWS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, LORA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+    V_PAIRED: tl.constexpr = False,  # W2: h's columns in _paired_columns order (GEMM1 wrote them for a 4-bit GEMM2)
 ):
     e, h_rows, pair, valid = _block_rows(tl.program_id(0), block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
                                          num_pairs, rows_per_expert, ROWS, BLOCK_M, LORA_M)
@@ -94,7 +95,9 @@ def lora_blocks_kernel(
                     # rows of other adapters (and padding) read zeros: their values never enter the sums
                     v = tl.load(v_ptr + v_rows[:, None] + offs_k[None, :] * stride_vk,
                                 mask=mine[:, None] & k_ok[None, :], other=0.0)
-                    w = tl.load(a_e + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                    # V_PAIRED: v's column p is A's column _paired_columns(p), a permutation inside each 8 (K % 8 == 0)
+                    a_cols = _paired_columns(offs_k) if V_PAIRED else offs_k
+                    w = tl.load(a_e + offs_r[None, :] * stride_ar + a_cols[:, None] * stride_ak,
                                 mask=r_ok[None, :] & k_ok[:, None], other=0.0)
                     part = tl.dot(v.to(w.dtype), w, input_precision=DOT_PRECISION)
                     if HAS_SCALES:  # E4M3 codes are exact in 16 bits; one group scale per row and step (BLOCK_K | 128)
