@@ -8,7 +8,7 @@ import moekit
 
 ROOT = Path(moekit.__file__).parent
 LAYERS = [  # each layer may import those before it (and itself); tools may import everything
-    {"moekit._checks", "moekit._triton", "moekit._launch", "moekit.presets", "moekit.layouts"},
+    {"moekit._checks", "moekit._triton", "moekit._launch", "moekit._invariant", "moekit.presets", "moekit.layouts"},
     {"moekit.formats"},
     {"moekit.reference"},
     {"moekit.metrics", "moekit.gate"},

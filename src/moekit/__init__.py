@@ -8,6 +8,7 @@ nothing in the runtime imports it.
 """
 
 from . import formats, layouts, presets, reference
+from ._invariant import batch_invariant, set_batch_invariant
 from .experts import ExpertsLoRA, backends, batched_experts, fused_experts
 from .experts.backends import explain, select_backend
 from .gate import set_verification
@@ -18,7 +19,8 @@ from .routing import GateLinear, RouterLoRA, fused_router, route, router_gemm
 __version__ = "0.1.0"
 
 __all__ = [
-    "ExpertsLoRA", "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "backends", "batched_experts", "explain", "formats",
-    "fused_experts", "fused_router", "layouts", "select_backend", "set_verification",
+    "ExpertsLoRA", "FusedMoE", "GateLinear", "MoESpec", "RouterLoRA", "backends", "batch_invariant", "batched_experts",
+    "explain", "formats",
+    "fused_experts", "fused_router", "layouts", "select_backend", "set_batch_invariant", "set_verification",
     "presets", "reference", "route", "router_gemm",
 ]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _invariant
 from . import presets as _presets
 from ._checks import check_shape, check_tensor
 from .experts import ExpertsLoRA, check_act_quant, fused_experts
@@ -235,9 +236,20 @@ class FusedMoE(nn.Module):
                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map,
                             act_quant=self.act_quant, lora=lora, lora_ids=lora_ids)
         if self.shared_w13 is not None:
-            gate, up = F.linear(x2, self.shared_w13).float().chunk(2, dim=-1)
-            out = out + F.linear((F.silu(gate) * up).to(x2.dtype), self.shared_w2)
+            out = out + self._shared_expert(x2)
         return out.view(x.shape)
+
+    def _shared_expert(self, x2: torch.Tensor) -> torch.Tensor:
+        """The shared expert on x2 [T, H] -> [T, H] in x2's dtype. In batch-invariant mode it runs as a one-expert
+        fused_experts call (cuBLAS and CPU BLAS choose their kernels by the token count; the experts' kernels fix
+        their order per shape)."""
+        if _invariant.enabled():
+            T = x2.shape[0]
+            ones = torch.ones(T, 1, dtype=torch.float32, device=x2.device)
+            first = torch.zeros(T, 1, dtype=torch.int32, device=x2.device)
+            return fused_experts(x2, self.shared_w13.unsqueeze(0), self.shared_w2.unsqueeze(0), ones, first)
+        gate, up = F.linear(x2, self.shared_w13).float().chunk(2, dim=-1)
+        return F.linear((F.silu(gate) * up).to(x2.dtype), self.shared_w2)
 
     def _check_input(self, x) -> None:
         """x [..., H] of the layer's dtype; an expert_map of one entry per expert of the router (E)."""

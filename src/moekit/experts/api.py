@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from .. import gate
+from .. import _invariant, gate
 from .._checks import check_out, check_shape, check_tensor, tensor_version
 from ..formats import format_of
 from ..presets import ACTIVATIONS
@@ -169,6 +169,9 @@ def check_act_quant(act_quant, hidden: int | None = None, inter: int | None = No
     """``act_quant`` is one of ACT_QUANTS (and, given the sizes, fits them)."""
     if act_quant not in ACT_QUANTS:
         raise ValueError(f"act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
+    if act_quant == "nvfp4" and _invariant.enabled():
+        raise ValueError(_invariant.refusal("act_quant='nvfp4'", "its global activation scale comes from the amax of "
+                                            "every token routed to an expert"))
     if act_quant == "nvfp4" and hidden is not None and (hidden % 16 or inter % 16):
         raise ValueError(f"act_quant='nvfp4' needs H and I multiples of 16 (NVFP4 blocks), got H={hidden}, I={inter}")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _triton, gate
+from .. import _invariant, _triton, gate
 from ..formats import FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of
 from . import gate_case, torch_backend
 
@@ -182,8 +182,8 @@ def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
     if torch.compiler.is_compiling():
         return _select_auto(call)
     # The answer depends only on the call's kind, the candidates, the gate and the interpreter switch: once per
-    # kind, not per call (eager host time).
-    key = (call, BACKENDS, gate.generation(), _triton.interpreting())
+    # kind, not per call (eager host time). Batch-invariant mode changes what the gate checks.
+    key = (call, BACKENDS, gate.generation(), _triton.interpreting(), _invariant.enabled())
     chosen = _SELECTED.get(key)
     if chosen is None:
         chosen = _select_auto(call)

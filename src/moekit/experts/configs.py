@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 
 import torch
 
+from .. import _invariant
 from ..formats import WEIGHT_FORMATS, recipe_format
+from ..formats import fp8 as fp8_format
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TABLE_FILE = "tuned_configs.json"
 PER_PAIR_MAX_TOKENS = 2  # heuristic: the per-pair decode mode up to this many tokens
 FOUR_BIT_GEMV_MAX_TOKENS = 16  # heuristic: 4-bit weights on the CUDA-core decode kernels up to here
+FOUR_BIT_MIN_BLOCK_K = 32  # a K tile must hold whole scale groups (32 for MXFP4, 16 for NVFP4)
+FOUR_BIT_TILE_BUDGET = 16384  # dequantized weight elements per K step for 4 warps (16-bit, in MMA registers)
+FP8_BLOCK_K = fp8_format.BLOCK  # FP8 activations: one 1x128 group per K step, each step promoted with its scale
 
 
 def _check_pow2(name: str, value) -> None:
@@ -69,6 +74,16 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name}: expected an int >= 1, got {value!r}")
         if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):
             raise ValueError(f"GemmConfig.slots: expected None, 0 or a power of two, got {self.slots}")
+
+
+def four_bit_block_k(cfg: GemmConfig, tiles: int = 1) -> int:
+    """The K step a tensor-core GEMM on 4-bit weights runs for ``cfg``: whole scale groups, and the dequantized
+    16-bit values of ``tiles`` weight tiles per step within the registers of its warps (tests/sm90_compile.py shows
+    spills past this)."""
+    block_k = max(cfg.block_k, FOUR_BIT_MIN_BLOCK_K)
+    while block_k > FOUR_BIT_MIN_BLOCK_K and tiles * cfg.block_n * block_k > FOUR_BIT_TILE_BUDGET * cfg.num_warps // 4:
+        block_k //= 2
+    return block_k
 
 
 MODES = ("aligned", "per_pair", "gemv")
@@ -267,6 +282,92 @@ def nearest_tuned_bucket(bucket: int, tuned: list[int]) -> int | None:
 def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
            dtype: torch.dtype, weight_format: str = "dense") -> tuple[ExpertsConfig, str]:
     """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens, with
-    activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4")."""
-    return _choose(table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens, num_experts,
+    activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4"); in batch-invariant
+    mode (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
+    chooser = _invariant_choose if _invariant.enabled() else _choose
+    return chooser(table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens, num_experts,
                    top_k, n1, k1, weight_format)
+
+
+# Batch-invariant configurations. A token's bits depend on the order in which each GEMM adds its K terms and on
+# how the k slots are combined. The aligned mode fixes the second (each slot's weighted output rounded to x's
+# dtype, then the slots summed in order) at every T, while the decode modes sum slots inside GEMM2, and "gemv"
+# also sums each K chunk across the CUDA cores' lanes: so only "aligned" serves, at every T. Inside it the order
+# is the sequence of K steps, each one tensor-core product (its K terms in the MMA's fixed order, whatever the
+# tile's rows or columns), so BLOCK_K is fixed per shape class while BLOCK_M, BLOCK_N, warps, stages and the
+# program order follow the token count as in the default mode. Half-height tail blocks are off (a block's row
+# count would change with its neighbours), and an FP8 GEMM2 keeps columns within one 128-row weight block (one
+# scale per tile, which the kernel multiplies in another order than per-column scales).
+INVARIANT_MAX_STAGES = 6  # a K step shorter than the tuned one gets more stages (same bytes in flight), up to this
+FOUR_BIT = ("mxfp4", "nvfp4")
+
+
+def _first_aligned_tokens(weight_format: str) -> int:
+    """The smallest T at which the heuristic takes the aligned mode: its tiles for a few rows per expert."""
+    return FOUR_BIT_GEMV_MAX_TOKENS + 1 if weight_format in FOUR_BIT else PER_PAIR_MAX_TOKENS + 1
+
+
+def _effective_block_k(cfg: GemmConfig, weight_format: str, tiles: int) -> int:
+    """The K step the kernels run for ``cfg`` (experts/triton_backend.py WeightOperand.config)."""
+    if weight_format in ("fp8", "w4a8"):
+        return FP8_BLOCK_K
+    if weight_format in FOUR_BIT:
+        return four_bit_block_k(cfg, tiles)
+    return cfg.block_k
+
+
+def _reduction_steps(key: str, shape: str, num_experts: int, n1: int, k1: int,
+                     weight_format: str) -> tuple[int, int, str]:
+    """(GEMM1's K step, GEMM2's K step, where they come from) of a shape class: those of its prefill configuration
+    (the largest tuned bucket, else the heuristic at many rows per expert), where the GEMMs are compute-bound and
+    their tiles matter most; decode sizes are bandwidth-bound and keep their bytes in flight with more stages."""
+    cfg, source = _choose(key, shape, TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format)
+    if cfg.mode != "aligned":
+        cfg = heuristic(TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format)
+        source = "heuristic at many rows per expert"
+    return _effective_block_k(cfg.gemm1, weight_format, 2), _effective_block_k(cfg.gemm2, weight_format, 1), source
+
+
+def _with_block_k(g: GemmConfig, block_k: int, weight_format: str, tiles: int) -> GemmConfig:
+    """``g`` running K steps of ``block_k``: stages scaled so that the bytes in flight stay those of ``g``; 4-bit
+    tiles narrowed until the step fits the registers (four_bit_block_k keeps it); FP8 columns within one 128-row
+    weight block."""
+    if weight_format in ("fp8", "w4a8"):  # the kernels' own FP8 tiles (128-deep, GEMM1 128 wide) fill the stages
+        stages = g.num_stages if g.block_k == block_k else min(g.num_stages, 4)
+    else:
+        stages = max(2, min(INVARIANT_MAX_STAGES, g.num_stages * g.block_k // block_k))
+    g = replace(g, block_k=block_k, num_stages=stages, half_tails=False,
+                slots=None, packed=None)
+    if weight_format in FOUR_BIT:
+        while g.block_n > 16 and four_bit_block_k(g, tiles) < block_k:
+            g = replace(g, block_n=g.block_n // 2)
+    if weight_format in ("fp8", "w4a8") and g.block_n > FP8_BLOCK_K:
+        g = replace(g, block_n=FP8_BLOCK_K)
+    return g
+
+
+@functools.lru_cache(maxsize=4096)
+def _invariant_choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
+                      weight_format: str):
+    bk1, bk2, steps_source = _reduction_steps(key, shape, num_experts, n1, k1, weight_format)
+    cfg, source = _choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+    if cfg.mode != "aligned":
+        tokens = max(num_tokens, _first_aligned_tokens(weight_format))
+        default_mode = cfg.mode
+        cfg = heuristic(tokens, num_experts, top_k, n1, k1, weight_format)
+        source = f"the heuristic's aligned tiles at T={tokens} (the default's {default_mode!r} mode sums in another order)"
+        if cfg.mode != "aligned":  # no aligned regime of the heuristic at this few rows per expert
+            cfg = ExpertsConfig(16, GemmConfig(block_n=64, block_k=bk1, num_warps=4, num_stages=4),
+                                GemmConfig(block_n=64, block_k=bk2, num_warps=4, num_stages=4))
+            source = "16-row aligned tiles"
+    cfg = ExpertsConfig(cfg.block_m, _with_block_k(cfg.gemm1, bk1, weight_format, 2),
+                        _with_block_k(cfg.gemm2, bk2, weight_format, 1))
+    return cfg, (f"batch-invariant: aligned mode, K steps {bk1} (GEMM1) and {bk2} (GEMM2) at every T for {shape} "
+                 f"(from {steps_source}); tiles from {source}")
+
+
+def invariant_choice(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
+                     dtype: torch.dtype, weight_format: str = "dense") -> tuple[ExpertsConfig, str]:
+    """(config, why) that batch-invariant mode runs, whether or not the mode is on (for explain and tests)."""
+    return _invariant_choose(table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens,
+                             num_experts, top_k, n1, k1, weight_format)

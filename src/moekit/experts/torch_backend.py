@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _invariant
 from ..formats import expert, fp8, nvfp4
 from ..reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 from .lora import torch_term
@@ -41,6 +42,11 @@ def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 _ROUND_ACTIVATIONS = {"nvfp4": _nvfp4_rows, "fp8_group": _fp8_rows}
 
 
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [n, K] @ b [K, N] in fp32; in batch-invariant mode in fixed-shape pieces (moekit._invariant.rows_matmul)."""
+    return _invariant.rows_matmul(a, b) if _invariant.enabled() else a @ b
+
+
 def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None, lora=None, adapters=None):
     """Expert ``e`` of stacked weights (and optional stacked biases) on fp32 rows, in fp32; with
     ``act_quant`` both GEMM inputs are rounded as that format's kernels see them, over ``rows``. ``lora``
@@ -48,7 +54,7 @@ def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows
     if act_quant:
         x32 = _ROUND_ACTIVATIONS[act_quant](x32, rows)
     # Quantized stacks are dequantized one expert at a time: kimi-k2's whole stack in fp32 is 68 GB.
-    h = x32 @ expert(w13, e).float().T
+    h = _matmul(x32, expert(w13, e).float().T)
     if w13_bias is not None:
         h = h + w13_bias[e].float()
     if lora is not None and lora.w13_a is not None:
@@ -56,7 +62,7 @@ def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows
     a = _activate(h, activation)
     if act_quant:
         a = _ROUND_ACTIVATIONS[act_quant](a, rows)
-    y = a @ expert(w2, e).float().T
+    y = _matmul(a, expert(w2, e).float().T)
     if lora is not None and lora.w2_a is not None:
         y = y + torch_term(lora, "w2", e, a, adapters)
     return y if w2_bias is None else y + w2_bias[e].float()

@@ -73,8 +73,7 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor):
 FORMAT_IDS = {name: getattr(moe_gemm, name.upper()).value  # the kernels' weight formats
               for name in ("dense", "mxfp4", "nvfp4", "fp8", "fp8_emulated", "w4a8", "w4a8_emulated")}
 FP8_GROUP = moe_gemm.FP8_GROUP.value  # activation groups and weight blocks along K
-FOUR_BIT_MIN_BLOCK_K = 32  # a K tile must hold whole scale groups (32 for MXFP4, 16 for NVFP4)
-FOUR_BIT_TILE_BUDGET = 16384  # dequantized weight elements per K step for 4 warps (16-bit, in MMA registers)
+FOUR_BIT_MIN_BLOCK_K = expert_configs.FOUR_BIT_MIN_BLOCK_K
 
 
 @dataclass(frozen=True)
@@ -173,10 +172,7 @@ class WeightOperand:
             return cfg
         if self.format == "fp8" or self.fp8_act:  # one activation group per K step; GEMM1 quantizes one group per row
             return replace(cfg, block_k=FP8_GROUP, block_n=FP8_GROUP if tiles == 2 else cfg.block_n)
-        block_k = max(cfg.block_k, FOUR_BIT_MIN_BLOCK_K)
-        while block_k > FOUR_BIT_MIN_BLOCK_K and tiles * cfg.block_n * block_k > FOUR_BIT_TILE_BUDGET * cfg.num_warps // 4:
-            block_k //= 2
-        return replace(cfg, block_k=block_k)
+        return replace(cfg, block_k=expert_configs.four_bit_block_k(cfg, tiles))
 
 
 # CUDA-core GEMM2 formats that by default (GemmConfig.slots unset) run a token's slots as one loop

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import _triton
+from .. import _invariant, _triton
 from .._checks import check_out, check_shape, check_tensor
 from . import gate_case
 from . import tiers as router_tiers
@@ -162,12 +162,15 @@ def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> None:
 
 
 def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
+    # Batch-invariant mode: matmuls of a fixed row count (a CPU BLAS changes a row's order of terms with the call's
+    # shape).
+    mm = _invariant.rows_matmul if _invariant.enabled() else torch.matmul
     x32 = args.x.float()
-    logits = x32 @ args.weight.float().T
+    logits = mm(x32, args.weight.float().T)
     if args.bias is not None:
         logits += args.bias.float()
     if args.lora is not None:
-        logits += args.lora.scale * ((x32 @ args.lora.a.float().T) @ args.lora.b.float().T)
+        logits += args.lora.scale * mm(mm(x32, args.lora.a.float().T), args.lora.b.float().T)
     out2.copy_(logits)
 
 

@@ -14,7 +14,7 @@ from importlib import resources
 
 import torch
 
-from .. import _triton
+from .. import _invariant, _triton
 
 TIERS = ("triton", "cublas", "torch")
 FUSED_MAX_TOKENS = 128
@@ -89,6 +89,8 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
     """The tier that serves a router GEMM of ``num_tokens`` x [E=num_experts, H=hidden]."""
     if tier not in ("auto",) + TIERS:
         raise ValueError(f"tier must be 'auto' or one of {TIERS}, got {tier!r}")
+    if tier == "cublas" and _invariant.enabled():
+        raise ValueError(_invariant.refusal("tier='cublas'", "cuBLAS picks its kernel and K split by the token count"))
     if tier != "auto":
         if tier == "cublas" and device.type != "cuda":
             raise ValueError(f"tier='cublas' needs a CUDA device, got {device}")
@@ -96,7 +98,16 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
             raise ValueError(f"tier='triton' needs a CUDA device or TRITON_INTERPRET=1, got {device}")
         return TierChoice(tier, "requested explicitly")
     if device.type != "cuda":
+        if _invariant.enabled():
+            return TierChoice("torch", f"device {device.type}: torch in fp32, batch-invariant: matmuls of "
+                                       f"{_invariant.ROWS_PER_MATMUL} rows at every T")
         return TierChoice("torch", f"device {device.type}: plain torch in fp32")
+    if _invariant.enabled():
+        if not _triton.triton_importable():
+            raise ValueError(_invariant.refusal("the router GEMM without Triton", "cuBLAS, the only other GPU tier, "
+                                                "picks its kernel by the token count"))
+        return TierChoice("triton", f"batch-invariant: the Triton kernel at every T ({INVARIANT_BLOCK_K}-deep K "
+                                    "steps on tensor cores, no K split)")
     if not _triton.triton_importable():
         return TierChoice("cublas", "triton is not installed")
     limit, source = crossover_tokens(device, hidden, num_experts)
@@ -105,10 +116,37 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
     return TierChoice("cublas", f"T={num_tokens} > {limit}: cuBLAS with fp32 output ({source})")
 
 
-@functools.lru_cache(maxsize=4096)
 def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
                   num_sms: int = 132) -> RouterKernelConfig:
-    """Heuristic launch shape: about two programs per SM, bounded registers and partial sums."""
+    """Heuristic launch shape: about two programs per SM, bounded registers and partial sums; in batch-invariant
+    mode :func:`invariant_kernel_config`'s."""
+    chooser = invariant_kernel_config if _invariant.enabled() else _kernel_config
+    return chooser(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms)
+
+
+# Batch-invariant router GEMM: a logit's bits depend on the order of its K terms. The default shape changes it with
+# T (fp32 FMAs over one or two tokens, tensor-core tiles above; K splits, summed by the last program, sized for
+# about two programs per SM): under the switch every T takes tensor-core tiles with one K split, each K step one
+# product of INVARIANT_BLOCK_K terms in the MMA's fixed order, so only the tile's rows and columns (which never
+# change a term's order) follow T. The finishing step, where LoRA or routing needs it, takes one token at a time:
+# its LoRA sum and routing reductions then run on the same tile shape at every T.
+INVARIANT_BLOCK_K = 128
+
+
+@functools.lru_cache(maxsize=4096)
+def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
+                            num_sms: int = 132) -> RouterKernelConfig:
+    """The launch shape of batch-invariant mode: 16-token tiles up to 256 tokens (16-row blocks for up to 16), 64
+    above, INVARIANT_BLOCK_K-deep K steps, one K split, one token per finishing step."""
+    block_t = 16 if num_tokens <= 256 else 64
+    block_r = 16 if num_tokens <= 16 else 32
+    return launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
+                         INVARIANT_BLOCK_K, splits=1, fin_t=1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
+                   num_sms: int = 132) -> RouterKernelConfig:
     if num_tokens <= GEMV_MAX_TOKENS:
         block_t, block_r = _triton.next_pow2(num_tokens), 16
         block_k = 8192 // (block_t * block_r)  # the GEMV path's fp32 product tile: 8192 elements
@@ -124,10 +162,11 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
 
 def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool, num_sms: int,
                   block_t: int, block_r: int, block_k: int, num_warps: int = 4,
-                  programs_per_sm: int = 2, splits: int | None = None, num_stages: int = 3) -> RouterKernelConfig:
+                  programs_per_sm: int = 2, splits: int | None = None, num_stages: int = 3,
+                  fin_t: int | None = None) -> RouterKernelConfig:
     """The launch shape for one GEMM tile: K splits for about ``programs_per_sm`` programs per SM
-    (or ``splits``, for measuring), the finishing step's token groups and finishers within their
-    register budgets."""
+    (or ``splits``, for measuring), the finishing step's token groups (``fin_t`` tokens each, when given) and
+    finishers within their register budgets."""
     e_pad = _triton.next_pow2(num_experts)
     r_pad = _triton.next_pow2(rank) if rank else 1
     # The finishing program holds a [fin_t, E_PAD] logits tile (routing: several siblings of it),
@@ -137,8 +176,10 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     lora_budget = 2048 if fuse_topk else 4096
     fin_t_max = min(tile_budget // e_pad, lora_budget // (r_pad * e_pad))
     shared_finish = block_t >= 16  # the GEMV blocks hold one or two tokens: one finisher is enough
-    fin_t = _prev_pow2(max(1, min(block_t, _triton.next_pow2(num_tokens), fin_t_max,
-                                  FINISH_TOKENS[fuse_topk] if shared_finish else block_t)))
+    fixed_fin_t = fin_t
+    if fin_t is None:
+        fin_t = _prev_pow2(max(1, min(block_t, _triton.next_pow2(num_tokens), fin_t_max,
+                                      FINISH_TOKENS[fuse_topk] if shared_finish else block_t)))
     # It also reads every split's partial sums alone, so keep them to ~64 KB per token block.
     max_splits = max(2, 16384 // (min(num_tokens, block_t) * e_pad))
     row_blocks = _triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)
@@ -155,7 +196,7 @@ def launch_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
     if shared_finish:
         block_tokens = min(block_t, num_tokens)
         cap = max(1, min(row_blocks * splits, num_sms // t_blocks))
-        if _triton.cdiv(block_tokens, fin_t) > cap:
+        if _triton.cdiv(block_tokens, fin_t) > cap and fixed_fin_t is None:
             # Fewer finishers than token groups: take larger groups (within the register budgets)
             # rather than loop, since each group's step waits on L2 (H200 tile sweep: T=4096 with
             # 64-token blocks had 2 finishers looping 8 times; benchmarks/results/archive/router_tiles_2026-12-03.txt, 2026-12-03).
@@ -179,8 +220,8 @@ def fused_limit(device: torch.device, hidden: int, num_experts: int) -> tuple[in
 
 def fused_applies(num_tokens: int, device: torch.device, hidden: int, num_experts: int) -> bool:
     """fused_router(impl="auto") uses its single-launch kernel (else it runs router_gemm + route)."""
-    if device.type != "cuda" or not _triton.triton_importable():
-        return False
+    if device.type != "cuda" or not _triton.triton_importable() or _invariant.enabled():
+        return False  # batch-invariant: one path at every T (the fused kernel serves up to FUSED_MAX_TOKENS only)
     return num_tokens <= fused_limit(device, hidden, num_experts)[0]
 
 
@@ -192,7 +233,11 @@ def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device
     """One line per op: which tier serves a router call of this shape and why."""
     device = torch.device(device)
     gemm = choose_tier(num_tokens, hidden, num_experts, device)
-    if fused_applies(num_tokens, device, hidden, num_experts):
+    if _invariant.enabled():
+        fused = (f"router_gemm ({gemm.tier}) + routing kernel at every T: batch-invariant mode (the one-launch "
+                 f"kernel serves T <= {FUSED_MAX_TOKENS} only)" if device.type == "cuda"
+                 else f"router_gemm ({gemm.tier}) + route on {device.type}")
+    elif fused_applies(num_tokens, device, hidden, num_experts):
         limit, source = fused_limit(device, hidden, num_experts)
         fused = f"one Triton launch (GEMM + bias + top-k): T={num_tokens} <= {limit} ({source})"
     elif device.type == "cuda":
