@@ -212,7 +212,9 @@ def explain(call: ExpertsCall, backend: str = "auto") -> str:
     chosen = select_backend(call, backend).name
     act = str(call.act_dtype).removeprefix("torch.") + (f" rounded to {call.act_quant}" if call.act_quant else "")
     lines = [f"experts call: {call.weight_format} weights, {act} activations{', LoRA' if call.lora else ''}, "
-             f"{call.device}, T={call.num_tokens}, backend={backend!r}"]
+             f"{call.device}, T={call.num_tokens}, backend={backend!r}"
+             + (", batch-invariant mode (aligned kernels, one K step per shape at every T)" if _invariant.enabled()
+                else "")]
     taken = False
     for b in BACKENDS:
         if taken:

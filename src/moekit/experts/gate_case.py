@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import gate, reference
+from .. import _invariant, gate, reference
 from ..formats import FP8_ACTIVATION_FORMATS, dequantize, quantize_experts
 from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
 from .lora import ExpertsLoRA
@@ -31,7 +31,8 @@ def known_failure(backend, call) -> str | None:
 
 
 def _key(backend, call) -> tuple:
-    return (backend.name, call.shape_class())
+    # batch-invariant mode adds the invariance check: its verdicts are kept apart
+    return (backend.name, (call.shape_class(), "batch-invariant") if _invariant.enabled() else call.shape_class())
 
 
 def _describe(call) -> str:
@@ -117,7 +118,75 @@ def check(backend, call) -> tuple[bool, str]:
     max_rel, rms_rel = rel_errors(got, ref)
     tol = W8A8_TOL if w8a8 else EXPERTS_TOL[dt]
     detail = f"max_rel={max_rel:.2e} rms_rel={rms_rel:.2e} (budget {tol.max_rel:.0e}/{tol.rms_rel:.0e})"
-    return max_rel <= tol.max_rel and rms_rel <= tol.rms_rel, detail
+    accurate = max_rel <= tol.max_rel and rms_rel <= tol.rms_rel
+    if not accurate or not _invariant.enabled() or call.lora:
+        return accurate, detail
+    try:
+        mismatch = invariance(backend, call, w13, w2, b13, b2, gen)
+    except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
+        return False, f"invariance check raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    if mismatch:
+        return False, f"{detail}; not batch-invariant: {mismatch}"
+    return True, f"{detail}; batch-invariant at T in {GATE_SIZES}"
+
+
+GATE_SIZES = (1, 7, 64, 129)  # the check case's row blocks change height at 37 and 109 tokens (k=2 of 6 experts)
+
+
+def invariance(backend, call, w13, w2, b13, b2, gen, sizes=GATE_SIZES) -> str | None:
+    """None when ``backend`` gives a token the same bits alone and among others (:mod:`moekit._invariant`), else
+    where it did not: the standard format in batches of ``sizes`` at three positions; the batched format in slabs
+    of those heights, and its rows against the standard format's (one slot of weight 1)."""
+    E, H = w13.shape[0], w13.shape[2]
+    dev, dt = call.device, call.act_dtype
+    act, aq = call.activation, call.act_quant
+
+    def fused(x, tw, ids):
+        out = torch.empty(x.shape, dtype=dt, device=dev)
+        backend.fused(out, x, w13, w2, tw, ids, act, b13, b2, None, None, aq)
+        return out
+
+    def batched(x, counts):
+        out = torch.zeros(x.shape, dtype=dt, device=dev)
+        backend.batched(out, x, counts, w13, w2, act, b13, b2, None, aq)
+        return out
+
+    if call.op == "fused":
+        def tokens(n):
+            ids = torch.stack([torch.randperm(E - 1, generator=gen)[:2] for _ in range(n)]).to(dev, torch.int32)
+            return dict(x=torch.randn(n, H, generator=gen).to(dev, dt), tw=torch.rand(n, 2, generator=gen).to(dev),
+                        ids=ids)
+
+        return _invariant.token_mismatch(lambda b: fused(b["x"], b["tw"], b["ids"]), tokens(1), tokens(max(sizes)),
+                                         sizes)
+    return batched_mismatch(batched, fused, E, H, dt, dev, gen, sizes)
+
+
+def batched_mismatch(batched, fused, E: int, H: int, dtype, device, gen, sizes) -> str | None:
+    """The batched format's invariance: a row x [H] of expert E - 1 alone (a slab of one row, the other experts
+    empty) against the same row first, in the middle and last of slabs of each height in ``sizes`` beside full and
+    partly filled slabs of the other experts, and against ``fused`` with the row as a token of one slot (expert
+    E - 1, weight 1). ``batched(x [E, M, H], counts int32 [E]) -> [E, M, H]``, ``fused(x [T, H], weights fp32
+    [T, 1], ids int32 [T, 1]) -> [T, H]``."""
+    e = E - 1
+    row = torch.randn(1, H, generator=gen).to(device, dtype)
+    alone_x = torch.zeros(E, 1, H, dtype=dtype, device=device)
+    alone_x[e] = row
+    alone = batched(alone_x, torch.tensor([0] * e + [1], dtype=torch.int32, device=device))[e, 0]
+
+    def cases():
+        one = torch.ones(1, 1, device=device)
+        yield "the standard format", fused(row, one, torch.full((1, 1), e, dtype=torch.int32, device=device))[0]
+        for m in sizes:
+            x = torch.randn(E, m, H, generator=gen).to(device, dtype)
+            counts = torch.randint(0, m + 1, (E,), generator=gen).to(device, torch.int32)
+            counts[e] = m
+            for pos in sorted({0, m // 2, m - 1}):
+                xp = x.clone()
+                xp[e, pos] = row[0]
+                yield f"slabs of M={m}, row {pos}", batched(xp, counts)[e, pos]
+
+    return _invariant.first_mismatch(alone, cases())
 
 
 def _w8a8_one_expert(rows, w13, w2, e, activation, b13, b2, lora=None, lora_ids=None) -> torch.Tensor:

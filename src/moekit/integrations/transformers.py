@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .. import layouts
+from .. import _invariant, layouts
 from ..layer import FusedMoE
 from ..presets import MoESpec
 from .transformers_experts import NAME, experts_forward, forget, register
@@ -32,9 +32,11 @@ __all__ = ["NAME", "MoekitBlock", "PatchReport", "experts_forward", "forget", "p
 class PatchReport:
     replaced: list[tuple[str, str]] = field(default_factory=list)      # (module path, original class)
     left_alone: list[tuple[str, str]] = field(default_factory=list)    # (module path, why)
+    batch_invariant: bool = False  # patch() turned moekit's batch-invariant mode on
 
     def __str__(self) -> str:
-        lines = [f"replaced {len(self.replaced)} MoE block(s) with moekit layers"]
+        lines = [f"replaced {len(self.replaced)} MoE block(s) with moekit layers"
+                 + (", batch-invariant mode on (process-wide)" if self.batch_invariant else "")]
         lines += [f"  {path}: {cls} -> MoekitBlock" for path, cls in self.replaced]
         lines += [f"  {path}: left alone ({why})" for path, why in self.left_alone]
         return "\n".join(lines)
@@ -134,12 +136,20 @@ def _check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
 
 
-def patch(model: nn.Module, *, dtype: torch.dtype | None = None) -> PatchReport:
-    """Replace every supported MoE block of ``model`` in place; returns what was done and why."""
+def patch(model: nn.Module, *, dtype: torch.dtype | None = None, batch_invariant: bool = False) -> PatchReport:
+    """Replace every supported MoE block of ``model`` in place; returns what was done and why.
+
+    ``batch_invariant=True`` also turns on moekit's batch-invariant mode (:func:`moekit.set_batch_invariant`, for
+    the whole process): the patched blocks then give each token bits independent of its batch. The model's other
+    layers (attention, norms, the LM head) are transformers' own and need their own switch."""
     _check_model(model)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
-    report = PatchReport()
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant:
+        _invariant.set_batch_invariant(True)
+    report = PatchReport(batch_invariant=batch_invariant)
     cfg = getattr(model, "config", None)
     for path, module in list(model.named_modules()):
         cls = type(module).__name__

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from .. import gate, reference
+from .. import _invariant, gate, reference
 from ..metrics import LOGITS_TOL, WEIGHT_TOL, CheckResult, score_routes, score_values, separable_tokens
 from . import tiers as router_tiers
 
@@ -57,16 +57,35 @@ def gemm_refusal(num_tokens: int, weight, bias, lora, out_dtype, router_gemm) ->
     E, H = weight.shape
     T = _regime_tokens(num_tokens)
     rank = 0 if lora is None else lora.a.shape[0]
-    key = ("router_gemm:triton", H, E, weight.dtype, bias is not None and bias.dtype, rank, out_dtype, weight.device, T)
+    invariant = _invariant.enabled()
+    key = ("router_gemm:triton", H, E, weight.dtype, bias is not None and bias.dtype, rank, out_dtype, weight.device,
+           *(("batch-invariant",) if invariant else ()), T)  # the mode adds the invariance check
     describe = f"router GEMM H={H} E={E} {weight.dtype}, T~{T}, bias={bias is not None}, LoRA rank {rank}"
 
     def run():
-        x, w, b, lr = _inputs(torch.Generator().manual_seed(4321), T, weight, bias, lora)
+        gen = torch.Generator().manual_seed(4321)
+        x, w, b, lr = _inputs(gen, T, weight, bias, lora)
         out = torch.full((T, E), float("nan"), dtype=out_dtype, device=weight.device)
         got = router_gemm(x, w, b, out_dtype=out_dtype, out=out, lora=lr, tier="triton")
-        return _values_verdict(got, _logits64(x, w, b, lr), got is out)
+        verdict = _values_verdict(got, _logits64(x, w, b, lr), got is out)
+        if not verdict[0] or not invariant:
+            return verdict
+        return _with_invariance(verdict, lambda t: router_gemm(t["x"], w, b, out_dtype=out_dtype, lora=lr,
+                                                                tier="triton"),
+                                lambda n: {"x": _rand(gen, n, H, device=weight.device, dtype=weight.dtype)})
 
     return gate.verdict(key, "triton router GEMM", describe, run)
+
+
+INVARIANCE_SIZES = _invariant.SIZES  # the router's checks run at the call's real H and E: every size is cheap
+
+
+def _with_invariance(verdict: tuple[bool, str], run, tokens) -> tuple[bool, str]:
+    """``verdict`` with batch invariance (moekit._invariant.token_mismatch) of ``run`` on ``tokens(n)`` added."""
+    mismatch = _invariant.token_mismatch(run, tokens(1), tokens(max(INVARIANCE_SIZES)), INVARIANCE_SIZES)
+    if mismatch:
+        return False, f"{verdict[1]}; not batch-invariant: {mismatch}"
+    return verdict[0], f"{verdict[1]}; batch-invariant at T in {INVARIANCE_SIZES}"
 
 
 def _values_verdict(got, ref, in_place: bool) -> tuple[bool, str]:
@@ -129,7 +148,9 @@ def route_refusal(logits: torch.Tensor, corr_bias, opts, route_with) -> str | No
     if not gate.active():
         return None
     E = logits.shape[-1]
-    key = ("route:triton", E, logits.dtype, corr_bias is not None, opts, logits.device)
+    invariant = _invariant.enabled()
+    key = ("route:triton", E, logits.dtype, corr_bias is not None, opts, logits.device,
+           *(("batch-invariant",) if invariant else ()))
     describe = f"routing E={E} {opts.method} k={opts.top_k}"
 
     def run():
@@ -137,6 +158,10 @@ def route_refusal(logits: torch.Tensor, corr_bias, opts, route_with) -> str | No
         lg = _near_ties(_rand(gen, 33, E, device=logits.device, dtype=logits.dtype), opts.top_k)
         corr = None if corr_bias is None else _rand(gen, E, device=logits.device, scale=0.1).abs()
         tw, tid = route_with(lg, opts, corr, impl="triton")
-        return _routes_verdict(tw, tid, lg.to(torch.float64), opts, corr)
+        verdict = _routes_verdict(tw, tid, lg.to(torch.float64), opts, corr)
+        if not verdict[0] or not invariant:
+            return verdict
+        return _with_invariance(verdict, lambda t: route_with(t["logits"], opts, corr, impl="triton"),
+                                lambda n: {"logits": _rand(gen, n, E, device=logits.device, dtype=logits.dtype)})
 
     return gate.verdict(key, "triton routing", describe, run)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import _triton, presets
+from .. import _invariant, _triton, presets
 from ..experts import backends, configs as expert_configs
 from ..formats import recipe_format
 from ..routing import tiers as router_tiers
@@ -55,6 +55,11 @@ def cmd_explain(args) -> int:
                    for name in names}
     except ValueError as exc:
         return _argtypes.fail("moekit explain", str(exc))
+    if args.batch_invariant:
+        _invariant.set_batch_invariant(True)
+    print(f"batch-invariant mode: {'on' if _invariant.enabled() else 'off'}" + (
+        " (each token's bits independent of its batch: the kernels below fix one reduction order per shape)"
+        if _invariant.enabled() else f" ({_invariant.ENV}=1 or --batch-invariant turns it on)"))
     for name, recipe in recipes.items():
         spec = presets.get(name)
         for T in args.tokens:
@@ -88,7 +93,11 @@ def cmd_verify(args) -> int:
     tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
     # The interpreter computes bf16 dots wrongly: CPU runs check the kernels in fp16.
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float16)
+    if args.batch_invariant:  # children inherit the environment
+        os.environ[_invariant.ENV] = "1"
     impls = implementations(device)
+    if _invariant.enabled():  # cuBLAS is refused in the mode: the router runs the Triton kernel or torch
+        impls = {op: [i for i in v if i != "cublas"] for op, v in impls.items()}
     if not on_gpu and dtype == torch.bfloat16:
         impls = {op: [i for i in v if i not in ("triton", "fused")] for op, v in impls.items()}
         if not args.backend:
@@ -108,7 +117,8 @@ def cmd_verify(args) -> int:
     console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: backends "
                   f"{', '.join(groups)} ({'each in its own process' if args.isolate else 'in this process'}), "
                   f"router and experts on {'real' if on_gpu else 'scaled-down'} presets, "
-                  f"dtype {str(dtype).replace('torch.', '')}")
+                  f"dtype {str(dtype).replace('torch.', '')}"
+                  + (", batch-invariant mode with bitwise invariance checks" if _invariant.enabled() else ""))
     start = time.time()
     passthrough = ["--preset", *names, "--tokens", *map(str, tokens)] + (["--dtype", args.dtype] if args.dtype else [])
     results = _run_groups(groups, names, tokens, console, lambda group, on_case: (
@@ -253,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--backend", help="check only this backend group (torch, triton, cublas, layer, or a plugin's)")
     v.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="run every group in this process (default: one child process per backend group)")
+    v.add_argument("--batch-invariant", action="store_true",
+                   help=f"run in batch-invariant mode ({_invariant.ENV}=1) and add its bitwise invariance checks: a "
+                        "token alone against the same token in batches of other tokens, at several positions")
     v.add_argument("--progress-lines", action="store_true", help=argparse.SUPPRESS)  # a child's reports
     v.set_defaults(func=cmd_verify)
     b = sub.add_parser("bench", help="time moekit's experts against the peers on this GPU (CUDA graphs)")
@@ -274,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--weights", default="bf16",
                    help="bf16 (default), 'native' (each preset's checkpoint format) or one of mxfp4, nvfp4, fp8_block, "
                         "fp8_channel")
+    e.add_argument("--batch-invariant", action="store_true", help="explain batch-invariant mode's choices")
     e.set_defaults(func=cmd_explain)
     sub.add_parser("presets", help="the table of model presets").set_defaults(func=cmd_presets)
     return p

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import torch
 
-from ... import presets
+from ... import _invariant, presets
 from ...metrics import CheckResult
+from . import invariance_checks
 from .experts_checks import check_experts, experts_backends
 from .router_checks import check_router
 
 ROUTER_GROUP = {"torch": "torch", "unfused": "torch", "triton": "triton", "fused": "triton", "cublas": "cublas"}
 LAYER_GROUP = "layer"  # the whole FusedMoE, served by whatever auto picks
+CPU_INVARIANCE_SIZES = (1, 2, 7, 33)  # the interpreter's batches (a GPU runs moekit._invariant.SIZES)
 PROGRESS = "moekit-verify-case"  # a child's line per finished case
 
 
@@ -60,12 +62,26 @@ def run_group(group: str, names: list[str], tokens: list[int], dtype: torch.dtyp
                 # largest token count only (the decode and the aligned kernels both).
                 low_bit = on_gpu or T in (min(tokens), max(tokens))
                 results += check_experts(spec, T, dtype, device, only=[group], with_layer=False, low_bit=low_bit)
+            if _invariant.enabled() and T == tokens[0]:  # batches of their own sizes: once per preset
+                results += invariance(group, spec, dtype, device, mine, on_gpu)
         except Exception as exc:  # a raising check fails that case; the group's other cases still run
             results.append(CheckResult("(case)", group, spec.name, T, float("inf"), float("inf"), 0.0, False,
                                        f"raised {type(exc).__name__}: {exc}"[:300]))
         if on_case is not None:
             on_case(name, T)
     return results
+
+
+def invariance(group: str, spec, dtype, device, router_impls: dict[str, list[str]], on_gpu: bool) -> list[CheckResult]:
+    """Batch-invariance rows of one group for one preset: its router implementations, its experts backend in every
+    format, or (the layer group) the whole FusedMoE."""
+    sizes = _invariant.SIZES if on_gpu else CPU_INVARIANCE_SIZES
+    if group == LAYER_GROUP:
+        return invariance_checks.layer_checks(spec, dtype, device, sizes)
+    rows = invariance_checks.router_checks(spec, dtype, device, router_impls, sizes)
+    if group in experts_backends(device, dtype):
+        rows += invariance_checks.experts_checks(spec, dtype, device, group, sizes)
+    return rows
 
 
 def report_case(name: str, tokens: int) -> None:
