@@ -53,6 +53,9 @@ LOOP_SPILLS_MEASURED = {
     # W4A8 GEMM1 at 128-row blocks on 16 warps (128 registers): 3737 us at T=4096 against 5194 for 64-row blocks
     # without spills (benchmarks/results/archive/w4a8_configs_2026-12-04.md, 2026-12-04)
     ("w4a8 gpt-oss-120b T=4096", "gemm1_act_kernel"),
+    # the same tile in batch-invariant mode (only its half tails off)
+    ("invariant mxfp4+w4a8 gpt-oss-120b T=4096", "gemm1_act_kernel"),
+    ("invariant mxfp4+w4a8 gpt-oss-120b T=16384", "gemm1_act_kernel"),
 }
 
 
@@ -235,12 +238,81 @@ def expert_variants():
                 lambda x=x, ids=ids, q13=q13, q2=q2, cfg=cfg: fused_experts(
                     x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton", config=cfg)
     yield from lora_variants()
+    yield from invariant_variants()
     spec = presets.get("mixtral-8x7b").scaled()
     w13, w2, _ = weights(spec, torch.float32)
     x = torch.empty(40, spec.hidden_size)
     emap = torch.zeros(2 * spec.num_experts, dtype=torch.int32)
     yield "experts fp32 (ieee dot), expert_map", lambda: fused_experts(
         x, w13, w2, torch.zeros(40, 2), torch.zeros(40, 2, dtype=torch.int32), expert_map=emap, backend="triton")
+
+
+SM90_MAX_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 KB): more fails at launch
+
+
+def invariant_variants():
+    """Batch-invariant mode's configurations (the H200 table's tiles with the shape's K step and stages scaled to
+    keep its bytes in flight) at the presets' shapes, T from decode to prefill; the router with one K split. Their
+    shared memory is checked too (main): a variant past sm_90's 227 KB would only fail at launch."""
+    import contextlib
+
+    from moekit import _invariant, presets
+    from moekit.experts import configs, fused_experts
+    from moekit.formats import fp8, mxfp4, nvfp4
+    from moekit.routing.router import RouterLoRA, router_gemm
+
+    h200 = configs.table_key  # CPU tensors would key the table as "cpu": ask for the H200's entries
+
+    @contextlib.contextmanager
+    def on_h200():
+        configs.table_key = lambda device, dtype, fmt="dense": (
+            f"NVIDIA H200|triton-3.6.0|{str(dtype).removeprefix('torch.')}" + ("" if fmt == "dense" else f"|{fmt}"))
+        try:
+            with _invariant.batch_invariant():
+                yield
+        finally:
+            configs.table_key = h200
+
+    def invariant(thunk):
+        def run():
+            with on_h200():
+                thunk()
+        return run
+
+    cases = [(name, None, None) for name in ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")]
+    cases += [("gpt-oss-120b", mxfp4, None), ("qwen3-30b-a3b", nvfp4, None), ("gpt-oss-120b", mxfp4, "fp8_group"),
+              ("deepseek-v3", fp8, "fp8_group")]
+    for name, mod, act_quant in cases:
+        spec = presets.get(name)
+        E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        if mod is fp8:
+            grow = lambda t: fp8.FP8Tensor(t.data.expand(E, -1, -1), t.scale.expand(E, -1, -1), t.granularity)  # noqa: E731
+            w13, w2 = grow(fp8.quantize_blocks(torch.randn(1, 2 * I, H))), grow(fp8.quantize_blocks(torch.randn(1, H, I)))
+        elif mod is not None:
+            w13, w2 = (_expand_quantized(mod, mod.quantize(torch.randn(1, *shape)), E) for shape in ((2 * I, H), (H, I)))
+        else:
+            w13 = torch.empty(1, 2 * I, H, dtype=torch.bfloat16).expand(E, -1, -1)
+            w2 = torch.empty(1, H, I, dtype=torch.bfloat16).expand(E, -1, -1)
+        b13, b2 = (torch.empty(E, 2 * I, dtype=torch.bfloat16), torch.empty(E, H, dtype=torch.bfloat16)) \
+            if spec.expert_bias and mod is not fp8 else (None, None)
+        fmt = "bf16" if mod is None else mod.__name__.split(".")[-1] + ("+w4a8" if act_quant and mod is mxfp4 else "")
+        for T in (1, 16, 64, 256, 1024, 4096, 16384):
+            x = torch.empty(T, H, dtype=torch.bfloat16)
+            ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
+            yield f"invariant {fmt} {name} T={T}", invariant(
+                lambda x=x, ids=ids, w13=w13, w2=w2, b13=b13, b2=b2, s=spec, aq=act_quant: fused_experts(
+                    x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13, w2_bias=b2,
+                    act_quant=aq, backend="triton"))
+    for name in ("gpt-oss-120b", "deepseek-v3", "kimi-k2"):
+        spec = presets.get(name)
+        w = torch.randn(spec.num_experts, spec.hidden_size).bfloat16()
+        b = torch.randn(spec.num_experts) if spec.router_bias else None
+        lora = RouterLoRA(torch.randn(16, spec.hidden_size).bfloat16(), torch.randn(spec.num_experts, 16), 0.5)
+        for T in (1, 16, 257, 4096):
+            x = torch.randn(T, spec.hidden_size).bfloat16()
+            yield f"invariant gemm {name} T={T}", invariant(lambda x=x, w=w, b=b: router_gemm(x, w, b, tier="triton"))
+            yield f"invariant gemm lora {name} T={T}", invariant(
+                lambda x=x, w=w, b=b, lora=lora: router_gemm(x, w, b, lora=lora, tier="triton"))
 
 
 def lora_variants():
@@ -351,6 +423,9 @@ def main() -> int:
                 note = f"spills {use['SPILL']} bytes" + (where if checked else "")
                 if (label, kname) in LOOP_SPILLS_MEASURED:
                     note += " (measured and kept: LOOP_SPILLS_MEASURED)"
+            if kernel.metadata.shared > SM90_MAX_SMEM:
+                failures += 1
+                note += f"; FAILED: {kernel.metadata.shared} bytes of shared memory (sm_90: {SM90_MAX_SMEM})"
             rows.append((label, kname, use["REG"], kernel.metadata.shared, note))
     for r in rows:
         print(f"{r[0]:34s} {r[1]!s:16s} regs={r[2]!s:4s} smem={r[3]!s:6s} {r[4]}")

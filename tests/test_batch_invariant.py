@@ -382,3 +382,23 @@ def test_gpu_the_issues_case_is_batch_invariant():
     for n in (7, 512):
         y = fused_experts(x[:n], w13, w2, tw[:n], ids[:n], activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
         assert torch.equal(y[0], alone[0]), f"T={n}"
+
+
+def test_the_benchmarks_probe_and_table_on_the_cpu():
+    """The GPU benchmark's pieces that need no GPU: its bitwise probe of every op and its table."""
+    import types
+
+    from moekit.tools.bench import invariant as bench
+
+    layer = types.SimpleNamespace(moe=moekit.FusedMoE(TINY_OAI, dtype=torch.float32), q13=None, q2=None, act_quant=None)
+    x = torch.randn(9, TINY_OAI.hidden_size)
+    tw, ids = route(torch.randn(9, TINY_OAI.num_experts), TINY_OAI.top_k, "softmax_topk")
+    _on()
+    assert all(bench.bitwise_invariant(bench._op_fn(op, "bf16", TINY_OAI), layer, x, tw, ids) for op in bench.OPS)
+    rows = [dict(op="fused_experts", preset="p", format="bf16", T=T, default_us=10.0, invariant_us=us,
+                 bitwise_invariant=True, ratio=us / 10.0) for T, us in ((1, 12.0), (16, 13.0), (32, 20.0), (64, 11.5))]
+    rows.append(dict(op="FusedMoE", preset="p", format="bf16", T=1, default_us=None, invariant_us=None,
+                     bitwise_invariant=None, ratio=None, error="RuntimeError: boom"))
+    md = bench.markdown({"gpu": "cpu"}, rows)
+    assert md.count("| met |") == 1 and md.count("**missed**") == 2 and "error: RuntimeError: boom" in md
+    assert "4 rows measured, 1 errors; bitwise invariant in 4 of 4; speed target missed in 2." in md
