@@ -7,6 +7,7 @@ import torch
 
 from moekit import batched_experts, fused_experts, fused_router, route, router_gemm
 from moekit.experts import backends, configs
+from moekit.experts import triton_backend  # noqa: F401 - registers the torch.library ops this file replaces
 
 E, H, I, K, T = 6, 32, 16, 2, 5
 

@@ -16,14 +16,17 @@ in the same call.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from .. import _triton, gate
 from .._checks import check_tensor
+from .._launch import Launcher
 
 MAX_RANK = 256  # the kernels keep a block's rank-r products in registers
 LORA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -218,10 +221,13 @@ class Rows:
     rows_per_expert: int = 0
 
 
-def _kernels():
-    from .kernels import lora as kernels  # built on first use, as triton_backend's (TRITON_INTERPRET is read then)
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    # Built on first use, as triton_backend's (TRITON_INTERPRET is read then); launches bind once per signature.
+    from .kernels import lora as kernels
 
-    return kernels
+    return SimpleNamespace(pairs=Launcher(kernels.lora_pairs_kernel), blocks=Launcher(kernels.lora_blocks_kernel),
+                           ALIGNED=kernels.ALIGNED, BATCHED=kernels.BATCHED)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -271,7 +277,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
             return
         block = max(16, min(128, 4096 // r_pad))
         emap = rows.expert_map if rows.expert_map is not None else rows.ids
-        kernels.lora_pairs_kernel[(groups * _triton.cdiv(n_out, block),)](
+        kernels.pairs[(groups * _triton.cdiv(n_out, block),)](
             v, v.stride(-2), v.stride(-1), *scales, *adapters,
             out, out.stride(0),
             weights if weights is not None else lora.scaling, rows.ids, emap,
@@ -296,7 +302,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         mode = kernels.ALIGNED.value
     if programs == 0:
         return
-    kernels.lora_blocks_kernel[(programs,)](
+    kernels.blocks[(programs,)](
         v, *v_strides, *scales, *adapters,
         out, *out_strides,
         weights if weights is not None else lora.scaling,

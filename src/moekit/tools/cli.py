@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -55,8 +56,13 @@ def cmd_explain(args) -> int:
                    for name in names}
     except ValueError as exc:
         return _argtypes.fail("moekit explain", str(exc))
-    if args.batch_invariant:
-        _invariant.set_batch_invariant(True)
+    if not args.batch_invariant:
+        return _explain(args, device, recipes)
+    with _invariant.batch_invariant():  # for this command only: main() may run in a process that goes on
+        return _explain(args, device, recipes)
+
+
+def _explain(args, device, recipes) -> int:
     print(f"batch-invariant mode: {'on' if _invariant.enabled() else 'off'}" + (
         " (each token's bits independent of its batch: the kernels below fix one reduction order per shape)"
         if _invariant.enabled() else f" ({_invariant.ENV}=1 or --batch-invariant turns it on)"))
@@ -85,6 +91,15 @@ def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dt
 
 
 def cmd_verify(args) -> int:
+    if not args.batch_invariant:
+        return _verify(args)
+    # The mode for this process and, through the environment, for its isolated children; both restored after, as
+    # main() may be called in a process that goes on (tests, notebooks).
+    with _invariant.batch_invariant(), mock.patch.dict(os.environ, {_invariant.ENV: "1"}):
+        return _verify(args)
+
+
+def _verify(args) -> int:
     runner.load_plugins()
     device = _device()
     console = _console()
@@ -93,8 +108,6 @@ def cmd_verify(args) -> int:
     tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
     # The interpreter computes bf16 dots wrongly: CPU runs check the kernels in fp16.
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float16)
-    if args.batch_invariant:  # children inherit the environment
-        os.environ[_invariant.ENV] = "1"
     impls = implementations(device)
     if _invariant.enabled():  # cuBLAS is refused in the mode: the router runs the Triton kernel or torch
         impls = {op: [i for i in v if i != "cublas"] for op, v in impls.items()}

@@ -136,9 +136,51 @@ def run(args) -> list[dict]:
     return records
 
 
+def graph_replay_errors(T: int = 16) -> dict:
+    """Whether an experts call is graph-safe: captured on one routing, replayed after new inputs and routes are
+    copied into its buffers, against the same call made eagerly on the new inputs (max relative error; 0 is
+    bit-equal). qwen3-30b-a3b shapes; moekit's fused_experts and transformers' grouped_mm experts."""
+    from ...metrics import rel_errors
+
+    spec, dev, dt = presets.get("qwen3-30b-a3b"), "cuda", torch.bfloat16
+    layer = FusedMoE(spec, dtype=dt, device=dev)
+    hf = _hf_experts(spec, layer)
+    calls = {"moekit fused_experts": lambda x, ids, w: fused_experts(x, layer.w13, layer.w2, w, ids.int())}
+    if hf is not None:
+        calls["transformers grouped_mm"] = lambda x, ids, w: hf(x, ids, w.to(dt))
+
+    def inputs(seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        ids = torch.rand(T, spec.num_experts, device=dev, generator=g).argsort(1)[:, :spec.top_k]
+        w = torch.softmax(torch.randn(T, spec.top_k, device=dev, generator=g), -1)
+        return torch.randn(T, spec.hidden_size, device=dev, dtype=dt, generator=g), ids, w
+
+    out = {}
+    with torch.no_grad():
+        for name, fn in calls.items():
+            try:
+                bufs = inputs(1)
+                fn(*bufs)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = fn(*bufs)
+                new = inputs(2)
+                for dst, src in zip(bufs, new):
+                    dst.copy_(src)
+                graph.replay()
+                torch.cuda.synchronize()
+                out[name] = rel_errors(y.float(), fn(*new).float())[0]
+            except Exception as exc:  # noqa: BLE001 - a capture that fails is the answer
+                torch.cuda.synchronize()
+                out[name] = f"not capturable: {type(exc).__name__}: {str(exc)[:120]}"
+            print(name, out[name], flush=True)
+    return out
+
+
 def profile(args) -> str:
-    """cProfile of ``LOOP`` eager calls of each op named in ``args.profile`` (``op:preset:T``), sorted by own
-    time: where an eager call's host time goes."""
+    """cProfile of ``LOOP`` eager calls of each op named in ``args.profile`` (``op:preset:T``), sorted by own and by
+    cumulative time: where an eager call's host time goes."""
     import cProfile
     import io
     import pstats
@@ -157,7 +199,9 @@ def profile(args) -> str:
             prof.disable()
             torch.cuda.synchronize()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(25)
         report.append(f"## {item}: {LOOP} calls\n{text.getvalue()}")
     return "\n".join(report)
 
@@ -188,7 +232,7 @@ def generate_tokens_per_s(patched: bool, new_tokens: int = 64) -> float:
     return new_tokens / (time.perf_counter() - start)
 
 
-def markdown(records: list[dict], env: dict, generation: dict) -> str:
+def markdown(records: list[dict], env: dict, generation: dict, replay: dict | None = None) -> str:
     lines = [f"# Eager host time ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}. eager: {LOOP} back-to-back calls, one synchronize, "
              "wall time / calls; graph: the same call replayed in a CUDA graph.", "",
@@ -200,6 +244,11 @@ def markdown(records: list[dict], env: dict, generation: dict) -> str:
     if generation:
         lines += ["", "Greedy generation, eager, Qwen3-MoE at qwen3-30b-a3b's sizes, 2 layers, 64 tokens:", "",
                   "| model | tokens/s |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in generation.items()]
+    if replay:
+        lines += ["", "Graph safety, qwen3-30b-a3b experts at T=16: captured on one routing, replayed on new inputs and "
+                  "routes, against the eager call on them (max relative error; 0 = the same bits):", "",
+                  "| experts | replay vs eager |", "|---|---|"]
+        lines += [f"| {k} | {v if isinstance(v, str) else f'{v:.3g}'} |" for k, v in replay.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -209,21 +258,26 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     p.add_argument("--no-generate", dest="generate", action="store_false")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--graph-safety", action="store_true", help="only the graph-replay check of the experts")
     p.add_argument("--profile", nargs="+", default=None, metavar="OP:PRESET:T",
                    help="print a cProfile of these calls (e.g. fused_experts:qwen3-30b-a3b:16) and stop")
     args = p.parse_args(argv)
     if args.profile:
         print(profile(args))
         return
+    if args.graph_safety:
+        print(graph_replay_errors())
+        return
     records = run(args)
     generation = {}
     if args.generate:
         generation = {"transformers": generate_tokens_per_s(False), "moekit patch()": generate_tokens_per_s(True)}
+    replay = graph_replay_errors()
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "eager.json").write_text(json.dumps({"env": env, "records": records, "generate_tokens_per_s": generation},
-                                                    indent=1))
-    md = markdown(records, env, generation)
+    (args.out / "eager.json").write_text(json.dumps({"env": env, "records": records, "generate_tokens_per_s": generation,
+                                                     "graph_replay_max_rel_err": replay}, indent=1))
+    md = markdown(records, env, generation, replay)
     (args.out / "eager.md").write_text(md)
     print(md)
 
