@@ -12,6 +12,7 @@ passes arguments as :func:`fused_experts_into` does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -170,9 +171,14 @@ class WeightOperand:
         of them per K step) must fit in registers (tests/sm90_compile.py shows spills past this)."""
         if self.format == "dense":
             return cfg
-        if self.format == "fp8" or self.fp8_act:  # one activation group per K step; GEMM1 quantizes one group per row
-            return replace(cfg, block_k=FP8_GROUP, block_n=FP8_GROUP if tiles == 2 else cfg.block_n)
-        return replace(cfg, block_k=expert_configs.four_bit_block_k(cfg, tiles))
+        return _format_config(self.format == "fp8" or self.fp8_act, cfg, tiles)
+
+
+@functools.lru_cache(maxsize=1024)  # per config and format kind: a frozen dataclass rebuilt per call costs host time
+def _format_config(fp8_steps: bool, cfg: GemmConfig, tiles: int) -> GemmConfig:
+    if fp8_steps:  # one activation group per K step; GEMM1 quantizes one group per row
+        return replace(cfg, block_k=FP8_GROUP, block_n=FP8_GROUP if tiles == 2 else cfg.block_n)
+    return replace(cfg, block_k=expert_configs.four_bit_block_k(cfg, tiles))
 
 
 # CUDA-core GEMM2 formats that by default (GemmConfig.slots unset) run a token's slots as one loop

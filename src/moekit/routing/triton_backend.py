@@ -4,9 +4,12 @@ the interpreter wrapped) as TRITON_INTERPRET says then."""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
-from .. import _triton
+from .. import _invariant, _triton
 from . import tiers
 from .kernels import topk as topk_kernels
 from .._launch import Launcher
@@ -42,31 +45,63 @@ def kernel_constants(opts: RoutingOptions, num_experts: int, has_corr_bias: bool
     )
 
 
-def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
-                  topk_weights=None, topk_ids=None) -> None:
-    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``."""
-    num_tokens, hidden = x.shape
-    num_experts = weight.shape[0]
-    rank = lora.a.shape[0] if lora is not None else 0
+@dataclass(frozen=True)
+class _RouterPlan:
+    """What a router launch derives from its shape alone (made once per shape: eager host time)."""
+
+    grid: tuple
+    workspace: int  # fp32 partial sums (0: the direct form writes logits itself)
+    constants: dict
+    k_per_split: int
+    rows: int  # num_tokens * (E + rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _router_plan(num_tokens: int, hidden: int, num_experts: int, rank: int, routing: RoutingOptions | None,
+                 has_bias: bool, has_corr_bias: bool, ieee: bool, num_sms: int, invariant: bool) -> _RouterPlan:
     fuse = routing is not None
-    cfg = tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, _triton.num_sms(x.device))
+    cfg = tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, num_sms)
     t_blocks = _triton.cdiv(num_tokens, cfg.block_t)
     direct = cfg.splits == 1 and rank == 0 and not fuse
     if not direct and t_blocks > _triton.NUM_COUNTERS:
         raise ValueError(f"T={num_tokens} needs {t_blocks} token blocks; the small-batch router kernel "
                          f"has {_triton.NUM_COUNTERS} (use tier='cublas' or fewer tokens)")
     total_rows = num_experts + rank
-    ws = x if direct else torch.empty(cfg.splits * num_tokens * total_rows, dtype=torch.float32, device=x.device)
-    counters = x if direct else _triton.counters(x.device)
+    constants = dict(
+        BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
+        # The interpreter runs programs one by one: a finisher waiting for a later one would hang.
+        FIN_PROGRAMS=cfg.fin_programs if router_kernel.compiled else 1,
+        E_PAD=_triton.next_pow2(num_experts), S_CHUNK=cfg.s_chunk, R_PAD=cfg.r_pad,
+        HAS_BIAS=has_bias, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
+        IEEE=ieee, FENCE=router_kernel.compiled,
+        **kernel_constants(routing or _NO_ROUTING, num_experts, has_corr_bias),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    grid = (_triton.cdiv(num_experts, cfg.block_r) + _triton.cdiv(rank, cfg.block_r), cfg.splits, t_blocks)
+    return _RouterPlan(grid, 0 if direct else cfg.splits * num_tokens * total_rows, constants, cfg.k_per_split,
+                       num_tokens * total_rows)
+
+
+def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
+                  topk_weights=None, topk_ids=None) -> None:
+    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``."""
+    num_tokens, hidden = x.shape
+    rank = lora.a.shape[0] if lora is not None else 0
+    plan = _router_plan(num_tokens, hidden, weight.shape[0], rank, routing, bias is not None, corr_bias is not None,
+                        x.dtype == torch.float32, _triton.num_sms(x.device), _invariant.enabled())
+    if plan.workspace:
+        ws, counters = torch.empty(plan.workspace, dtype=torch.float32, device=x.device), _triton.counters(x.device)
+    else:
+        ws = counters = x
     a = lora.a if lora is not None else weight
     b = lora.b if lora is not None else weight
     if routing is None:
-        routing = _NO_ROUTING
+        scaling = 1.0
         topk_weights = topk_ids = x
     else:
+        scaling = routing.scaling
         out2 = x
-    grid = (_triton.cdiv(num_experts, cfg.block_r) + _triton.cdiv(rank, cfg.block_r), cfg.splits, t_blocks)
-    router_kernel[grid](
+    router_kernel[plan.grid](
         x, x.stride(0), x.stride(1),
         weight, weight.stride(0), weight.stride(1),
         a, a.stride(0), a.stride(1),
@@ -75,16 +110,9 @@ def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions |
         ws, counters,
         out2, out2.stride(0), out2.stride(1),
         topk_weights, topk_ids,
-        num_tokens, hidden, num_experts, rank, cfg.k_per_split, num_tokens * total_rows,
-        float(lora.scale) if lora is not None else 0.0, routing.scaling,
-        BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
-        # The interpreter runs programs one by one: a finisher waiting for a later one would hang.
-        FIN_PROGRAMS=cfg.fin_programs if router_kernel.compiled else 1,
-        E_PAD=_triton.next_pow2(num_experts), S_CHUNK=cfg.s_chunk, R_PAD=cfg.r_pad,
-        HAS_BIAS=bias is not None, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
-        IEEE=x.dtype == torch.float32, FENCE=router_kernel.compiled,
-        **kernel_constants(routing, num_experts, corr_bias is not None),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_tokens, hidden, weight.shape[0], rank, plan.k_per_split, plan.rows,
+        float(lora.scale) if lora is not None else 0.0, scaling,
+        **plan.constants,
     )
 
 
