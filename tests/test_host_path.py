@@ -37,6 +37,25 @@ def test_a_repeated_call_decides_nothing_again(monkeypatch, backend):
     assert len(selections) == (2 if backend == "auto" else 0)
 
 
+def test_a_repeated_router_launch_derives_its_shape_once(monkeypatch):
+    from moekit.routing import tiers
+    from moekit.routing import triton_backend as router_triton
+
+    derived = []
+    real = tiers.kernel_config
+    monkeypatch.setattr(tiers, "kernel_config", lambda *a: derived.append(a) or real(*a))
+    router_triton._router_plan.cache_clear()
+    x, w = torch.randn(T, H), torch.randn(E, H)
+    first = router_gemm(x, w, tier="triton")
+    for _ in range(3):
+        assert torch.equal(router_gemm(x, w, tier="triton"), first)
+    routes = fused_router(x, w, top_k=K, method="softmax_topk", impl="fused")
+    assert torch.equal(fused_router(x, w, top_k=K, method="softmax_topk", impl="fused")[1], routes[1])
+    assert len(derived) == 2                                                # the GEMM once, the fused router once
+    router_gemm(x[:3], w, tier="triton")                                    # another token count: derived again
+    assert len(derived) == 3
+
+
 def test_eager_calls_do_not_go_through_the_custom_ops(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call went through a torch.library op")
