@@ -35,6 +35,7 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
 def _hopper_or_later(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 

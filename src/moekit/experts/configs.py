@@ -234,6 +234,7 @@ def config_family(weights: str, act_quant: str | None = None) -> str:
     return "w4a8"
 
 
+@functools.lru_cache(maxsize=256)  # the device's name is a driver query: once per device, not per eager call
 def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "dense") -> str:
     import triton
 

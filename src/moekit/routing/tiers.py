@@ -62,6 +62,7 @@ def _crossover_table() -> dict:
     return json.loads(text)
 
 
+@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
 def _gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
