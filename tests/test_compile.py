@@ -57,3 +57,75 @@ def test_a_layer_with_an_expert_map_compiles_after_an_eager_call(device):
     with torch.no_grad():
         eager = layer(x)
         check_close("compiled with expert_map", torch.compile(layer, fullgraph=True)(x), eager, Tolerance(1e-5, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_lora_compiles_fullgraph_in_both_formats(device):
+    # LoRA rides its own custom ops (the adapters' tensors in the schema): no trace into the launches
+    torch._dynamo.reset()
+    from moekit import ExpertsLoRA, batched_experts, fused_experts
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    E, H, I, T, k, r, n = 6, 32, 16, 9, 2, 4, 2
+    g = lambda *shape: (torch.randn(*shape, device=device) * 0.2).to(dtype)  # noqa: E731
+    w13, w2 = g(E, 2 * I, H), g(E, H, I)
+    lora = ExpertsLoRA(g(n, E, r, H), g(n, E, 2 * I, r), g(n, E, r, I), g(n, E, H, r), scaling=[1.0, 0.5])
+    x, tw = g(T, H), torch.rand(T, k, device=device)
+    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
+    lid = torch.tensor([0, 1, -1, 0, 1, 1, 0, -1, 0], device=device, dtype=torch.int32)
+    run = lambda x, tw, tid, lid: fused_experts(x, w13, w2, tw, tid, backend="triton", lora=lora,  # noqa: E731
+                                                lora_ids=lid)
+    tol = Tolerance(1e-6, 1e-6) if device == "cpu" else Tolerance(1e-2, 1e-3)
+    check_close("compiled fused_experts with LoRA", torch.compile(run, fullgraph=True)(x, tw, tid, lid),
+                run(x, tw, tid, lid), tol)
+    xb, counts = g(E, 3, H), torch.tensor([3, 0, 1, 2, 3, 1], device=device, dtype=torch.int32)
+    lid_b = torch.randint(-1, n, (E, 3), device=device, dtype=torch.int32)
+    run_b = lambda xb, counts, lid_b: batched_experts(xb, counts, w13, w2, backend="triton", lora=lora,  # noqa: E731
+                                                      lora_ids=lid_b)
+    valid = torch.arange(3, device=device)[None, :] < counts[:, None]  # padding rows are unspecified
+    check_close("compiled batched_experts with LoRA", torch.compile(run_b, fullgraph=True)(xb, counts, lid_b)[valid],
+                run_b(xb, counts, lid_b)[valid], tol)
+
+
+def _quantized(recipe, w):
+    from moekit.formats import nvfp4, quantize_experts
+
+    if recipe == "nvfp4_swizzled":  # scales in the 128x4 layout, unswizzled inside the op
+        return nvfp4.quantize(w, swizzled=True, scale_dims=1)
+    return quantize_experts(w, recipe)
+
+
+@pytest.mark.parametrize("case", [
+    ("mxfp4", None, False),           # 4-bit weights: parts of the weight objects in the op's schema
+    ("nvfp4_swizzled", None, False),  # a swizzled NVFP4 stack (its layout flag travels too)
+    ("fp8_block", "fp8_group", False),  # W8A8: act_quant in the schema
+    ("dense", None, True),            # an explicit block configuration, as JSON
+])
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_experts_call_kind_compiles_fullgraph(device, case):
+    torch._dynamo.reset()
+    from moekit import batched_experts, fused_experts
+    from moekit.experts import ExpertsConfig, GemmConfig
+
+    recipe, act_quant, explicit = case
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    E, H, I, T, k = 6, 128, 128, 9, 2
+    w13, w2 = torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2
+    if recipe == "dense":
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    else:
+        w13, w2 = _quantized(recipe, w13), _quantized(recipe, w2)
+    config = ExpertsConfig(16, GemmConfig(32, 64, num_stages=1), GemmConfig(32, 64, num_stages=1)) if explicit else None
+    x, tw = torch.randn(T, H, device=device, dtype=dtype), torch.rand(T, k, device=device)
+    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
+    run = lambda x, tw, tid: fused_experts(x, w13, w2, tw, tid, backend="triton", act_quant=act_quant,  # noqa: E731
+                                           config=config)
+    tol = Tolerance(1e-6, 1e-6) if device == "cpu" else Tolerance(1e-2, 1e-3)
+    check_close(f"compiled fused_experts {case}", torch.compile(run, fullgraph=True)(x, tw, tid), run(x, tw, tid), tol)
+    xb, counts = torch.randn(E, 3, H, device=device, dtype=dtype), torch.tensor([3, 0, 1, 2, 3, 1], device=device,
+                                                                               dtype=torch.int32)
+    run_b = lambda xb, counts: batched_experts(xb, counts, w13, w2, backend="triton", act_quant=act_quant,  # noqa: E731
+                                               config=config)
+    valid = torch.arange(3, device=device)[None, :] < counts[:, None]
+    check_close(f"compiled batched_experts {case}", torch.compile(run_b, fullgraph=True)(xb, counts)[valid],
+                run_b(xb, counts)[valid], tol)

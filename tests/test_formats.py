@@ -357,3 +357,25 @@ def test_expert_of_a_quantized_stack_is_its_slice_of_the_whole_dequantization(fm
     assert expert(w, 2) is not None and torch.equal(expert(w, 2), w[2])
     with pytest.raises(TypeError, match="cannot take an expert"):
         expert(object(), 0)
+
+
+@pytest.mark.parametrize("recipe", ["dense", "mxfp4", "nvfp4", "nvfp4_swizzled", "fp8_block", "fp8_channel",
+                                    "fp8_tensor"])
+def test_a_weight_taken_apart_for_an_op_schema_comes_back_the_same(recipe):
+    # torch.compile's ops carry weights as parts: every field must survive the trip, the layout flag included
+    from moekit.formats import from_parts, quantize_experts, to_parts
+
+    w = torch.randn(3, 64, 128)
+    if recipe == "nvfp4_swizzled":
+        q = nvfp4.quantize(w, swizzled=True, scale_dims=1)
+    else:
+        q = w if recipe == "dense" else quantize_experts(w, recipe)
+    back = from_parts(*to_parts(q))
+    assert type(back) is type(q)
+    if recipe == "dense":
+        assert back is q
+        return
+    for field in ("data", "scales", "scale", "global_scale", "shape", "swizzled", "granularity"):
+        if hasattr(q, field):
+            a, b = getattr(q, field), getattr(back, field)
+            assert (a is b) if isinstance(a, torch.Tensor) else a == b, field

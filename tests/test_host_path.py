@@ -5,7 +5,7 @@ is shown by the eager benchmark, not here; these tests keep the work from coming
 import pytest
 import torch
 
-from moekit import batched_experts, fused_experts, fused_router, route, router_gemm
+from moekit import ExpertsLoRA, batched_experts, fused_experts, fused_router, route, router_gemm
 from moekit.experts import backends, configs
 from moekit.experts import triton_backend  # noqa: F401 - registers the torch.library ops this file replaces
 
@@ -60,11 +60,15 @@ def test_eager_calls_do_not_go_through_the_custom_ops(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call went through a torch.library op")
 
-    for op in ("fused_experts_into", "batched_experts_into", "router_gemm_into", "fused_router", "route_triton"):
+    for op in ("fused_experts_into", "batched_experts_into", "fused_experts_general_into", "batched_experts_general_into",
+               "router_gemm_into", "fused_router", "route_triton"):
         monkeypatch.setattr(torch.ops.moekit, op, refuse)
     x, w13, w2, tw, ids = _call()
     fused_experts(x, w13, w2, tw, ids, backend="triton")
     batched_experts(torch.randn(E, 3, H), torch.full((E,), 2, dtype=torch.int32), w13, w2, backend="triton")
+    lora = ExpertsLoRA(torch.randn(1, E, 4, H), torch.randn(1, E, 2 * I, 4), torch.randn(1, E, 4, I),
+                       torch.randn(1, E, H, 4))
+    fused_experts(x, w13, w2, tw, ids, backend="triton", lora=lora, lora_ids=torch.zeros(T, dtype=torch.int32))
     w = torch.randn(E, H)
     router_gemm(x, w, tier="triton")
     fused_router(x, w, top_k=K, method="softmax_topk", impl="fused")

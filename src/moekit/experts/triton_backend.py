@@ -13,12 +13,13 @@ passes arguments as :func:`fused_experts_into` does.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, replace
 
 import torch
 
 from .. import _triton
-from ..formats import format_of
+from ..formats import format_of, from_parts, to_parts
 from . import configs as expert_configs
 from .configs import ExpertsConfig, GemmConfig
 from . import lora as expert_lora
@@ -656,6 +657,81 @@ def _(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias) -> None
     return None
 
 
+# Everything else under torch.compile (quantized weights, act_quant, an explicit config, expert LoRA): the same
+# calls as ops whose schemas carry each weight's parts (moekit.formats.to_parts), the config as JSON and the adapters'
+# tensors; the objects are rebuilt inside, at run time.
+@torch.library.custom_op("moekit::fused_experts_general_into", mutates_args=("out",))
+def _fused_experts_general_op(out: torch.Tensor, x: torch.Tensor, fmt: str,
+                              w13_data: torch.Tensor, w13_scales: torch.Tensor | None,
+                              w13_global: torch.Tensor | None, w13_tag: str, w13_shape: list[int],
+                              w2_data: torch.Tensor, w2_scales: torch.Tensor | None, w2_global: torch.Tensor | None,
+                              w2_tag: str, w2_shape: list[int],
+                              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                              w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                              expert_map: torch.Tensor | None, act_quant: str | None, config: str | None,
+                              lora_w13_a: torch.Tensor | None, lora_w13_b: torch.Tensor | None,
+                              lora_w2_a: torch.Tensor | None, lora_w2_b: torch.Tensor | None,
+                              lora_scaling: torch.Tensor | None, lora_ids: torch.Tensor | None) -> None:
+    w13 = from_parts(fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape)
+    w2 = from_parts(fmt, w2_data, w2_scales, w2_global, w2_tag, w2_shape)
+    fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
+                       _config_of(config), act_quant,
+                       _lora_of(lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b, lora_scaling), lora_ids)
+
+
+@_fused_experts_general_op.register_fake
+def _(out, x, fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape, w2_data, w2_scales, w2_global, w2_tag,
+      w2_shape, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, act_quant, config, lora_w13_a,
+      lora_w13_b, lora_w2_a, lora_w2_b, lora_scaling, lora_ids) -> None:
+    return None
+
+
+@torch.library.custom_op("moekit::batched_experts_general_into", mutates_args=("out",))
+def _batched_experts_general_op(out: torch.Tensor, x: torch.Tensor, expert_num_tokens: torch.Tensor, fmt: str,
+                                w13_data: torch.Tensor, w13_scales: torch.Tensor | None,
+                                w13_global: torch.Tensor | None, w13_tag: str, w13_shape: list[int],
+                                w2_data: torch.Tensor, w2_scales: torch.Tensor | None,
+                                w2_global: torch.Tensor | None, w2_tag: str, w2_shape: list[int], activation: str,
+                                w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, act_quant: str | None,
+                                config: str | None, lora_w13_a: torch.Tensor | None,
+                                lora_w13_b: torch.Tensor | None, lora_w2_a: torch.Tensor | None,
+                                lora_w2_b: torch.Tensor | None, lora_scaling: torch.Tensor | None,
+                                lora_ids: torch.Tensor | None) -> None:
+    w13 = from_parts(fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape)
+    w2 = from_parts(fmt, w2_data, w2_scales, w2_global, w2_tag, w2_shape)
+    batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, _config_of(config),
+                         act_quant, _lora_of(lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b, lora_scaling), lora_ids)
+
+
+@_batched_experts_general_op.register_fake
+def _(out, x, expert_num_tokens, fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape, w2_data, w2_scales,
+      w2_global, w2_tag, w2_shape, activation, w13_bias, w2_bias, act_quant, config, lora_w13_a, lora_w13_b,
+      lora_w2_a, lora_w2_b, lora_scaling, lora_ids) -> None:
+    return None
+
+
+def _general_args(w13, w2, config, lora) -> tuple:
+    """(fmt, w13's parts, w2's parts) and (config JSON, adapters' tensors) of a general op call."""
+    f13, *p13 = to_parts(w13)
+    _, *p2 = to_parts(w2)
+    cfg = None if config is None else _config_text(config)
+    adapters = (None,) * 5 if lora is None else (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b, lora.scaling)
+    return (f13, *p13, *p2), (cfg, *adapters)
+
+
+@torch.compiler.assume_constant_result  # a config is a constant of the trace: its text is made once, outside it
+def _config_text(config: ExpertsConfig) -> str:
+    return json.dumps(config.to_dict())
+
+
+def _config_of(text: str | None) -> ExpertsConfig | None:
+    return None if text is None else ExpertsConfig.from_dict(json.loads(text))
+
+
+def _lora_of(w13_a, w13_b, w2_a, w2_b, scaling):
+    return None if scaling is None else expert_lora.ExpertsLoRA(w13_a, w13_b, w2_a, w2_b, scaling)
+
+
 def _dense_weights(*ws) -> bool:
     return all(format_of(w) == "dense" for w in ws)
 
@@ -664,20 +740,26 @@ def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_
               act_quant=None, lora=None, lora_ids=None):
     # The custom op is for torch.compile, which must not trace the launches; an eager call goes straight to
     # them (the op's dispatch alone cost about 70 us of host time per call).
-    if (torch.compiler.is_compiling() and config is None and act_quant is None and lora is None
-            and _dense_weights(w13, w2)):
-        torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
-                                            w2_bias, expert_map)
-    else:  # explicit configs, 4-bit weight objects and LoRA skip the op: they are not part of its schema
+    if not torch.compiler.is_compiling():
         fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config,
                            act_quant, lora, lora_ids)
+    elif config is None and act_quant is None and lora is None and _dense_weights(w13, w2):
+        torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
+                                            w2_bias, expert_map)
+    else:
+        weights, rest = _general_args(w13, w2, config, lora)
+        torch.ops.moekit.fused_experts_general_into(out, x, *weights, topk_weights, topk_ids, activation, w13_bias,
+                                                    w2_bias, expert_map, act_quant, *rest, lora_ids)
 
 
 def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None,
                 lora=None, lora_ids=None):
-    if (torch.compiler.is_compiling() and config is None and act_quant is None and lora is None
-            and _dense_weights(w13, w2)):
-        torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
-    else:
+    if not torch.compiler.is_compiling():
         batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config, act_quant,
                              lora, lora_ids)
+    elif config is None and act_quant is None and lora is None and _dense_weights(w13, w2):
+        torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
+    else:
+        weights, rest = _general_args(w13, w2, config, lora)
+        torch.ops.moekit.batched_experts_general_into(out, x, expert_num_tokens, *weights, activation, w13_bias,
+                                                      w2_bias, act_quant, *rest, lora_ids)

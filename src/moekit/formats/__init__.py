@@ -11,7 +11,7 @@ import torch
 from . import fp4, fp8, mxfp4, nvfp4
 
 __all__ = ["FP8_ACTIVATION_FORMATS", "RECIPES", "WEIGHT_FORMATS", "dequantize", "expert", "format_of", "fp4", "fp8",
-           "mxfp4", "nvfp4", "quantize_experts", "recipe_format"]
+           "from_parts", "mxfp4", "nvfp4", "quantize_experts", "recipe_format", "to_parts"]
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
 """What an expert stack can be: a plain tensor, or one of the quantized types below."""
@@ -33,6 +33,34 @@ def format_of(w) -> str:
         if isinstance(w, cls):
             return name
     raise TypeError(f"expert weights must be torch.Tensor, MXFP4Tensor, NVFP4Tensor or FP8Tensor, got {type(w).__name__}")
+
+
+def to_parts(w) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None, str, list[int]]:
+    """(format, data, scales, global_scale, tag, shape): a weight as tensors and plain values, which a
+    torch.library op's schema can carry (it takes no objects); :func:`from_parts` rebuilds it. ``tag``: an FP8
+    weight's granularity, "swizzled" for an NVFP4 weight with swizzled scales, else empty."""
+    fmt = format_of(w)
+    if fmt == "dense":
+        return fmt, w, None, None, "", list(w.shape)
+    if fmt == "fp8":
+        return fmt, w.data, w.scale, None, w.granularity, list(w.data.shape)
+    if fmt == "mxfp4":
+        return fmt, w.data, w.scales, None, "", list(w.shape)
+    return fmt, w.data, w.scales, w.global_scale, "swizzled" if w.swizzled else "", list(w.shape)
+
+
+def from_parts(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, global_scale: torch.Tensor | None,
+               tag: str, shape: list[int]):
+    """The weight :func:`to_parts` took apart (its own checks run again)."""
+    if fmt == "dense":
+        return data
+    if fmt == "fp8":
+        return fp8.FP8Tensor(data, scales, tag)
+    if fmt == "mxfp4":
+        return mxfp4.MXFP4Tensor(data, scales, tuple(shape))
+    if fmt == "nvfp4":
+        return nvfp4.NVFP4Tensor(data, scales, global_scale, tuple(shape), swizzled=tag == "swizzled")
+    raise ValueError(f"format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
 
 
 def recipe_format(recipe: str) -> str:
