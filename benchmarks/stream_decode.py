@@ -31,7 +31,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import _stream_decode_kernels as kern  # noqa: E402
+from moekit.tools.bench.timing import graph_time_us as graph_us  # noqa: E402
 
 # gpt-oss-120b
 HIDDEN = 2880
@@ -285,35 +285,6 @@ def round_robin(space: dict[str, list[Config]]) -> list[tuple[str, Config]]:
     for i in range(max(len(v) for v in space.values())):
         order += [(name, cfgs[i]) for name, cfgs in space.items() if i < len(cfgs)]
     return order
-
-
-def graph_us(fns, replays: int = 50, warmup: int = 3) -> float:
-    """Median microseconds per call of ``fns`` (one call each) captured in one CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            for fn in fns:
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times) / len(fns)
 
 
 def _finite(obj):
@@ -643,25 +614,11 @@ def compile_only(only: list[str] | None, per_variant: int | None = None) -> int:
     import subprocess
     import tempfile
 
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    class Sm90:
-        target = GPUTarget("cuda", 90, 32)
+    from moekit.tools._fake_sm90 import Sm90Driver
 
-        def get_current_target(self):
-            return self.target
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-    driver.set_active(Sm90())
+    driver.set_active(Sm90Driver())
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     # Building needs argument types and alignments, not gigabytes: every pointer gets a small buffer.
     words, bytes_ = torch.zeros(16, dtype=torch.int32), torch.zeros(64, dtype=torch.uint8)

@@ -23,27 +23,12 @@ os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-
-class _Sm90Driver:
-    target = GPUTarget("cuda", 90, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
+from moekit.tools._fake_sm90 import Sm90Driver as _Sm90Driver  # noqa: E402
 
 
 BUILT: list[tuple[str, object]] = []
