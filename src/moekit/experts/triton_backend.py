@@ -142,9 +142,9 @@ class WeightOperand:
     def args(self) -> tuple:
         d, s = self.data, self.scales
         if self.format == "dense":
-            return (d, d.stride(0), d.stride(1), d.stride(2), d, 0, 0, d)
+            return (d, *d.stride(), d, 0, 0, d)  # [E, N, K]: one stride() call gives all three
         if self.format == "fp8":
-            return (d, d.stride(0), d.stride(1), d.stride(2), s, s.stride(0), s.stride(1), s)
+            return (d, *d.stride(), s, s.stride(0), s.stride(1), s)
         return (d, d.stride(0), d.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
 
     def gemv_args(self) -> tuple:
@@ -269,7 +269,7 @@ def paired_k(x: torch.Tensor) -> torch.Tensor:
 
 def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
     """GEMM1's (expert, row, column) strides of x: [T, H] (standard) or [E, M, H] (batched)."""
-    return (0, x3.stride(0), x3.stride(1)) if x3.dim() == 2 else (x3.stride(0), x3.stride(1), x3.stride(2))
+    return (0, *x3.stride()) if x3.dim() == 2 else x3.stride()
 
 
 def gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,

@@ -101,14 +101,14 @@ def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions |
     else:
         scaling = routing.scaling
         out2 = x
-    router_kernel[plan.grid](
-        x, x.stride(0), x.stride(1),
-        weight, weight.stride(0), weight.stride(1),
-        a, a.stride(0), a.stride(1),
-        b, b.stride(0), b.stride(1),
+    router_kernel[plan.grid](  # every tensor here is 2-D: one stride() call gives both strides
+        x, *x.stride(),
+        weight, *weight.stride(),
+        a, *a.stride(),
+        b, *b.stride(),
         bias if bias is not None else x, corr_bias if corr_bias is not None else x,
         ws, counters,
-        out2, out2.stride(0), out2.stride(1),
+        out2, *out2.stride(),
         topk_weights, topk_ids,
         num_tokens, hidden, weight.shape[0], rank, plan.k_per_split, plan.rows,
         float(lora.scale) if lora is not None else 0.0, scaling,
