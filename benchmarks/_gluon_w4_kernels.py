@@ -16,7 +16,9 @@ partitions of one CTA run concurrently and meet only in shared memory:
            step, issues one asynchronous wgmma (A and W both from shared memory), keeps one in flight, and hands the
            previous step's A and W slots back once that wgmma has retired; stores C from the fp32 accumulator.
 
-Barriers (all count 1: Gluon's mbarrier.arrive is one arrival per partition, TMA completions are expect-tx):
+Barriers (all count 1: Gluon's mbarrier.arrive is one arrival per partition, made by one thread after Triton has
+synchronized the partition's warps, so every warp's shared loads and stores come before it; TMA completions are
+expect-tx):
   q_ready[s]  loader -> decode   codes + scales of slot s landed (TMA)
   q_empty[s]  decode -> loader   codes + scales of slot s are in the decode warps' registers
   a_ready[s]  loader -> MMA      A of slot s landed (TMA)
@@ -33,14 +35,22 @@ The decode (DECODE):
         adds a second multiply (2^min(s-1, 127) then 2^max(s-128, 0), NaN for s = 255) so that every byte is exact.
         The host picks FULL_RANGE from the weights' largest scale byte, once, when it prepares them (gpt-oss's
         scales are near 2^-9..2^-3, bytes 118..125: one multiply).
+  WORDS the same identity on int32 words of 8 codes prepared at load time (gluon_w4.prepare_codes) so that codes
+        2j and 2j + 1 sit in nibbles j and 4 + j, 16 bits apart like the two halves of the bf16 pair they become:
+        one shift places both magnitudes, one both signs, two masks, then one mul.rn.bf16x2 by the factor in both
+        halves (FULL_RANGE: two). The pairs are stored as int32 words through an int32 view of the wgmma tile
+        (the same bytes under the same 128-byte swizzle). About 3 SASS instructions per weight against 6.7 for
+        BITS on bytes as stored (gluon_w4.py --compile-only counts them).
   CVT   Triton's own fp4 -> bf16 conversion (gl.fp4_to_fp: e2m1 values, all normal) times 2^(s - 127) built from
         the byte's bits (s = 0: the subnormal 2^-127; s = 255: NaN): one multiply, exact for every byte.
-Both are exact (every product is representable, or overflows to inf exactly where the float64 value does);
-tests/test_gluon_w4.py checks the BITS identity against moekit.formats.mxfp4.dequantize on the CPU, bit for bit.
+All three are exact (every product is representable, or overflows to inf exactly where the float64 value does);
+tests/test_gluon_w4.py checks all three on the CPU, emulated with the same integer operations
+(gluon_w4.emulate_decode), against moekit.formats.mxfp4.dequantize bit for bit, every code under every scale byte.
 
 Layouts. A is [M, K] bf16 as it is (TMA box [BM, BK], 128-byte swizzle). The codes are moekit's MXFP4Tensor data
-[N, K/2] as they are, read through a 3-D view [N, K/32, 16] (box [BN, BK/32, 16]: one scale group's 16 bytes per
-innermost row) so that a decode thread loads whole groups. The scales are prepared once, at load time, as
+[N, K/2] (BITS, CVT; WORDS: the same bytes with nibbles permuted, as int32) read through a 3-D view
+[N, K/32, 16 bytes] (box [BN, BK/32, 16 bytes]: one scale group per innermost row, no swizzle) so that a decode
+thread loads whole groups with one 128-bit load. The scales are prepared once, at load time, as
 [K/32, N] (gluon_w4.prepare_scales, exact round trip): moekit's [N, K/32] rows are K/32 = 90 bytes apart, not the
 16-byte multiple TMA needs, and a tile's BN bytes of one group are then one contiguous box row.
 
@@ -62,8 +72,6 @@ CVT = gl.constexpr(1)
 WORDS = gl.constexpr(2)
 MAG2 = gl.constexpr(0x01C001C0)  # bits 6..8 of both bf16 halves: an E2M1 magnitude under the exponent's lowest bit
 SIGN2 = gl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: both bf16 sign bits
-GROUP = 32  # codes per E8M0 scale
-GROUP_BYTES = 16
 
 
 @gluon.jit
@@ -162,7 +170,8 @@ def _decode_words(q_slot, s_slot, w_slot, r0, SUB: gl.constexpr, L3: gl.constexp
         o3 = _bf16x2_mul(o3, f2)
     # [SUB, G, 4 words, 2, 2] -> word m, pair j = 2 x + y at int32 index 4 m + j, i.e. k = 8 m + 2 j (+1 high half)
     pairs = gl.reshape(gl.join(gl.join(o0, o2), gl.join(o1, o3)), [SUB, BK // 2])
-    # The wgmma tile seen as int32 words: the same bytes under the same 128-byte swizzle (16-byte units).
+    # The wgmma tile seen as int32 words: the same bytes under the same 128-byte swizzle (16-byte units; BK = 64
+    # makes the bf16 rows 128 bytes, the host checks it).
     w_words = w_slot._reinterpret(gl.int32, [BN, BK // 2], gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                                                 element_bitwidth=32, rank=2))
     w_words.slice(r0, SUB, dim=0).store(pairs)

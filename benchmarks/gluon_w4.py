@@ -272,7 +272,10 @@ def candidates() -> list[Config]:
         Config(bm=256, warps=8, stages=3),  # one decoded tile feeds 256 rows: half the decode per FLOP
         Config(bm=64, stages=6),  # small M: more CTAs
         Config(bn=64, stages=6),
-        Config(bm=256, warps=8, stages=4),
+        # n256 wgmmas read the fewest shared-memory bytes per FLOP; two decode warps keep the CTA at 12 warps (168
+        # registers each at launch, 240 for the MMA warpgroups): with four, the accumulators do not fit
+        Config(bn=256, warps=8, stages=3, decode_warps=2),
+        Config(bm=256, warps=8, stages=4, decode_warps=2),
         Config(decode="bits"),  # the brief's identity on codes as stored (no prepared words)
         Config(decode="cvt"),  # Triton's fp4 -> bf16
         Config(decode_warps=8, sub=128, decode_regs=96),
@@ -283,17 +286,38 @@ def candidates() -> list[Config]:
 # Compile-only (CPU)
 
 
-def ptxas_report(kernel) -> dict:
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+def decode_loop_instructions(sass: str) -> int | None:
+    """SASS instructions in the decode warps' K loop (the loop around the bf16 multiplies), one pass per thread."""
+    lines = sass.splitlines()
+    mul = [i for i, ln in enumerate(lines) if "HMUL2" in ln]
+    if not mul:
+        return None
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", ln))}
+    for ln in lines[mul[-1]:]:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
+        if m and labels.get(m.group(1), len(lines)) < mul[0]:
+            start, end = labels[m.group(1)], lines.index(ln)
+            return sum(1 for x in lines[start:end + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x))
+    return None
+
+
+def ptxas_report(kernel, cfg: Config | None = None) -> dict:
+    """ptxas's registers, spills and stack for the kernel's PTX, its setmaxnreg budgets, shared memory, and the
+    decode loop's SASS instructions per weight (``cfg`` given)."""
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
-        text = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
+        text = subprocess.run([str(bindir / "ptxas"), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
                                str(Path(tmp) / "k.cubin")], capture_output=True, text=True).stderr
+        sass = subprocess.run([str(bindir / "nvdisasm"), "-c", str(Path(tmp) / "k.cubin")], capture_output=True,
+                              text=True).stdout
     num = lambda p: int(m.group(1)) if (m := re.search(p, text)) else 0  # noqa: E731
     regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])})
+    loop = decode_loop_instructions(sass)
+    per_weight = loop / (cfg.bn * cfg.bk / (32 * cfg.decode_warps)) if loop and cfg else None
     return {"regs": num(r"Used (\d+) registers"), "spill": num(r"(\d+) bytes spill stores") +
             num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"), "setmaxnreg": regs,
-            "smem": kernel.metadata.shared}
+            "smem": kernel.metadata.shared, "decode_loop": loop, "decode_per_weight": per_weight}
 
 
 def compile_only(only: int | None = None) -> int:
@@ -315,12 +339,13 @@ def compile_only(only: int | None = None) -> int:
             try:
                 check_config(cfg, n, k)
                 p = preps.setdefault(cfg.decode, prepare(w, cfg.decode))
-                r = ptxas_report(launch(cfg, a, p, c, warmup=True))
+                r = ptxas_report(launch(cfg, a, p, c, warmup=True), cfg)
                 bad = r["spill"] > 0
                 failures += bad
+                dec = f"{r['decode_per_weight']:.2f}" if r["decode_per_weight"] else "?"
                 print(f"{'SPILL' if bad else 'ok':5s} {name:3s} {cfg.label():45s} regs {r['regs']:3d} "
                       f"(setmaxnreg {r['setmaxnreg']})  spill {r['spill']:4d} B  smem {r['smem']:6d} B  "
-                      f"{time.monotonic() - t:4.1f} s", flush=True)
+                      f"decode {dec} SASS/weight  {time.monotonic() - t:4.1f} s", flush=True)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 failures += 1
                 text = str(exc)  # ptxas errors carry the whole PTX first: keep the end
