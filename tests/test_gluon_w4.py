@@ -149,9 +149,11 @@ def _gpu_case(m, n, k, decode, cfg=None, scale_bytes=gw.SCALE_BYTES):
     err, c = gw.run_checked(cfg, a, p, gw.reference64(a, w))
     assert err <= gw.MAX_REL, f"{cfg.label()} M={m} N={n} K={k}: max rel error {err:.3e}"
     # the decode on the GPU writes exactly the emulated weights: C equals A @ emulated W^T up to fp32 summation
-    w_cpu = mxfp4.MXFP4Tensor(w.data.cpu(), w.scales.cpu(), w.shape)
+    # (the first 256 weight rows: the CPU emulation of a whole gpt-oss matrix takes seconds)
+    rows = min(n, 256)
+    w_cpu = mxfp4.MXFP4Tensor(w.data[:rows].cpu(), w.scales[:rows].cpu(), (rows, k))
     ref_emul = a.double() @ gw.emulate_decode(gw.prepare(w_cpu, decode)).double().t().to(dev)
-    assert gw.rel_error(c, ref_emul) <= 4e-3
+    assert gw.rel_error(c[:, :rows], ref_emul) <= 4e-3
     return p
 
 
