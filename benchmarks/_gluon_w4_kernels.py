@@ -57,6 +57,14 @@ thread loads whole groups with one 128-bit load. The scales are prepared once, a
 Constraints of this prototype: K % BK == 0 (gpt-oss: K = 2880 = 45 x 64), N and M may have partial tiles (TMA
 fills out-of-range boxes with zeros; C's stores are masked), one output tile per CTA (no persistent schedule).
 
+What should limit it (H200, per SM per clock: ~4096 dense bf16 FLOP, 128 bytes of shared memory): an SS wgmma
+m64nN reads its B operand (the decoded W) once per 64 rows of A and A once per N columns, so the rings cost
+(1/64 + 1/BN) bytes per FLOP of reads plus 1/BN (A's TMA), 1/BM (the decoded W's stores) and 1/(2 BM) (codes in
+and out) of writes: 168 B/clk at BM = BN = 128 (the MMA can run at most at ~76% of peak), 148 at BM = 256,
+BN = 128 (~86%), 136 at BM = 128, BN = 256 (~94%). The decode warps issue about 3 SASS instructions per weight
+(WORDS), once per BM rows: 2 decode warps feeding BN = 256 issue ~700 instructions per K step each against
+~1000 clocks of wgmma. Both bounds are what the GPU run should confirm or refute.
+
 API fit (triton 3.6.0): gl.warp_specialize takes [(default_fn, args), (worker_fn, args), ...], then the workers'
 warp counts and register budgets; workers take no tensors (descriptors, shared-memory views and scalars only),
 which is what the rings are. Nothing had to be adapted.
