@@ -38,7 +38,10 @@ def format_of(w) -> str:
 def to_parts(w) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None, str, list[int]]:
     """(format, data, scales, global_scale, tag, shape): a weight as tensors and plain values, which a
     torch.library op's schema can carry (it takes no objects); :func:`from_parts` rebuilds it. ``tag``: an FP8
-    weight's granularity, "swizzled" for an NVFP4 weight with swizzled scales, else empty."""
+    weight's granularity, "swizzled" for an NVFP4 weight with swizzled scales, else empty. The rebuilt object is
+    new on every call, so a swizzled NVFP4 stack is unswizzled in every compiled call (a copy kept across calls
+    could live in the private memory pool of the CUDA graph that made it): compiled code should hold linear
+    scales (``NVFP4Tensor(w.data, w.linear_scales(), w.global_scale, w.shape)``)."""
     fmt = format_of(w)
     if fmt == "dense":
         return fmt, w, None, None, "", list(w.shape)

@@ -9,7 +9,6 @@ x ~ e2m1(q) * sf / gs. ModelOpt checkpoints store weight_scale_2 = 1 / gs; conve
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -69,19 +68,11 @@ class NVFP4Tensor:
         version = tensor_version(self.scales)
         if version is None:  # an inference-mode tensor keeps no version counter: unswizzled on every call
             return unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK)
-        # Keyed by the scales tensor, not this object: torch.compile's ops rebuild the object on every call.
-        key = (id(self.scales), self.shape)
-        cached = _LINEAR.get(key)
-        if cached is None or cached[0]() is not self.scales or cached[1] != version:
-            if len(_LINEAR) >= 256:  # forget stacks that are gone
-                for k in [k for k, v in _LINEAR.items() if v[0]() is None]:
-                    del _LINEAR[k]
-            cached = (weakref.ref(self.scales), version, unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK))
-            _LINEAR[key] = cached
-        return cached[2]
-
-
-_LINEAR: dict = {}  # (id of swizzled scales, shape) -> (weakref to them, their version, the linear scales)
+        cached = self.__dict__.get("_linear")
+        if cached is None or cached[0] != version:
+            cached = (version, unswizzle(self.scales, self.shape[-2], self.shape[-1] // BLOCK))
+            object.__setattr__(self, "_linear", cached)  # a cache beside the frozen fields, not one of them
+        return cached[1]
 
 
 def _expand(gs: torch.Tensor, ndim: int) -> torch.Tensor:
