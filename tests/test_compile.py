@@ -129,3 +129,27 @@ def test_every_experts_call_kind_compiles_fullgraph(device, case):
     valid = torch.arange(3, device=device)[None, :] < counts[:, None]
     check_close(f"compiled batched_experts {case}", torch.compile(run_b, fullgraph=True)(xb, counts)[valid],
                 run_b(xb, counts)[valid], tol)
+
+
+def test_an_explicit_config_is_guarded_by_value_not_by_object():
+    # a config rebuilt per call (equal values) must not recompile, and one built inside the compiled code traces
+    import torch._dynamo.testing
+
+    from moekit import fused_experts
+    from moekit.experts import ExpertsConfig, GemmConfig
+
+    torch._dynamo.reset()
+    E, H, I, T, k = 6, 64, 32, 9, 2
+    w13, w2, x = torch.randn(E, 2 * I, H) * 0.2, torch.randn(E, H, I) * 0.2, torch.randn(T, H)
+    tw, tid = torch.rand(T, k), torch.randint(0, E, (T, k), dtype=torch.int32)
+    make = lambda: ExpertsConfig(16, GemmConfig(32, 64, num_stages=1), GemmConfig(32, 64, num_stages=1))  # noqa: E731
+    eager = fused_experts(x, w13, w2, tw, tid, backend="triton", config=make())
+    frames = torch._dynamo.testing.CompileCounter()
+    run = torch.compile(lambda x, cfg: fused_experts(x, w13, w2, tw, tid, backend="triton", config=cfg),
+                        backend=frames, fullgraph=True)
+    for _ in range(3):
+        check_close("compiled with a config argument", run(x, make()), eager, Tolerance(1e-6, 1e-6))
+    assert frames.frame_count == 1
+    inside = torch.compile(lambda x: fused_experts(x, w13, w2, tw, tid, backend="triton", config=make()),
+                           fullgraph=True)
+    check_close("compiled with a config made inside", inside(x), eager, Tolerance(1e-6, 1e-6))

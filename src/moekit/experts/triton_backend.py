@@ -12,9 +12,9 @@ passes arguments as :func:`fused_experts_into` does.
 
 from __future__ import annotations
 
+import ast
 import functools
-import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -719,13 +719,25 @@ def _general_args(w13, w2, config, lora) -> tuple:
     return (f13, *p13, *p2), (cfg, *adapters)
 
 
-@torch.compiler.assume_constant_result  # a config is a constant of the trace: its text is made once, outside it
+_GEMM_FIELDS = tuple(f.name for f in fields(GemmConfig))
+_EXPERTS_FIELDS = tuple(f.name for f in fields(ExpertsConfig) if f.name not in ("gemm1", "gemm2"))
+
+
 def _config_text(config: ExpertsConfig) -> str:
-    return json.dumps(config.to_dict())
+    """The config as the text of a Python literal, by plain attribute reads that torch.compile traces (and guards
+    by value: an equal config built anew does not recompile)."""
+    parts = [repr(getattr(config, name)) for name in _EXPERTS_FIELDS]
+    for gemm in (config.gemm1, config.gemm2):
+        parts.append("(" + ", ".join(repr(getattr(gemm, name)) for name in _GEMM_FIELDS) + ",)")
+    return "(" + ", ".join(parts) + ")"
 
 
+@functools.lru_cache(maxsize=256)  # per config text: each compiled call passes the same one
 def _config_of(text: str | None) -> ExpertsConfig | None:
-    return None if text is None else ExpertsConfig.from_dict(json.loads(text))
+    if text is None:
+        return None
+    *top, g1, g2 = ast.literal_eval(text)
+    return ExpertsConfig(**dict(zip(_EXPERTS_FIELDS, top)), gemm1=GemmConfig(*g1), gemm2=GemmConfig(*g2))
 
 
 def _lora_of(w13_a, w13_b, w2_a, w2_b, scaling):
