@@ -5,6 +5,7 @@ shape class of the tuned table, and a planted fault that the checks catch. On a 
 format at real sizes, in CUDA graphs and under torch.compile."""
 
 import dataclasses
+import os
 import warnings
 
 import pytest
@@ -318,6 +319,7 @@ def test_explain_says_whether_the_mode_is_on(capsys):
     assert cli.main(["explain", "--preset", "qwen3-30b-a3b", "--tokens", "1", "--batch-invariant"]) == 0
     out = capsys.readouterr().out
     assert "batch-invariant mode: on" in out and "matmuls of 16 rows at every T" in out
+    assert not _invariant.enabled()                              # the command's mode ends with the command
     cfg, why = C.invariant_choice(1, 128, 8, 1536, 2048, torch.device("cpu"), torch.bfloat16)
     assert cfg.mode == "aligned" and "K steps 64 (GEMM1) and 64 (GEMM2)" in why
 
@@ -334,6 +336,7 @@ def test_verify_runs_the_invariance_checks_in_the_mode(tmp_path, monkeypatch):
     rows = [r for r in json.loads(report.read_text()) if r["op"].endswith("[invariant]")]
     assert code == 0 and len(rows) == 3 + 2 * len(invariance_checks.FORMATS), rows
     assert all(r["ok"] for r in rows)
+    assert not _invariant.enabled() and _invariant.ENV not in os.environ   # mode and variable restored after
 
 
 # ---- GPU: real sizes, every preset and format, graphs and compile ----------------------------------------------

@@ -12,10 +12,10 @@ def gpu_named(monkeypatch):
     """The tier lookup on a GPU of the given name (its cached name query forgotten before and after)."""
     def name(gpu):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
-        router_tiers._gpu_name.cache_clear()
+        router_tiers._cuda_name.cache_clear()
 
     yield name
-    router_tiers._gpu_name.cache_clear()
+    router_tiers._cuda_name.cache_clear()
 
 
 def test_cpu_calls_use_torch_and_say_why():
@@ -36,15 +36,15 @@ def test_measured_table_has_the_h200_and_defaults():
 
 def test_unmeasured_gpu_falls_back_to_default(gpu_named):
     gpu_named("Imaginary GPU")
-    limit, source = router_tiers.crossover_tokens(torch.device("cuda"), 2880, 128)
+    limit, source = router_tiers.crossover_tokens(torch.device("cuda", 0), 2880, 128)
     assert limit == router_tiers._crossover_table()["default"]["gemm_triton"] and "no measurement" in source
 
 
 def test_h200_lookup_by_shape_then_smallest(gpu_named):
     gpu_named("NVIDIA H200")
     entry = router_tiers._crossover_table()["gpus"]["NVIDIA H200"]["gemm_triton"]
-    assert router_tiers.crossover_tokens(torch.device("cuda"), 2880, 128)[0] == entry["shapes"]["H2880_E128"]
-    limit, source = router_tiers.crossover_tokens(torch.device("cuda"), 1000, 7)
+    assert router_tiers.crossover_tokens(torch.device("cuda", 0), 2880, 128)[0] == entry["shapes"]["H2880_E128"]
+    limit, source = router_tiers.crossover_tokens(torch.device("cuda", 0), 1000, 7)
     assert limit == entry["max_tokens"] == min(entry["shapes"].values()) and "smallest" in source
 
 

@@ -35,9 +35,20 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: "cuda" alone means the current GPU now, which a cached answer must not outlive."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _hopper_or_later(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and _capability_major(indexed(device)) >= 9
+
+
+@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def tma_copies(device: torch.device) -> bool:

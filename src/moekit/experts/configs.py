@@ -14,7 +14,7 @@ from importlib import resources
 
 import torch
 
-from .. import _invariant
+from .. import _invariant, _triton
 from ..formats import WEIGHT_FORMATS, recipe_format
 from ..formats import fp8 as fp8_format
 
@@ -234,8 +234,12 @@ def config_family(weights: str, act_quant: str | None = None) -> str:
     return "w4a8"
 
 
-@functools.lru_cache(maxsize=256)  # the device's name is a driver query: once per device, not per eager call
 def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "dense") -> str:
+    return _table_key(_triton.indexed(device), dtype, weight_format)
+
+
+@functools.lru_cache(maxsize=256)  # the device's name is a driver query: once per device, not per eager call
+def _table_key(device: torch.device, dtype: torch.dtype, weight_format: str) -> str:
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

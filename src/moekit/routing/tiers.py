@@ -62,9 +62,13 @@ def _crossover_table() -> dict:
     return json.loads(text)
 
 
-@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
 def _gpu_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return _cuda_name(_triton.indexed(device)) if device.type == "cuda" else "cpu"
+
+
+@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
+def _cuda_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 def _measured(device: torch.device, hidden: int, num_experts: int, table: str) -> tuple[int, str]:

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from unittest import mock
 from pathlib import Path
 
 import torch
@@ -95,8 +94,16 @@ def cmd_verify(args) -> int:
         return _verify(args)
     # The mode for this process and, through the environment, for its isolated children; both restored after, as
     # main() may be called in a process that goes on (tests, notebooks).
-    with _invariant.batch_invariant(), mock.patch.dict(os.environ, {_invariant.ENV: "1"}):
-        return _verify(args)
+    saved = os.environ.get(_invariant.ENV)
+    os.environ[_invariant.ENV] = "1"
+    try:
+        with _invariant.batch_invariant():
+            return _verify(args)
+    finally:
+        if saved is None:
+            os.environ.pop(_invariant.ENV, None)
+        else:
+            os.environ[_invariant.ENV] = saved
 
 
 def _verify(args) -> int:
