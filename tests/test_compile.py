@@ -99,6 +99,8 @@ def _quantized(recipe, w):
     ("mxfp4", None, False),           # 4-bit weights: parts of the weight objects in the op's schema
     ("nvfp4_swizzled", None, False),  # a swizzled NVFP4 stack (its layout flag travels too)
     ("fp8_block", "fp8_group", False),  # W8A8: act_quant in the schema
+    ("fp8_channel", "fp8_group", False),  # another FP8 granularity (its tag)
+    ("nvfp4", None, False),           # linear NVFP4 scales and a per-expert global scale
     ("dense", None, True),            # an explicit block configuration, as JSON
 ])
 @pytest.mark.parametrize("device", DEVICES)
