@@ -155,3 +155,35 @@ def test_an_explicit_config_is_guarded_by_value_not_by_object():
     inside = torch.compile(lambda x: fused_experts(x, w13, w2, tw, tid, backend="triton", config=make()),
                            fullgraph=True)
     check_close("compiled with a config made inside", inside(x), eager, Tolerance(1e-6, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_under_compile_is_written_in_full_and_checked_for_overlap_when_it_runs(device):
+    # traced tensors have no memory to compare: the ops check out= against their inputs when the graph runs
+    torch._dynamo.reset()
+    from moekit import fused_experts, router_gemm
+    from moekit.formats import quantize_experts
+
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    E, H, I, T, k = 6, 64, 32, 9, 2
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) * 0.2
+    w2 = torch.randn(E, H, I, device=device, dtype=dtype) * 0.2
+    q13, q2 = quantize_experts(w13.float(), "mxfp4"), quantize_experts(w2.float(), "mxfp4")
+    x, tw = torch.randn(T, H, device=device, dtype=dtype), torch.rand(T, k, device=device)
+    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
+    tol = Tolerance(1e-6, 1e-6) if device == "cpu" else Tolerance(1e-2, 1e-3)
+    for a, b in ((w13, w2), (q13, q2)):  # the dense op and the general one
+        run = torch.compile(lambda x, out, a=a, b=b: fused_experts(x, a, b, tw, tid, backend="triton", out=out),
+                            fullgraph=True)
+        out = torch.full((T, H), float("nan"), device=device, dtype=dtype)
+        assert run(x, out).data_ptr() == out.data_ptr()
+        check_close("compiled fused_experts into out=", out, fused_experts(x, a, b, tw, tid, backend="triton"), tol)
+        with pytest.raises(ValueError, match="out must not overlap the memory of x"):
+            run(x, x)
+    w = torch.randn(E, H, device=device, dtype=dtype)
+    gemm = torch.compile(lambda x, out: router_gemm(x, w, out=out, out_dtype=dtype, tier="triton"), fullgraph=True)
+    logits = torch.full((T, E), float("nan"), device=device, dtype=dtype)
+    gemm(x, logits)
+    check_close("compiled router_gemm into out=", logits, router_gemm(x, w, out_dtype=dtype, tier="triton"), tol)
+    with pytest.raises(ValueError, match="out must not overlap the memory of x"):
+        gemm(x, x[:, :E])

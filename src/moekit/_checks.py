@@ -44,6 +44,12 @@ def check_out(name: str, out: torch.Tensor, shape: tuple[int, ...], dtype: torch
         raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
     if out.numel() and out.dim() and out.stride(-1) != 1 and out.shape[-1] != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {out.stride()}")
+    if not torch.compiler.is_compiling():  # traced tensors have no memory: the ops check it when they run
+        check_disjoint(name, out, inputs)
+
+
+def check_disjoint(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | None]) -> None:
+    """``out`` shares no memory with any of ``inputs`` (what a kernel writes must not be what it reads)."""
     for other_name, other in inputs.items():
         if other is not None and out.numel() and other.numel() and _overlaps(out, other):
             raise ValueError(f"{name} must not overlap the memory of {other_name}")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import _invariant, _triton
-from .._checks import check_out, check_shape, check_tensor
+from .._checks import check_disjoint, check_out, check_shape, check_tensor
 from . import gate_case
 from . import tiers as router_tiers
 from .options import RoutingOptions, empty_routes
@@ -140,6 +140,7 @@ def _lora_parts(lora: RouterLoRA | None):
 @torch.library.custom_op("moekit::router_gemm_into", mutates_args=("out",))
 def _router_gemm_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, lora_scale: float, tier: str) -> None:
+    check_disjoint("out", out, {"x": x, "weight": weight, "bias": bias})
     lora = None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale)
     _gemm(_GemmArgs(x, weight, bias, lora), out, tier)
 
