@@ -5,6 +5,7 @@ is shown by the eager benchmark, not here; these tests keep the work from coming
 import pytest
 import torch
 
+import moekit
 from moekit import ExpertsLoRA, batched_experts, fused_experts, fused_router, route, router_gemm
 from moekit.experts import backends, configs
 from moekit.experts import triton_backend  # noqa: F401 - registers the torch.library ops this file replaces
@@ -54,6 +55,9 @@ def test_a_repeated_router_launch_derives_its_shape_once(monkeypatch):
     assert len(derived) == 2                                                # the GEMM once, the fused router once
     router_gemm(x[:3], w, tier="triton")                                    # another token count: derived again
     assert len(derived) == 3
+    with moekit.batch_invariant():                                          # the mode picks other launch shapes
+        router_gemm(x, w, tier="triton")
+    assert len(derived) == 4
 
 
 def test_eager_calls_do_not_go_through_the_custom_ops(monkeypatch):
