@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from moekit import _triton
 from moekit.routing import tiers as router_tiers
 from moekit.routing.tiers import kernel_config
 
@@ -12,10 +13,10 @@ def gpu_named(monkeypatch):
     """The tier lookup on a GPU of the given name (its cached name query forgotten before and after)."""
     def name(gpu):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
-        router_tiers._cuda_name.cache_clear()
+        _triton._gpu_name.cache_clear()
 
     yield name
-    router_tiers._cuda_name.cache_clear()
+    _triton._gpu_name.cache_clear()
 
 
 def test_cpu_calls_use_torch_and_say_why():

@@ -35,20 +35,36 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def indexed(device: torch.device) -> torch.device:
+def _indexed(device: torch.device) -> torch.device:
     """``device`` with its index: "cuda" alone means the current GPU now, which a cached answer must not outlive."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
+# Driver queries, answered once per device rather than on every eager call.
+@functools.lru_cache(maxsize=64)
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def gpu_name(device: torch.device) -> str:
+    """The CUDA device's name ("NVIDIA H200"), or "cpu"."""
+    return _gpu_name(_indexed(device)) if device.type == "cuda" else "cpu"
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device."""
+    return _capability(_indexed(device))
+
+
 def _hopper_or_later(device: torch.device) -> bool:
-    return device.type == "cuda" and _capability_major(indexed(device)) >= 9
-
-
-@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
-def _capability_major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
+    return device.type == "cuda" and capability(device)[0] >= 9
 
 
 def tma_copies(device: torch.device) -> bool:
@@ -63,11 +79,13 @@ def dependent_launches(device: torch.device) -> bool:
     return not interpreting() and _hopper_or_later(device)
 
 
-@functools.cache  # per device: torch's property lookup costs microseconds per eager call
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter's stand-in)."""
-    if device.type != "cuda":
-        return 4
+    return _num_sms(_indexed(device)) if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=64)
+def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -90,7 +90,7 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
     if call.device.type == "cuda":
         if torch.compiler.is_compiling():
             return None  # the eager call before tracing asked the device; dynamo need not
-        major, minor = _capability(call.device)
+        major, minor = _triton.capability(call.device)
         if fp8_act and (major, minor) < (8, 9):
             kind = "W8A8" if call.weight_format == "fp8" else "W4A8"
             return f"FP8 {kind} needs FP8 tensor cores (compute capability >= 8.9), got {major}.{minor}"
@@ -103,15 +103,6 @@ def _triton_rejects(call: ExpertsCall, explicit: bool) -> str | None:
         return "Triton 3.6's interpreter computes bf16 dots wrongly (use fp16/fp32 on the CPU)"
     return None
 
-
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
-    return _CAPABILITY[index]
 
 
 def _torch_rejects(call: ExpertsCall, explicit: bool) -> str | None:

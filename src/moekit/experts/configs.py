@@ -235,16 +235,10 @@ def config_family(weights: str, act_quant: str | None = None) -> str:
 
 
 def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "dense") -> str:
-    return _table_key(_triton.indexed(device), dtype, weight_format)
-
-
-@functools.lru_cache(maxsize=256)  # the device's name is a driver query: once per device, not per eager call
-def _table_key(device: torch.device, dtype: torch.dtype, weight_format: str) -> str:
     import triton
 
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     fmt = "" if weight_format == "dense" else f"|{weight_format}"
-    return f"{gpu}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}{fmt}"
+    return f"{_triton.gpu_name(device)}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}{fmt}"
 
 
 def shape_key(num_experts: int, n1: int, k1: int) -> str:

@@ -62,19 +62,10 @@ def _crossover_table() -> dict:
     return json.loads(text)
 
 
-def _gpu_name(device: torch.device) -> str:
-    return _cuda_name(_triton.indexed(device)) if device.type == "cuda" else "cpu"
-
-
-@functools.lru_cache(maxsize=64)  # a driver query: once per device, not per eager call
-def _cuda_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
 def _measured(device: torch.device, hidden: int, num_experts: int, table: str) -> tuple[int, str]:
     """(token limit, where it comes from) from routing/tiers.json for this GPU and shape."""
     data = _crossover_table()
-    gpu = _gpu_name(device)
+    gpu = _triton.gpu_name(device)
     entry = data["gpus"].get(gpu)
     if entry is None or table not in entry:
         return data["default"][table], f"default (no measurement for {gpu!r})"
