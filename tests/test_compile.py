@@ -9,6 +9,24 @@ from moekit.metrics import Tolerance, check_close
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def _experts_call(device, dtype, H, I, E=6, T=9, k=2):
+    """(w13, w2, x, topk_weights, topk_ids) of a small experts call; weights in float32 for quantizing."""
+    w13, w2 = torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2
+    x, tw = torch.randn(T, H, device=device, dtype=dtype), torch.rand(T, k, device=device)
+    return w13, w2, x, tw, torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
+
+
+def _tolerance(device) -> Tolerance:
+    return Tolerance(1e-6, 1e-6) if device == "cpu" else Tolerance(1e-2, 1e-3)
+
+
+def _check_batched(name, run, xb, counts, *args):
+    """Compiled against eager on the valid rows (padding rows are unspecified)."""
+    valid = torch.arange(xb.shape[1], device=xb.device)[None, :] < counts[:, None]
+    check_close(name, torch.compile(run, fullgraph=True)(xb, counts, *args)[valid], run(xb, counts, *args)[valid],
+                _tolerance(xb.device.type))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gate_linear_compiles_fullgraph(device):
     torch._dynamo.reset()
@@ -34,12 +52,8 @@ def test_fused_experts_triton_op_compiles_fullgraph(device):
     from moekit.experts import fused_experts
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    E, H, I, T, k = 6, 32, 16, 9, 2
-    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) * 0.2
-    w2 = torch.randn(E, H, I, device=device, dtype=dtype) * 0.2
-    x = torch.randn(T, H, device=device, dtype=dtype)
-    tw = torch.rand(T, k, device=device)
-    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
+    w13, w2, x, tw, tid = _experts_call(device, dtype, 32, 16)
+    w13, w2 = w13.to(dtype), w2.to(dtype)
     run = lambda x, tw, tid: fused_experts(x, w13, w2, tw, tid, backend="triton")  # noqa: E731
     check_close("compiled fused_experts", torch.compile(run, fullgraph=True)(x, tw, tid), run(x, tw, tid),
                 Tolerance(1e-6, 1e-6))
@@ -66,25 +80,21 @@ def test_expert_lora_compiles_fullgraph_in_both_formats(device):
     from moekit import ExpertsLoRA, batched_experts, fused_experts
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    E, H, I, T, k, r, n = 6, 32, 16, 9, 2, 4, 2
+    E, H, I, r, n = 6, 32, 16, 4, 2
     g = lambda *shape: (torch.randn(*shape, device=device) * 0.2).to(dtype)  # noqa: E731
-    w13, w2 = g(E, 2 * I, H), g(E, H, I)
+    w13, w2, x, tw, tid = _experts_call(device, dtype, H, I, E)
+    w13, w2 = w13.to(dtype), w2.to(dtype)
     lora = ExpertsLoRA(g(n, E, r, H), g(n, E, 2 * I, r), g(n, E, r, I), g(n, E, H, r), scaling=[1.0, 0.5])
-    x, tw = g(T, H), torch.rand(T, k, device=device)
-    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
     lid = torch.tensor([0, 1, -1, 0, 1, 1, 0, -1, 0], device=device, dtype=torch.int32)
     run = lambda x, tw, tid, lid: fused_experts(x, w13, w2, tw, tid, backend="triton", lora=lora,  # noqa: E731
                                                 lora_ids=lid)
-    tol = Tolerance(1e-6, 1e-6) if device == "cpu" else Tolerance(1e-2, 1e-3)
     check_close("compiled fused_experts with LoRA", torch.compile(run, fullgraph=True)(x, tw, tid, lid),
-                run(x, tw, tid, lid), tol)
+                run(x, tw, tid, lid), _tolerance(device))
     xb, counts = g(E, 3, H), torch.tensor([3, 0, 1, 2, 3, 1], device=device, dtype=torch.int32)
     lid_b = torch.randint(-1, n, (E, 3), device=device, dtype=torch.int32)
     run_b = lambda xb, counts, lid_b: batched_experts(xb, counts, w13, w2, backend="triton", lora=lora,  # noqa: E731
                                                       lora_ids=lid_b)
-    valid = torch.arange(3, device=device)[None, :] < counts[:, None]  # padding rows are unspecified
-    check_close("compiled batched_experts with LoRA", torch.compile(run_b, fullgraph=True)(xb, counts, lid_b)[valid],
-                run_b(xb, counts, lid_b)[valid], tol)
+    _check_batched("compiled batched_experts with LoRA", run_b, xb, counts, lid_b)
 
 
 def _quantized(recipe, w):
@@ -101,7 +111,7 @@ def _quantized(recipe, w):
     ("fp8_block", "fp8_group", False),  # W8A8: act_quant in the schema
     ("fp8_channel", "fp8_group", False),  # another FP8 granularity (its tag)
     ("nvfp4", None, False),           # linear NVFP4 scales and a per-expert global scale
-    ("dense", None, True),            # an explicit block configuration, as JSON
+    ("dense", None, True),            # an explicit block configuration, as literal text
 ])
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_experts_call_kind_compiles_fullgraph(device, case):
@@ -111,26 +121,21 @@ def test_every_experts_call_kind_compiles_fullgraph(device, case):
 
     recipe, act_quant, explicit = case
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
-    E, H, I, T, k = 6, 128, 128, 9, 2
-    w13, w2 = torch.randn(E, 2 * I, H, device=device) * 0.2, torch.randn(E, H, I, device=device) * 0.2
+    w13, w2, x, tw, tid = _experts_call(device, dtype, 128, 128)
     if recipe == "dense":
         w13, w2 = w13.to(dtype), w2.to(dtype)
     else:
         w13, w2 = _quantized(recipe, w13), _quantized(recipe, w2)
     config = ExpertsConfig(16, GemmConfig(32, 64, num_stages=1), GemmConfig(32, 64, num_stages=1)) if explicit else None
-    x, tw = torch.randn(T, H, device=device, dtype=dtype), torch.rand(T, k, device=device)
-    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
     run = lambda x, tw, tid: fused_experts(x, w13, w2, tw, tid, backend="triton", act_quant=act_quant,  # noqa: E731
                                            config=config)
-    tol = Tolerance(1e-6, 1e-6) if device == "cpu" else Tolerance(1e-2, 1e-3)
-    check_close(f"compiled fused_experts {case}", torch.compile(run, fullgraph=True)(x, tw, tid), run(x, tw, tid), tol)
-    xb, counts = torch.randn(E, 3, H, device=device, dtype=dtype), torch.tensor([3, 0, 1, 2, 3, 1], device=device,
-                                                                               dtype=torch.int32)
+    check_close(f"compiled fused_experts {case}", torch.compile(run, fullgraph=True)(x, tw, tid), run(x, tw, tid),
+                _tolerance(device))
+    xb = torch.randn(6, 3, 128, device=device, dtype=dtype)
+    counts = torch.tensor([3, 0, 1, 2, 3, 1], device=device, dtype=torch.int32)
     run_b = lambda xb, counts: batched_experts(xb, counts, w13, w2, backend="triton", act_quant=act_quant,  # noqa: E731
                                                config=config)
-    valid = torch.arange(3, device=device)[None, :] < counts[:, None]
-    check_close(f"compiled batched_experts {case}", torch.compile(run_b, fullgraph=True)(xb, counts)[valid],
-                run_b(xb, counts)[valid], tol)
+    _check_batched(f"compiled batched_experts {case}", run_b, xb, counts)
 
 
 def test_an_explicit_config_is_guarded_by_value_not_by_object():
@@ -141,9 +146,7 @@ def test_an_explicit_config_is_guarded_by_value_not_by_object():
     from moekit.experts import ExpertsConfig, GemmConfig
 
     torch._dynamo.reset()
-    E, H, I, T, k = 6, 64, 32, 9, 2
-    w13, w2, x = torch.randn(E, 2 * I, H) * 0.2, torch.randn(E, H, I) * 0.2, torch.randn(T, H)
-    tw, tid = torch.rand(T, k), torch.randint(0, E, (T, k), dtype=torch.int32)
+    w13, w2, x, tw, tid = _experts_call("cpu", torch.float32, 64, 32)
     make = lambda: ExpertsConfig(16, GemmConfig(32, 64, num_stages=1), GemmConfig(32, 64, num_stages=1))  # noqa: E731
     eager = fused_experts(x, w13, w2, tw, tid, backend="triton", config=make())
     frames = torch._dynamo.testing.CompileCounter()
@@ -165,13 +168,11 @@ def test_out_under_compile_is_written_in_full_and_checked_for_overlap_when_it_ru
     from moekit.formats import quantize_experts
 
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
-    E, H, I, T, k = 6, 64, 32, 9, 2
-    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) * 0.2
-    w2 = torch.randn(E, H, I, device=device, dtype=dtype) * 0.2
-    q13, q2 = quantize_experts(w13.float(), "mxfp4"), quantize_experts(w2.float(), "mxfp4")
-    x, tw = torch.randn(T, H, device=device, dtype=dtype), torch.rand(T, k, device=device)
-    tid = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
-    tol = Tolerance(1e-6, 1e-6) if device == "cpu" else Tolerance(1e-2, 1e-3)
+    E, H, T = 6, 64, 9
+    w32, w2_32, x, tw, tid = _experts_call(device, dtype, H, 32, E, T)
+    w13, w2 = w32.to(dtype), w2_32.to(dtype)
+    q13, q2 = quantize_experts(w32, "mxfp4"), quantize_experts(w2_32, "mxfp4")
+    tol = _tolerance(device)
     for a, b in ((w13, w2), (q13, q2)):  # the dense op and the general one
         run = torch.compile(lambda x, out, a=a, b=b: fused_experts(x, a, b, tw, tid, backend="triton", out=out),
                             fullgraph=True)

@@ -661,8 +661,8 @@ def _(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias) -> None
 
 
 # Everything else under torch.compile (quantized weights, act_quant, an explicit config, expert LoRA): the same
-# calls as ops whose schemas carry each weight's parts (moekit.formats.to_parts), the config as JSON and the adapters'
-# tensors; the objects are rebuilt inside, at run time.
+# calls as ops whose schemas carry each weight's parts (moekit.formats.to_parts), the config as literal text and
+# the adapters' tensors; the objects are rebuilt inside, at run time.
 @torch.library.custom_op("moekit::fused_experts_general_into", mutates_args=("out",))
 def _fused_experts_general_op(out: torch.Tensor, x: torch.Tensor, fmt: str,
                               w13_data: torch.Tensor, w13_scales: torch.Tensor | None,
@@ -716,7 +716,7 @@ def _(out, x, expert_num_tokens, fmt, w13_data, w13_scales, w13_global, w13_tag,
 
 
 def _general_args(w13, w2, config, lora) -> tuple:
-    """(fmt, w13's parts, w2's parts) and (config JSON, adapters' tensors) of a general op call."""
+    """(fmt, w13's parts, w2's parts) and (config text, adapters' tensors) of a general op call."""
     f13, *p13 = to_parts(w13)
     _, *p2 = to_parts(w2)
     cfg = None if config is None else _config_text(config)
