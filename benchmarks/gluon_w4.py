@@ -33,9 +33,7 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -305,20 +303,14 @@ def decode_loop_instructions(sass: str) -> int | None:
 def ptxas_report(kernel, cfg: Config | None = None) -> dict:
     """ptxas's registers, spills and stack for the kernel's PTX, its setmaxnreg budgets, shared memory, and the
     decode loop's SASS instructions per weight (``cfg`` given)."""
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
-        text = subprocess.run([str(bindir / "ptxas"), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
-                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True).stderr
-        sass = subprocess.run([str(bindir / "nvdisasm"), "-c", str(Path(tmp) / "k.cubin")], capture_output=True,
-                              text=True).stdout
-    num = lambda p: int(m.group(1)) if (m := re.search(p, text)) else 0  # noqa: E731
+    from moekit.tools import _sass
+
+    usage, cubin = _sass.ptxas_usage(kernel.asm["ptx"])
     regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])})
-    loop = decode_loop_instructions(sass)
+    loop = decode_loop_instructions(_sass.sass(cubin) or "")
     per_weight = loop / (cfg.bn * cfg.bk / (32 * cfg.decode_warps)) if loop and cfg else None
-    return {"regs": num(r"Used (\d+) registers"), "spill": num(r"(\d+) bytes spill stores") +
-            num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"), "setmaxnreg": regs,
-            "smem": kernel.metadata.shared, "decode_loop": loop, "decode_per_weight": per_weight}
+    return {**usage, "setmaxnreg": regs, "smem": kernel.metadata.shared, "decode_loop": loop,
+            "decode_per_weight": per_weight}
 
 
 def compile_only(only: int | None = None) -> int:

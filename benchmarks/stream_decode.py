@@ -611,15 +611,13 @@ class Run:
 
 def compile_only(only: list[str] | None, per_variant: int | None = None) -> int:
     import re
-    import subprocess
-    import tempfile
 
     from triton.runtime import driver
 
+    from moekit.tools import _sass
     from moekit.tools._fake_sm90 import Sm90Driver
 
     driver.set_active(Sm90Driver())
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     # Building needs argument types and alignments, not gigabytes: every pointer gets a small buffer.
     words, bytes_ = torch.zeros(16, dtype=torch.int32), torch.zeros(64, dtype=torch.uint8)
     bias = torch.zeros(EXPERTS, ROWS13, dtype=torch.bfloat16)
@@ -634,15 +632,9 @@ def compile_only(only: list[str] | None, per_variant: int | None = None) -> int:
             check_config(cfg, ROWS13, HIDDEN)
             kernel = launch(cfg, x, (words, bytes_), bias, ids, out, scratch(cfg, TOP_K, ROWS13, "cpu"), HIDDEN,
                             warmup=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
-                text = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
-                                       str(Path(tmp) / "k.cubin")], capture_output=True, text=True).stderr
-                sass = subprocess.run([str(ptxas.with_name("nvdisasm")), "-c", str(Path(tmp) / "k.cubin")],
-                                      capture_output=True, text=True).stdout
-            num = lambda p: int(m.group(1)) if (m := re.search(p, text)) else 0  # noqa: E731
-            spill = num(r"(\d+) bytes spill stores") + num(r"(\d+) bytes spill loads")
-            regs = num(r"Used (\d+) registers")
+            usage, cubin = _sass.ptxas_usage(kernel.asm["ptx"])
+            sass = _sass.sass(cubin) or ""
+            spill, regs = usage["spill"], usage["regs"]
             # barriers: layout conversions through shared memory (a few belong to the prologue and epilogue)
             count = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
             print(f"ok   {name:10s} {cfg.label():42s} regs {regs:3d}  spill {spill:5d} B  "

@@ -12,22 +12,19 @@ or spill.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JIT functions, not the interpreter
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from moekit.tools import _sass  # noqa: E402
 from moekit.tools._fake_sm90 import Sm90Driver as _Sm90Driver  # noqa: E402
 
 
@@ -60,20 +57,8 @@ def resource_usage(kernel) -> dict:
     """Registers, stack frame and spill bytes, as ptxas reports them for this kernel's PTX (once per
     kernel: many variants build the same one)."""
     if kernel.hash not in _USAGE:
-        _USAGE[kernel.hash] = _ptxas_usage(kernel)
+        _USAGE[kernel.hash] = _sass.ptxas_usage(kernel.asm["ptx"])[0]
     return _USAGE[kernel.hash]
-
-
-def _ptxas_usage(kernel) -> dict:
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        text = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
-                              capture_output=True, text=True).stderr
-    num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
-    return {"REG": num(r"Used (\d+) registers"), "STACK": num(r"(\d+) bytes stack frame"),
-            "SPILL": num(r"(\d+) bytes spill stores") + num(r"(\d+) bytes spill loads")}
 
 
 def variants():
@@ -369,7 +354,6 @@ def _expand_quantized(mod, one, num_experts):
 
 def main() -> int:
     from moekit import _triton
-    from moekit.tools import _sass
 
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
@@ -398,20 +382,20 @@ def main() -> int:
             # ptxas sometimes parks one 64-bit value (8 bytes) even at 72 registers; that costs a
             # store/load pair. Past that, only spills inside a loop fail: values saved before the K
             # loop and reloaded for the epilogue cost nothing measurable (moekit/_sass.py).
-            checked = use["SPILL"] > MAX_SPILL_BYTES
+            checked = use["spill"] > MAX_SPILL_BYTES
             in_loops = _sass.spills_in_loops(kernel) if checked else 0
             failures += (in_loops is None or in_loops > 0) and (label, kname) not in LOOP_SPILLS_MEASURED
-            note = f"ok (stack {use['STACK']})"
-            if use["SPILL"]:
+            note = f"ok (stack {use['stack']})"
+            if use["spill"]:
                 where = {None: ", inside loops unknown (no nvdisasm)", 0: ", none inside loops"}.get(
                     in_loops, f", {in_loops} LDL/STL inside loops")
-                note = f"spills {use['SPILL']} bytes" + (where if checked else "")
+                note = f"spills {use['spill']} bytes" + (where if checked else "")
                 if (label, kname) in LOOP_SPILLS_MEASURED:
                     note += " (measured and kept: LOOP_SPILLS_MEASURED)"
             if kernel.metadata.shared > SM90_MAX_SMEM:
                 failures += 1
                 note += f"; FAILED: {kernel.metadata.shared} bytes of shared memory (sm_90: {SM90_MAX_SMEM})"
-            rows.append((label, kname, use["REG"], kernel.metadata.shared, note))
+            rows.append((label, kname, use["regs"], kernel.metadata.shared, note))
     for r in rows:
         print(f"{r[0]:34s} {r[1]!s:16s} regs={r[2]!s:4s} smem={r[3]!s:6s} {r[4]}")
     print(f"{len(rows)} variants, {failures} failed")

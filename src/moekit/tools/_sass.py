@@ -28,6 +28,22 @@ def nvdisasm() -> Path | None:
     return path if path.exists() else None
 
 
+def ptxas_usage(ptx: str) -> tuple[dict, bytes]:
+    """({"regs", "stack", "spill"}: registers, stack frame bytes, spill store + load bytes) as ptxas reports them for
+    PTX assembled for sm_90a, and the cubin it made (for :func:`sass`). ptxas ships in Triton's NVIDIA backend."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        text = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
+                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True).stderr
+        cubin = (Path(tmp) / "k.cubin").read_bytes() if (Path(tmp) / "k.cubin").exists() else b""
+    num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
+    return ({"regs": num(r"Used (\d+) registers"), "stack": num(r"(\d+) bytes stack frame"),
+             "spill": num(r"(\d+) bytes spill stores") + num(r"(\d+) bytes spill loads")}, cubin)
+
+
 def sass(cubin: bytes) -> str | None:
     """nvdisasm's listing of a cubin, or None where nvdisasm is missing or fails."""
     tool = nvdisasm()
