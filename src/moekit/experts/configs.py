@@ -297,7 +297,14 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
 # program order follow the token count as in the default mode. Half-height tail blocks are off (a block's row
 # count would change with its neighbours), and an FP8 GEMM2 keeps columns within one 128-row weight block (one
 # scale per tile, which the kernel multiplies in another order than per-column scales).
+# FP8 x FP8 products (W8A8, W4A8) also fix the tensor-core instruction: Triton builds tiles of fewer than 64 rows
+# from mma.sync and larger ones from wgmma, whose FP8 accumulation rounds differently (measured on the H200,
+# benchmarks/results/invariant.md 2026-12-05: deepseek-v3 W8A8 lost invariance where T reached 64-row tiles), so
+# those formats run 64-row tiles on whole warpgroups at every T. 16-bit products give the same bits on both
+# (benchmarks/results/archive/ab_invariant_rows_2026-12-05.md) and keep the default's row blocks.
 INVARIANT_MAX_STAGES = 6  # a K step shorter than the tuned one gets more stages (same bytes in flight), up to this
+FP8_DOT_FORMATS = ("fp8", "w4a8")
+WGMMA_MIN_ROWS = 64
 FOUR_BIT = ("mxfp4", "nvfp4")
 
 
@@ -359,10 +366,16 @@ def _invariant_choose(key: str, shape: str, num_tokens: int, num_experts: int, t
             cfg = ExpertsConfig(16, GemmConfig(block_n=64, block_k=bk1, num_warps=4, num_stages=4),
                                 GemmConfig(block_n=64, block_k=bk2, num_warps=4, num_stages=4))
             source = "16-row aligned tiles"
-    cfg = ExpertsConfig(cfg.block_m, _with_block_k(cfg.gemm1, bk1, weight_format, 2),
-                        _with_block_k(cfg.gemm2, bk2, weight_format, 1))
-    return cfg, (f"batch-invariant: aligned mode, K steps {bk1} (GEMM1) and {bk2} (GEMM2) at every T for {shape} "
-                 f"(from {steps_source}); tiles from {source}")
+    g1, g2 = _with_block_k(cfg.gemm1, bk1, weight_format, 2), _with_block_k(cfg.gemm2, bk2, weight_format, 1)
+    block_m, why = cfg.block_m, ""
+    if weight_format in FP8_DOT_FORMATS:
+        block_m = max(block_m, WGMMA_MIN_ROWS)
+        # GEMM1's FP8 tile on one warpgroup spills in its K loop at every width (ptxas, sm_90): two warpgroups
+        g1, g2 = replace(g1, num_warps=max(g1.num_warps, 8)), replace(g2, num_warps=max(g2.num_warps, 4))
+        why = f"; {WGMMA_MIN_ROWS}-row wgmma tiles at every T (FP8 products)"
+    return ExpertsConfig(block_m, g1, g2), (
+        f"batch-invariant: aligned mode, K steps {bk1} (GEMM1) and {bk2} (GEMM2) at every T for {shape} "
+        f"(from {steps_source}); tiles from {source}{why}")
 
 
 def invariant_choice(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
