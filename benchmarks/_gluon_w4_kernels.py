@@ -156,6 +156,17 @@ def _pair_word(w, J: gl.constexpr):
 
 
 @gluon.jit
+def _scales(s_slot, r0, SUB: gl.constexpr, L3: gl.constexpr):
+    """Scale bytes [SUB, G] of rows r0 .. r0 + SUB of a [G, BN] slot, in the decode layout's (row, group) slice.
+    Read as [G, SUB] and transposed in registers: a permuted view of the slot read the bytes as if they were
+    stored [BN, G] (H100 and H200, triton 3.6.0; the GPU tests caught it)."""
+    G: gl.constexpr = s_slot.shape[0]
+    rows: gl.constexpr = gl.BlockedLayout([1, 1], [G, 32 // G], [1, L3.warps_per_cta[0]], [0, 1])
+    sc = s_slot.slice(r0, SUB, dim=1).load(rows)  # [G, SUB]
+    return gl.convert_layout(gl.permute(sc, (1, 0)), gl.SliceLayout(2, L3))
+
+
+@gluon.jit
 def _decode_words(q_slot, s_slot, w_slot, r0, SUB: gl.constexpr, L3: gl.constexpr, FULL_RANGE: gl.constexpr):
     """WORDS: rows r0 .. r0 + SUB of one slot from prepared int32 code words [SUB, G, 4] (8 codes each) to bf16
     pairs, written as int32 words into the (reinterpreted) wgmma tile."""
@@ -163,7 +174,7 @@ def _decode_words(q_slot, s_slot, w_slot, r0, SUB: gl.constexpr, L3: gl.constexp
     BK: gl.constexpr = G * 32
     BN: gl.constexpr = w_slot.shape[0]
     w = q_slot.slice(r0, SUB, dim=0).load(L3)  # int32 [SUB, G, 4]: a thread owns whole groups (one 128-bit load)
-    sc = s_slot.slice(r0, SUB, dim=1).permute((1, 0)).load(gl.SliceLayout(2, L3)).to(gl.int32)  # [SUB, G]
+    sc = _scales(s_slot, r0, SUB, L3).to(gl.int32)
     f1, f2 = _factor_bits(sc, FULL_RANGE, BITS)
     f1 = gl.expand_dims(f1 | (f1 << 16), 2)  # the factor in both halves
     o0 = _bf16x2_mul(_pair_word(w, 0), f1)
@@ -193,10 +204,11 @@ def _decode_rows(q_slot, s_slot, w_slot, r0, SUB: gl.constexpr, L3: gl.constexpr
     G: gl.constexpr = q_slot.shape[1]
     BK: gl.constexpr = G * 32
     q = q_slot.slice(r0, SUB, dim=0).load(L3)  # uint8 [SUB, G, 16]: a thread owns whole 16-byte groups
-    sc = s_slot.slice(r0, SUB, dim=1).permute((1, 0)).load(gl.SliceLayout(2, L3)).to(gl.int16)  # [SUB, G]
+    sc = _scales(s_slot, r0, SUB, L3).to(gl.int16)
     f1, f2 = _factor_bits(sc, FULL_RANGE, DECODE)
-    f1 = gl.expand_dims(f1.to(gl.bfloat16, bitcast=True), 2)
-    f2 = gl.expand_dims(f2.to(gl.bfloat16, bitcast=True), 2)
+    # (gl.where with a constant widens int16 to int32: back to 16 bits before the bf16 reinterpretation)
+    f1 = gl.expand_dims(f1.to(gl.int16).to(gl.bfloat16, bitcast=True), 2)
+    f2 = gl.expand_dims(f2.to(gl.int16).to(gl.bfloat16, bitcast=True), 2)
     if DECODE == CVT:
         w = gl.fp4_to_fp(q, gl.bfloat16, 2)  # [SUB, G, 32] in k order (low nibble first)
         w = w * gl.convert_layout(f1, w.type.layout)

@@ -242,6 +242,38 @@ def test_router_kernels_are_batch_invariant(dtype):
     assert _invariant.token_mismatch(fused, rows(1), rows(128), (1, 2, 7, 64, 128)) is None
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_router_split_programs_and_folded_splits_give_the_same_bits(monkeypatch, lora_rank):
+    """Few tokens: one program per K split and a finishing step that adds their partial sums; many tokens: one
+    program per tile folding each split into its total. 256-deep splits (two K steps) over H=600 (the last one 88
+    deep), the switch between the two forms moved to 4 tiles so that both run at interpreter sizes."""
+    from moekit.routing import triton_backend as router_backend
+
+    monkeypatch.setattr(tiers, "INVARIANT_SPLIT_K", 256)
+    monkeypatch.setattr(tiers, "INVARIANT_FOLD_SMS", 1)
+    tiers.invariant_kernel_config.cache_clear()  # shapes planned under the shipped constants
+    router_backend._router_plan.cache_clear()
+    _on()
+    H, E = 600, 16
+    w, b = torch.randn(E, H).half(), torch.randn(E)
+    lora = moekit.RouterLoRA(torch.randn(lora_rank, H).half() * 0.1, torch.randn(E, lora_rank) * 0.1) \
+        if lora_rank else None
+    forms = {tiers.invariant_kernel_config(t, H, E, lora_rank, False, 4).fold_splits for t in (1, 300)}
+    assert forms == {False, True}, "both forms must run"
+
+    def rows(n):
+        return {"x": torch.randn(n, H).half()}
+
+    run = lambda t: router_gemm(t["x"], w, b, lora=lora, tier="triton")  # noqa: E731
+    try:
+        assert _invariant.token_mismatch(run, rows(1), rows(300), (1, 2, 7, 64, 129, 300)) is None
+        routed = lambda t: fused_router(t["x"], w, b, top_k=4, method="topk_softmax", lora=lora)  # noqa: E731
+        assert _invariant.token_mismatch(routed, rows(1), rows(129), (1, 7, 64, 129)) is None
+    finally:
+        tiers.invariant_kernel_config.cache_clear()
+        router_backend._router_plan.cache_clear()
+
+
 # ---- a planted fault: a configuration that changes with T ------------------------------------------------------
 
 _INVARIANT_CHOOSE = C._invariant_choose

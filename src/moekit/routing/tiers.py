@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 import torch
@@ -54,6 +54,9 @@ class RouterKernelConfig:
     """Programs that share the finishing step of one token block (each takes fin_t tokens at a time)."""
     num_stages: int = 3
     """Software-pipeline depth of the K loop (Triton's default 3)."""
+    fold_splits: bool = False
+    """One program per tile runs all ``splits`` K splits of ``k_per_split`` and sums them as the finishing step
+    would (batch-invariant mode at many tokens: the same bits as split programs, without their partial sums)."""
 
 
 @functools.cache
@@ -121,23 +124,48 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
 
 
 # Batch-invariant router GEMM: a logit's bits depend on the order of its K terms. The default shape changes it with
-# T (fp32 FMAs over one or two tokens, tensor-core tiles above; K splits, summed by the last program, sized for
-# about two programs per SM): under the switch every T takes tensor-core tiles with one K split, each K step one
-# product of INVARIANT_BLOCK_K terms in the MMA's fixed order, so only the tile's rows and columns (which never
-# change a term's order) follow T. The finishing step, where LoRA or routing needs it, takes one token at a time:
-# its LoRA sum and routing reductions then run on the same tile shape at every T.
+# T (fp32 FMAs over one or two tokens, tensor-core tiles above; K splits sized for about two programs per SM, summed
+# by the last program; cuBLAS past the measured crossover): under the switch every T takes tensor-core tiles, each K
+# step one product of INVARIANT_BLOCK_K terms in the MMA's fixed order, and the same K splits of INVARIANT_SPLIT_K
+# terms, each summed from zero and then added in split order. Few tokens run one program per split and the finishing
+# step adds the splits' partial sums one at a time; many tokens run one program per tile that folds each split into
+# its total where the split ends: the same additions, so the choice between the two, like the tile's rows and
+# columns (which never change a term's order), follows T. The finishing step, where LoRA or routing needs it, takes
+# one token at a time: its LoRA sum and routing reductions then run on the same tile shape at every T.
 INVARIANT_BLOCK_K = 128
+INVARIANT_SPLIT_K = 512  # K terms per split: enough programs at T=1 (deepseek-v3: 16 row blocks x 14 splits)
+INVARIANT_FOLD_SMS = 4  # fold the splits in the tiles' programs from one tile per this many SMs
+
+
+def invariant_splits(hidden: int) -> tuple[int, int]:
+    """(splits, K terms per split) of batch-invariant mode for ``hidden``: a function of H alone."""
+    per_split = _triton.cdiv(min(INVARIANT_SPLIT_K, hidden), INVARIANT_BLOCK_K) * INVARIANT_BLOCK_K
+    return _triton.cdiv(hidden, per_split), per_split
 
 
 @functools.lru_cache(maxsize=4096)
 def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
                             num_sms: int = 132) -> RouterKernelConfig:
-    """The launch shape of batch-invariant mode: 16-token tiles up to 256 tokens (16-row blocks for up to 16), 64
-    above, INVARIANT_BLOCK_K-deep K steps, one K split, one token per finishing step."""
-    block_t = 16 if num_tokens <= 256 else 64
-    block_r = 16 if num_tokens <= 16 else 32
-    return launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
-                         INVARIANT_BLOCK_K, splits=1, fin_t=1)
+    """The launch shape of batch-invariant mode: invariant_splits' K splits (split programs and a finishing step
+    while the tiles alone would leave SMs idle, folded in each tile's program above), INVARIANT_BLOCK_K-deep K
+    steps, tiles growing with T, one token per finishing step."""
+    splits, per_split = invariant_splits(hidden)
+    if num_tokens <= 16:
+        block_t, block_r, warps = 16, 16, 4
+    elif num_tokens <= 256:
+        block_t, block_r, warps = 16, 32, 4
+    elif num_tokens <= 2048:
+        block_t, block_r, warps = 64, 32, 4
+    else:
+        block_t, block_r, warps = 128, 64, 8
+    tiles = (_triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)) * _triton.cdiv(num_tokens, block_t)
+    # Split programs write and read T x E x splits partial sums: past a few tiles the folded form's longer
+    # programs cost less than that traffic
+    fold = splits > 1 and tiles * INVARIANT_FOLD_SMS >= num_sms
+    cfg = launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
+                        INVARIANT_BLOCK_K, num_warps=warps, splits=1 if fold else splits, fin_t=1)
+    # The finishing step adds one split's partial sums at a time (S_CHUNK 1): the order the folding program keeps.
+    return replace(cfg, splits=1 if fold else splits, k_per_split=per_split, s_chunk=1, fold_splits=fold)
 
 
 @functools.lru_cache(maxsize=4096)
