@@ -150,20 +150,21 @@ def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank
     while the tiles alone would leave SMs idle, folded in each tile's program above), INVARIANT_BLOCK_K-deep K
     steps, tiles growing with T, one token per finishing step."""
     splits, per_split = invariant_splits(hidden)
+    # Four warps at every T: the finishing step's reductions (LoRA, routing) are laid out over the warps
     if num_tokens <= 16:
-        block_t, block_r, warps = 16, 16, 4
+        block_t, block_r = 16, 16
     elif num_tokens <= 256:
-        block_t, block_r, warps = 16, 32, 4
+        block_t, block_r = 16, 32
     elif num_tokens <= 2048:
-        block_t, block_r, warps = 64, 32, 4
+        block_t, block_r = 64, 32
     else:
-        block_t, block_r, warps = 128, 64, 8
+        block_t, block_r = 128, 64
     tiles = (_triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)) * _triton.cdiv(num_tokens, block_t)
     # Split programs write and read T x E x splits partial sums: past a few tiles the folded form's longer
     # programs cost less than that traffic
     fold = splits > 1 and tiles * INVARIANT_FOLD_SMS >= num_sms
     cfg = launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
-                        INVARIANT_BLOCK_K, num_warps=warps, splits=1 if fold else splits, fin_t=1)
+                        INVARIANT_BLOCK_K, splits=1 if fold else splits, fin_t=1)
     # The finishing step adds one split's partial sums at a time (S_CHUNK 1): the order the folding program keeps.
     return replace(cfg, splits=1 if fold else splits, k_per_split=per_split, s_chunk=1, fold_splits=fold)
 
