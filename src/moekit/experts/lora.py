@@ -226,7 +226,8 @@ def _kernels() -> SimpleNamespace:
     # Built on first use, as triton_backend's (TRITON_INTERPRET is read then); launches bind once per signature.
     from .kernels import lora as kernels
 
-    return SimpleNamespace(pairs=Launcher(kernels.lora_pairs_kernel), blocks=Launcher(kernels.lora_blocks_kernel),
+    return SimpleNamespace(shrink=Launcher(kernels.lora_shrink_kernel), expand=Launcher(kernels.lora_expand_kernel),
+                           blocks=Launcher(kernels.lora_blocks_kernel),
                            ALIGNED=kernels.ALIGNED, BATCHED=kernels.BATCHED)
 
 
@@ -236,6 +237,17 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _r_pad(r: int) -> int:
     return max(16, _triton.next_pow2(r))
+
+
+PAIR_SPLIT_STEPS = 2  # K steps per shrink program of the decode modes: short chains of dependent loads
+PAIR_MAX_SPLITS = 32  # the expand sums every split's partials, unrolled
+
+
+def _pair_splits(k: int, block_k: int) -> tuple[int, int]:
+    """(K per split, splits) of the decode modes' shrink over K = ``k``: whole K steps of ``block_k``."""
+    splits = max(1, min(PAIR_MAX_SPLITS, _triton.cdiv(k, PAIR_SPLIT_STEPS * block_k)))
+    per_split = _triton.cdiv(_triton.cdiv(k, splits), block_k) * block_k
+    return per_split, _triton.cdiv(k, per_split)
 
 
 def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor,
@@ -256,7 +268,7 @@ def w2_add(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lo
     """Add the LoRA term on w2 of GEMM2's input rows ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8
     activations; ``h_paired``: columns in the word-decoded 4-bit GEMM2's order, as GEMM1 wrote them) into GEMM2's
     output ``y``: per pair [pairs, H] (aligned; pairs with ``per_token=False``), times the router weight ``weights``
-    [pairs]; per token [T, H], its slots summed in order (pairs, ``per_token``); or the batched output [E, M, H]."""
+    [pairs]; per token [T, H], its slots summed in a fixed order (pairs, ``per_token``); or the batched output [E, M, H]."""
     if lora.w2_a is not None:
         _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, y, weights, rows, per_token, h_paired)
 
@@ -272,18 +284,28 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
     precision = _precision(a.dtype)
     if rows.mode == "pairs":  # GEMM1's per-pair outputs are in natural column order
         slots = rows.top_k if per_token else 1
-        groups = rows.ids.numel() // slots
+        pairs = rows.ids.numel()
+        groups = pairs // slots
         if groups == 0:
             return
-        block = max(16, min(128, 4096 // r_pad))
         emap = rows.expert_map if rows.expert_map is not None else rows.ids
-        kernels.pairs[(groups * _triton.cdiv(n_out, block),)](
-            v, v.stride(-2), v.stride(-1), *scales, *adapters,
-            out, out.stride(0),
+        block_k = max(16, min(128, 4096 // r_pad))
+        split_k, splits = _pair_splits(k, block_k)
+        parts = torch.empty(pairs, splits, r_pad, dtype=torch.float32, device=v.device)
+        has_map = rows.expert_map is not None
+        kernels.shrink[(pairs, splits)](
+            v, v.stride(-2), v.stride(-1), *scales, a, *a.stride(), lora_ids, rows.ids, emap, parts,
+            rows.top_k, rows.num_global, a.shape[1], lora.num_adapters, k, r, split_k,
+            STAGE=stage, HAS_MAP=has_map, HAS_SCALES=v_scales is not None, BLOCK_K=block_k, R_PAD=r_pad,
+            num_warps=4)
+        slots_pad = _triton.next_pow2(slots)
+        block_n = max(16, min(256, 4096 // (slots_pad * r_pad)))
+        kernels.expand[(groups * _triton.cdiv(n_out, block_n),)](
+            parts, b, *b.stride(), lora.scaling, lora_ids, out, out.stride(0),
             weights if weights is not None else lora.scaling, rows.ids, emap,
-            rows.top_k, slots, rows.num_global, a.shape[1], lora.num_adapters, n_out, k, r,
-            STAGE=stage, HAS_MAP=rows.expert_map is not None, HAS_SCALES=v_scales is not None,
-            BLOCK_N=block, BLOCK_K=block, R_PAD=r_pad, num_warps=4)
+            rows.top_k, slots, rows.num_global, a.shape[1], lora.num_adapters, n_out, r,
+            STAGE=stage, HAS_MAP=has_map, BLOCK_N=block_n, R_PAD=r_pad, SLOTS_PAD=slots_pad, SPLITS=splits,
+            num_warps=4)
         return
     lora_m = max(16, min(rows.block_m, 64 if r_pad <= 64 else 8192 // r_pad // 2))
     if rows.mode == "batched":

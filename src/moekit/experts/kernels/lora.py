@@ -1,13 +1,13 @@
 """LoRA on the experts: each (token, expert) pair's adapter term scaling[a] * B[a, e] (A[a, e] v), over the same
 rows the expert GEMMs run (experts/lora.py launches them and documents the layouts).
 
-Each kernel runs the shrink (v [rows, K] times A^T: [rows, r] in fp32) and the expand (times B^T: [rows, N]) in one
-program, so the rank-r intermediate never leaves registers:
+The shrink (v [rows, K] times A^T: [rows, r] in fp32) and the expand (times B^T: [rows, N]):
 - lora_blocks_kernel: rows in blocks of one expert (the aligned pair list, or a batched slab), both products on the
-  tensor cores. A block's rows may belong to different adapters: the program runs the products once per adapter
+  tensor cores in one program (the rank-r intermediate never leaves registers). A block's rows may belong to different adapters: the program runs the products once per adapter
   present in the block (an absent adapter costs one compare), each on that adapter's rows only;
-- lora_pairs_kernel: one pair, or one token's slots, per program on the CUDA cores: the decode modes, which have no
-  alignment and so no block of one expert.
+- lora_shrink_kernel + lora_expand_kernel: the decode modes, which have no alignment and so no block of one expert,
+  on the CUDA cores: the shrink per (pair, K split) into fp32 partial sums, then per (row, column tile) the splits
+  summed, the expand, and a token's slots summed (W2).
 STAGE W13 writes the term as GEMM1's ``delta`` rows, which GEMM1 adds before its activation (zero rows where a pair
 has no adapter: GEMM1 reads every live row). STAGE W2 adds the router-weighted term into GEMM2's output, before the
 slots are combined. Adapter ids outside [0, adapters) contribute nothing, like -1.
@@ -133,62 +133,95 @@ def lora_blocks_kernel(
 
 
 @triton.jit
-def lora_pairs_kernel(
+def lora_shrink_kernel(
     v_ptr, stride_vm, stride_vk,  # W13: x [T, H]; W2: h [pairs, I]
     vs_ptr, stride_vs,  # HAS_SCALES: v's FP8 group scales [v rows, K/128] (v holds E4M3 codes)
     a_ptr, stride_aa, stride_ae, stride_ar, stride_ak,  # A [adapters, E, r, K]
+    adapter_ptr, ids_ptr, expert_map_ptr,  # int32 [T], int32 [pairs], int32 [num_global] (HAS_MAP)
+    part_ptr,  # fp32 [pairs, splits, R_PAD]: this split's share of A[a, e] v (zeros without an adapter)
+    top_k, num_global, num_local, num_adapters, K, R, k_per_split,
+    STAGE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SCALES: tl.constexpr,
+    BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+):
+    """Program (pair, K split): the shrink of one pair over k_per_split of K, on the CUDA cores. Splitting K keeps
+    each program's chain of dependent loads short: at one token the pairs alone are a handful of programs."""
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    token = pair // top_k
+    e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+    a = tl.load(adapter_ptr + token)
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    s = tl.zeros([R_PAD], dtype=tl.float32)
+    if (e >= 0) & (a >= 0) & (a < num_adapters):
+        e64 = e.to(tl.int64)
+        v_row = (token if STAGE == W13 else pair).to(tl.int64)
+        a_e = _adapter_base(a_ptr, a, e64, stride_aa, stride_ae)
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_hi
+            v = tl.load(v_ptr + v_row * stride_vm + offs_k * stride_vk, mask=k_ok, other=0.0).to(tl.float32)
+            if HAS_SCALES:  # BLOCK_K divides 128: one group scale per step
+                v *= tl.load(vs_ptr + v_row * stride_vs + k0 // FP8_GROUP)
+            w = tl.load(a_e + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            s += tl.sum(w * v[None, :], axis=1)
+    tl.store(part_ptr + (pair.to(tl.int64) * tl.num_programs(1) + split) * R_PAD + offs_r, s)
+
+
+@triton.jit
+def lora_expand_kernel(
+    part_ptr,  # fp32 [pairs, splits, R_PAD] (lora_shrink_kernel)
     b_ptr, stride_ba, stride_be, stride_bn, stride_br,  # B [adapters, E, N, r]
     scaling_ptr,  # fp32 [adapters]
     adapter_ptr,  # int32 adapter id per token [T]
     out_ptr, stride_om,  # W13: delta [pairs, N]; W2: out [T, H] (slots = top_k) or y [pairs, H] (slots = 1)
     weights_ptr, ids_ptr, expert_map_ptr,  # fp32 [pairs], int32 [pairs], int32 [num_global] (HAS_MAP)
-    top_k, slots, num_global, num_local, num_adapters, N, K, R,
-    STAGE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SCALES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+    top_k, slots, num_global, num_local, num_adapters, N, R,
+    STAGE: tl.constexpr, HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """Program (row g, BLOCK_N columns): the terms of pairs g * slots .. g * slots + slots - 1 summed in slot order
-    into output row g. W13 runs one pair per row; W2 a token's slots (the per-token GEMM2 wrote out[t]) or one pair
-    (the split GEMM2 wrote y[pair]). The shrink is recomputed per column tile: r x K products, against the
-    expand's BLOCK_N x r, it is what keeps several programs per pair at one token."""
+    """Program (row g, BLOCK_N columns): the terms of pairs g * slots .. g * slots + slots - 1, their splits summed
+    in split order and the slots in a fixed order, into output row g. W13 runs one pair per row; W2 a token's slots
+    (the per-token GEMM2 wrote out[t]) or one pair (the split GEMM2 wrote y[pair]). Every slot's partial sums and
+    B rows are loaded at once: one round of loads per program."""
     num_n = tl.cdiv(N, BLOCK_N)
     g = tl.program_id(0) // num_n
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    terms = 0
-    for j in range(0, slots):
-        pair = g * slots + j
-        token = pair // top_k
-        e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
-        a = tl.load(adapter_ptr + token)
-        if (e >= 0) & (a >= 0) & (a < num_adapters):
-            e64 = e.to(tl.int64)
-            v_row = (token if STAGE == W13 else pair).to(tl.int64)
-            a_e = _adapter_base(a_ptr, a, e64, stride_aa, stride_ae)
-            s = tl.zeros([R_PAD], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                v = tl.load(v_ptr + v_row * stride_vm + offs_k * stride_vk, mask=k_ok, other=0.0).to(tl.float32)
-                if HAS_SCALES:
-                    v *= tl.load(vs_ptr + v_row * stride_vs + k0 // FP8_GROUP)
-                w = tl.load(a_e + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                s += tl.sum(w * v[None, :], axis=1)
-            s *= tl.load(scaling_ptr + a)
-            b_e = _adapter_base(b_ptr, a, e64, stride_ba, stride_be)
-            w = tl.load(b_e + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                        mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-            d = tl.sum(w * s[None, :], axis=1)
-            if STAGE == W2:
-                d *= tl.load(weights_ptr + pair)
-            total += d
-            terms += 1
+    j = tl.arange(0, SLOTS_PAD)
+    pair = g * slots + j
+    in_row = j < slots
+    token = pair // top_k
+    gid = tl.load(ids_ptr + pair, mask=in_row, other=-1)
+    ok = in_row & (gid >= 0) & (gid < num_global)
+    if HAS_MAP:
+        e = tl.load(expert_map_ptr + gid, mask=ok, other=-1)
+    else:
+        e = gid
+    a = tl.load(adapter_ptr + token, mask=in_row, other=-1)
+    live = ok & (e >= 0) & (e < num_local) & (a >= 0) & (a < num_adapters)
+    e64 = tl.where(live, e, 0).to(tl.int64)
+    a64 = tl.where(live, a, 0).to(tl.int64)
+    rows = (pair.to(tl.int64) * SPLITS)[:, None] * R_PAD + offs_r[None, :]
+    s = tl.zeros([SLOTS_PAD, R_PAD], dtype=tl.float32)
+    for i in tl.static_range(SPLITS):  # in split order (unrolled: the loads issue together)
+        s += tl.load(part_ptr + rows + i * R_PAD, mask=live[:, None], other=0.0)
+    s *= tl.load(scaling_ptr + a64, mask=live, other=0.0)[:, None]
+    w = tl.load(b_ptr + (a64 * stride_ba + e64 * stride_be)[:, None, None] + offs_n[None, :, None] * stride_bn
+                + offs_r[None, None, :] * stride_br,
+                mask=live[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :], other=0.0).to(tl.float32)
+    d = tl.sum(w * s[:, None, :], axis=2)  # [slots, BLOCK_N]
+    if STAGE == W2:
+        d *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
+    total = tl.sum(d, axis=0)
     ptrs = out_ptr + g.to(tl.int64) * stride_om + offs_n
     if STAGE == W13:  # every pair's row: GEMM1 reads it (zeros without an adapter)
         tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-    elif terms > 0:
+    elif tl.max(live.to(tl.int32), axis=0) > 0:
         y = tl.load(ptrs, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(ptrs, (y + total).to(out_ptr.dtype.element_ty), mask=n_ok)
