@@ -112,7 +112,10 @@ def test_the_switch_changes_the_cached_decisions_at_the_next_call():
     cfg, why = C.choose(1, 128, 8, 1536, 2048, dev, torch.float16)
     assert cfg.mode == "aligned" and "batch-invariant" in why
     small, large = tiers.kernel_config(1, 2880, 128, 0, False), tiers.kernel_config(4096, 2880, 128, 0, False)
-    assert small.splits == large.splits == 1 and small.block_k == large.block_k and small.block_t >= 16
+    # the same K splits at every T: split programs at one token, folded into the tiles' programs at many
+    assert (small.splits, small.k_per_split, small.fold_splits) == (tiers.invariant_splits(2880)[0], 512, False)
+    assert (large.splits, large.k_per_split, large.fold_splits) == (1, 512, True)
+    assert small.block_k == large.block_k and small.block_t >= 16 and small.s_chunk == 1
     assert tiers.kernel_config(300, 2880, 128, 8, True).fin_t == 1
     call = backends.ExpertsCall("dense", torch.float16, dev, 4)
     assert "batch-invariant" in backends.explain(call)
