@@ -16,6 +16,7 @@ slots are combined. Adapter ids outside [0, adapters) contribute nothing, like -
 import triton
 import triton.language as tl
 
+from .align import _local_ids
 from .moe_gemm import ALIGNED, BATCHED, FP8_GROUP, _pair_expert, _paired_columns
 
 W13 = tl.constexpr(1)  # input x, output GEMM1's delta rows (stored)
@@ -193,18 +194,11 @@ def lora_expand_kernel(
     n_ok = offs_n < N
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
-    j = tl.arange(0, SLOTS_PAD)
-    pair = g * slots + j
-    in_row = j < slots
+    pair = g * slots + tl.arange(0, SLOTS_PAD)
     token = pair // top_k
-    gid = tl.load(ids_ptr + pair, mask=in_row, other=-1)
-    ok = in_row & (gid >= 0) & (gid < num_global)
-    if HAS_MAP:
-        e = tl.load(expert_map_ptr + gid, mask=ok, other=-1)
-    else:
-        e = gid
-    a = tl.load(adapter_ptr + token, mask=in_row, other=-1)
-    live = ok & (e >= 0) & (e < num_local) & (a >= 0) & (a < num_adapters)
+    e, ok = _local_ids(ids_ptr, expert_map_ptr, pair, g * slots + slots, num_global, num_local, HAS_MAP)
+    a = tl.load(adapter_ptr + token, mask=ok, other=-1)
+    live = ok & (a >= 0) & (a < num_adapters)
     e64 = tl.where(live, e, 0).to(tl.int64)
     a64 = tl.where(live, a, 0).to(tl.int64)
     rows = (pair.to(tl.int64) * SPLITS)[:, None] * R_PAD + offs_r[None, :]
