@@ -323,6 +323,10 @@ def lora_variants():
             yield f"lora r=256 {name} T=256", lambda x=x, ids=ids, w13=w13, w2=w2, big=big: fused_experts(
                 x, w13, w2, torch.zeros(ids.shape), ids, backend="triton", lora=big,
                 lora_ids=torch.zeros(256, dtype=torch.int32))
+            x1, ids1 = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.int32)
+            yield f"lora r=256 {name} T=1 gemv", lambda x=x1, ids=ids1, w13=w13, w2=w2, big=big: fused_experts(
+                x, w13, w2, torch.zeros(ids.shape), ids, backend="triton", config=gemv, lora=big,
+                lora_ids=torch.zeros(1, dtype=torch.int32))
     spec = presets.get("gpt-oss-120b")
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
     q13 = _expand_quantized(mxfp4, mxfp4.quantize(torch.randn(1, 2 * I, H)), E)

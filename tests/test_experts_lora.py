@@ -71,6 +71,8 @@ FUSED_CASES = [
     (7, 5, 40, 24, 3, "swiglu_oai", 4, 16, "gemv_split", "CUDA-core decode, slots split then combined"),
     (9, 11, 48, 24, 2, "silu_and_mul", 4, 16, "aligned", "a partial row block, four adapters"),
     (9, 5, 33, 17, 3, "swiglu_oai", 2, 3, "per_pair", "per-pair tensor-core GEMMs"),
+    (3, 5, 300, 24, 3, "silu_and_mul", 2, 130, "gemv", "rank past 128 at decode: slots expanded a chunk at a "
+     "time, K split over ten shrink programs"),
 ]
 
 

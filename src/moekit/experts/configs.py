@@ -371,11 +371,16 @@ def _invariant_choose(key: str, shape: str, num_tokens: int, num_experts: int, t
     if weight_format in FP8_DOT_FORMATS:
         block_m = max(block_m, WGMMA_MIN_ROWS)
         # GEMM1's FP8 tile on one warpgroup spills in its K loop at every width (ptxas, sm_90): two warpgroups
-        g1, g2 = replace(g1, num_warps=max(g1.num_warps, 8)), replace(g2, num_warps=max(g2.num_warps, 4))
+        g1, g2 = replace(g1, num_warps=max(8, _whole_warpgroups(g1))), replace(g2, num_warps=_whole_warpgroups(g2))
         why = f"; {WGMMA_MIN_ROWS}-row wgmma tiles at every T (FP8 products)"
     return ExpertsConfig(block_m, g1, g2), (
         f"batch-invariant: aligned mode, K steps {bk1} (GEMM1) and {bk2} (GEMM2) at every T for {shape} "
         f"(from {steps_source}); tiles from {source}{why}")
+
+
+def _whole_warpgroups(g: GemmConfig) -> int:
+    """``g``'s warps rounded up to whole warpgroups of 4 (wgmma's unit)."""
+    return max(4, -(-g.num_warps // 4) * 4)
 
 
 def invariant_choice(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,

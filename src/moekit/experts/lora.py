@@ -241,6 +241,7 @@ def _r_pad(r: int) -> int:
 
 PAIR_SPLIT_STEPS = 2  # K steps per shrink program of the decode modes: short chains of dependent loads
 PAIR_MAX_SPLITS = 32  # the expand sums every split's partials, unrolled
+EXPAND_TILE = 4096  # fp32 elements of the expand's [slots, BLOCK_N, r] product tile (4 warps)
 
 
 def _pair_splits(k: int, block_k: int) -> tuple[int, int]:
@@ -299,12 +300,14 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
             STAGE=stage, HAS_MAP=has_map, HAS_SCALES=v_scales is not None, BLOCK_K=block_k, R_PAD=r_pad,
             num_warps=4)
         slots_pad = _triton.next_pow2(slots)
-        block_n = max(16, min(256, 4096 // (slots_pad * r_pad)))
+        chunk = max(1, min(slots_pad, EXPAND_TILE // (16 * r_pad)))  # at least 16 columns per program
+        block_n = max(16, min(256, EXPAND_TILE // (chunk * r_pad)))
         kernels.expand[(groups * _triton.cdiv(n_out, block_n),)](
             parts, b, *b.stride(), lora.scaling, lora_ids, out, out.stride(0),
             weights if weights is not None else lora.scaling, rows.ids, emap,
             rows.top_k, slots, rows.num_global, a.shape[1], lora.num_adapters, n_out, r,
-            STAGE=stage, HAS_MAP=has_map, BLOCK_N=block_n, R_PAD=r_pad, SLOTS_PAD=slots_pad, SPLITS=splits,
+            STAGE=stage, HAS_MAP=has_map, BLOCK_N=block_n, R_PAD=r_pad, SLOTS_PAD=slots_pad, SLOT_CHUNK=chunk,
+            SPLITS=splits,
             num_warps=4)
         return
     lora_m = max(16, min(rows.block_m, 64 if r_pad <= 64 else 8192 // r_pad // 2))

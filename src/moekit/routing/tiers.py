@@ -55,8 +55,9 @@ class RouterKernelConfig:
     num_stages: int = 3
     """Software-pipeline depth of the K loop (Triton's default 3)."""
     fold_splits: bool = False
-    """One program per tile runs all ``splits`` K splits of ``k_per_split`` and sums them as the finishing step
-    would (batch-invariant mode at many tokens: the same bits as split programs, without their partial sums)."""
+    """One program per tile runs every K split of ``k_per_split`` (cdiv(H, k_per_split) of them) and sums them as
+    the finishing step would (batch-invariant mode at many tokens: the same bits as split programs, without their
+    partial sums). ``splits`` is then 1, the launch grid's K dimension, and ``k_per_split`` less than H."""
 
 
 @functools.cache
@@ -106,7 +107,7 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
             raise ValueError(_invariant.refusal("the router GEMM without Triton", "cuBLAS, the only other GPU tier, "
                                                 "picks its kernel by the token count"))
         return TierChoice("triton", f"batch-invariant: the Triton kernel at every T ({INVARIANT_BLOCK_K}-deep K "
-                                    "steps on tensor cores, no K split)")
+                                    f"steps on tensor cores, the same {INVARIANT_SPLIT_K}-deep K splits)")
     if not _triton.triton_importable():
         return TierChoice("cublas", "triton is not installed")
     limit, source = crossover_tokens(device, hidden, num_experts)

@@ -182,40 +182,45 @@ def lora_expand_kernel(
     weights_ptr, ids_ptr, expert_map_ptr,  # fp32 [pairs], int32 [pairs], int32 [num_global] (HAS_MAP)
     top_k, slots, num_global, num_local, num_adapters, N, R,
     STAGE: tl.constexpr, HAS_MAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr, SLOT_CHUNK: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     """Program (row g, BLOCK_N columns): the terms of pairs g * slots .. g * slots + slots - 1, their splits summed
     in split order and the slots in a fixed order, into output row g. W13 runs one pair per row; W2 a token's slots
-    (the per-token GEMM2 wrote out[t]) or one pair (the split GEMM2 wrote y[pair]). Every slot's partial sums and
-    B rows are loaded at once: one round of loads per program."""
+    (the per-token GEMM2 wrote out[t]) or one pair (the split GEMM2 wrote y[pair]). SLOT_CHUNK slots' partial sums and
+    B rows are loaded at once (all of them at small ranks): one round of loads per chunk."""
     num_n = tl.cdiv(N, BLOCK_N)
     g = tl.program_id(0) // num_n
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
-    pair = g * slots + tl.arange(0, SLOTS_PAD)
-    token = pair // top_k
-    e, ok = _local_ids(ids_ptr, expert_map_ptr, pair, g * slots + slots, num_global, num_local, HAS_MAP)
-    a = tl.load(adapter_ptr + token, mask=ok, other=-1)
-    live = ok & (a >= 0) & (a < num_adapters)
-    e64 = tl.where(live, e, 0).to(tl.int64)
-    a64 = tl.where(live, a, 0).to(tl.int64)
-    rows = (pair.to(tl.int64) * SPLITS)[:, None] * R_PAD + offs_r[None, :]
-    s = tl.zeros([SLOTS_PAD, R_PAD], dtype=tl.float32)
-    for i in tl.static_range(SPLITS):  # in split order (unrolled: the loads issue together)
-        s += tl.load(part_ptr + rows + i * R_PAD, mask=live[:, None], other=0.0)
-    s *= tl.load(scaling_ptr + a64, mask=live, other=0.0)[:, None]
-    w = tl.load(b_ptr + (a64 * stride_ba + e64 * stride_be)[:, None, None] + offs_n[None, :, None] * stride_bn
-                + offs_r[None, None, :] * stride_br,
-                mask=live[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :], other=0.0).to(tl.float32)
-    d = tl.sum(w * s[:, None, :], axis=2)  # [slots, BLOCK_N]
-    if STAGE == W2:
-        d *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
-    total = tl.sum(d, axis=0)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    any_live = 0
+    for c in tl.static_range(0, SLOTS_PAD, SLOT_CHUNK):  # chunks of slots: the [chunk, BLOCK_N, r] tile's registers
+        pair = g * slots + c + tl.arange(0, SLOT_CHUNK)
+        token = pair // top_k
+        e, ok = _local_ids(ids_ptr, expert_map_ptr, pair, g * slots + slots, num_global, num_local, HAS_MAP)
+        a = tl.load(adapter_ptr + token, mask=ok, other=-1)
+        live = ok & (a >= 0) & (a < num_adapters)
+        e64 = tl.where(live, e, 0).to(tl.int64)
+        a64 = tl.where(live, a, 0).to(tl.int64)
+        rows = (pair.to(tl.int64) * SPLITS)[:, None] * R_PAD + offs_r[None, :]
+        s = tl.zeros([SLOT_CHUNK, R_PAD], dtype=tl.float32)
+        for i in tl.static_range(SPLITS):  # in split order (unrolled: the loads issue together)
+            s += tl.load(part_ptr + rows + i * R_PAD, mask=live[:, None], other=0.0)
+        s *= tl.load(scaling_ptr + a64, mask=live, other=0.0)[:, None]
+        w = tl.load(b_ptr + (a64 * stride_ba + e64 * stride_be)[:, None, None] + offs_n[None, :, None] * stride_bn
+                    + offs_r[None, None, :] * stride_br,
+                    mask=live[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :], other=0.0).to(tl.float32)
+        d = tl.sum(w * s[:, None, :], axis=2)  # [chunk, BLOCK_N]
+        if STAGE == W2:
+            d *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
+        total += tl.sum(d, axis=0)
+        any_live += tl.sum(live.to(tl.int32), axis=0)
     ptrs = out_ptr + g.to(tl.int64) * stride_om + offs_n
     if STAGE == W13:  # every pair's row: GEMM1 reads it (zeros without an adapter)
         tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-    elif tl.max(live.to(tl.int32), axis=0) > 0:
+    elif any_live > 0:
         y = tl.load(ptrs, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(ptrs, (y + total).to(out_ptr.dtype.element_ty), mask=n_ok)
