@@ -244,6 +244,30 @@ def test_w2_term_reads_h_in_the_word_decoded_column_order():
     check_close("paired h", paired, natural, FP32_REORDERED)
 
 
+@pytest.mark.parametrize("fmt", ["standard", "batched"])
+def test_all_adapters_in_one_product_give_the_per_adapter_bits(monkeypatch, fmt):
+    """Several small adapters run as one product of their columns side by side (each row keeping its own); the
+    other columns add exact zeros, so the bits are those of one product per adapter present in the block."""
+    from moekit.experts import lora as expert_lora
+
+    T, E, H, I, k, n, r = 40, 5, 48, 32, 2, 3, 12  # three adapters: padded to four, rank 12 padded to 16
+    x, (w13, w2), lora = torch.randn(T, H).half(), _weights(E, H, I, torch.float16), _lora(n, E, H, I, r, torch.float16)
+    tw, ids = _routes(T, E, k)
+    lids = _lora_ids(T, n)
+    xb, counts = torch.randn(E, 8, H).half(), torch.tensor([8, 3, 0, 5, 1], dtype=torch.int32)
+    slab_ids = torch.randint(-1, n, (E, 8), dtype=torch.int32)
+    outs = []
+    for columns in (expert_lora.ALL_ADAPTERS_MAX_COLUMNS, 0):
+        monkeypatch.setattr(expert_lora, "ALL_ADAPTERS_MAX_COLUMNS", columns)
+        if fmt == "standard":
+            outs.append(fused_experts(x, w13, w2, tw, ids, backend="triton", config=ALIGNED_32, lora=lora,
+                                      lora_ids=lids))
+        else:
+            out = batched_experts(xb, counts, w13, w2, backend="triton", lora=lora, lora_ids=slab_ids)
+            outs.append(torch.cat([out[e, :c] for e, c in enumerate(counts.tolist())]))  # the valid rows
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_zero_padded_ranks_change_nothing():
     """Adapters of different ranks share a stack by zero padding A's rows and B's columns."""
     T, E, H, I, k = 9, 5, 33, 17, 2

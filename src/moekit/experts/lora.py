@@ -242,6 +242,7 @@ def _r_pad(r: int) -> int:
 PAIR_SPLIT_STEPS = 2  # K steps per shrink program of the decode modes: short chains of dependent loads
 PAIR_MAX_SPLITS = 32  # the expand sums every split's partials, unrolled
 EXPAND_TILE = 4096  # fp32 elements of the expand's [slots, BLOCK_N, r] product tile (4 warps)
+ALL_ADAPTERS_MAX_COLUMNS = 64  # adapters x padded rank that the aligned and batched kernels take in one product
 
 
 def _pair_splits(k: int, block_k: int) -> tuple[int, int]:
@@ -327,11 +328,14 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         mode = kernels.ALIGNED.value
     if programs == 0:
         return
+    # Several adapters of small rank: their columns side by side in one product (the block's rows read once)
+    adapters_pad = _triton.next_pow2(lora.num_adapters) * r_pad
+    adapters_pad = adapters_pad if lora.num_adapters > 1 and adapters_pad <= ALL_ADAPTERS_MAX_COLUMNS else 0
     kernels.blocks[(programs,)](
         v, *v_strides, *scales, *adapters,
         out, *out_strides,
         weights if weights is not None else lora.scaling,
         *row_args, rows.top_k, rows.rows_per_expert, lora.num_adapters, n_out, k, r,
         STAGE=stage, ROWS=mode, HAS_SCALES=v_scales is not None, DOT_PRECISION=precision,
-        BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // r_pad)), BLOCK_K=64,
-        R_PAD=r_pad, V_PAIRED=v_paired, num_warps=4)
+        BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // (adapters_pad or r_pad))),
+        BLOCK_K=64, R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad // r_pad, num_warps=4)

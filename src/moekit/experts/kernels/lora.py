@@ -48,6 +48,53 @@ def _adapter_base(ptr, a, e64, stride_a, stride_e):
 
 
 @triton.jit
+def _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_ar, stride_ak,
+                  b_ptr, stride_ba, stride_be, stride_bn, stride_br, scaling_ptr, out_ptr,
+                  e64, adapter, live, valid, v_rows, vs_rows, out_rows, coeff, num_adapters, N, K, R,
+                  STAGE: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  LORA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+                  V_PAIRED: tl.constexpr, ADAPTERS_PAD: tl.constexpr):
+    """lora_blocks_kernel with every adapter at once: A's rows of all adapters side by side as one [K, adapters * r]
+    operand, so the block's rows are read once (not once per adapter present) and the output tile is written once;
+    each row then keeps its own adapter's columns (the others are exact zeros in the expand's sums)."""
+    C: tl.constexpr = ADAPTERS_PAD * R_PAD
+    offs_c = tl.arange(0, C)
+    c_ad = offs_c // R_PAD
+    c_r = offs_c % R_PAD
+    c_ok = (c_ad < num_adapters) & (c_r < R)
+    a_cols_base = a_ptr + c_ad.to(tl.int64) * stride_aa + e64 * stride_ae + c_r * stride_ar
+    s = tl.zeros([LORA_M, C], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        v = tl.load(v_ptr + v_rows[:, None] + offs_k[None, :] * stride_vk, mask=live[:, None] & k_ok[None, :],
+                    other=0.0)
+        a_k = _paired_columns(offs_k) if V_PAIRED else offs_k
+        w = tl.load(a_cols_base[None, :] + a_k[:, None] * stride_ak, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+        part = tl.dot(v.to(w.dtype), w, input_precision=DOT_PRECISION)
+        if HAS_SCALES:
+            part *= tl.load(vs_ptr + vs_rows + k0 // FP8_GROUP, mask=live, other=0.0)[:, None]
+        s += part
+    own = live[:, None] & (adapter[:, None] == c_ad[None, :]) & c_ok[None, :]
+    scale = tl.load(scaling_ptr + c_ad, mask=c_ad < num_adapters, other=0.0)
+    s = tl.where(own, s * scale[None, :], 0.0).to(b_ptr.dtype.element_ty)
+    b_cols_base = b_ptr + c_ad.to(tl.int64) * stride_ba + e64 * stride_be + c_r * stride_br
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w = tl.load(b_cols_base[:, None] + offs_n[None, :] * stride_bn, mask=c_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        d = tl.dot(s, w, input_precision=DOT_PRECISION)
+        ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
+        if STAGE == W13:  # every valid row: zeros without an adapter
+            tl.store(ptrs, d.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        else:
+            ok = live[:, None] & n_ok[None, :]
+            y = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(ptrs, (y + d * coeff[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def lora_blocks_kernel(
     v_ptr, stride_ve, stride_vm, stride_vk,  # W13: x [T, H] (stride_ve unused) or batched x [E, M, H]; W2: h [rows, I]
     vs_ptr, stride_vs,  # HAS_SCALES: v's FP8 group scales [v rows, K/128] (v holds E4M3 codes)
@@ -62,6 +109,7 @@ def lora_blocks_kernel(
     STAGE: tl.constexpr, ROWS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, LORA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
     V_PAIRED: tl.constexpr = False,  # W2: h's columns in _paired_columns order (GEMM1 wrote them for a 4-bit GEMM2)
+    ADAPTERS_PAD: tl.constexpr = 0,  # > 0: every adapter's rank-r columns side by side in one product (_all_adapters)
 ):
     e, h_rows, pair, valid = _block_rows(tl.program_id(0), block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
                                          num_pairs, rows_per_expert, ROWS, BLOCK_M, LORA_M)
@@ -85,52 +133,58 @@ def lora_blocks_kernel(
         live = valid & (adapter >= 0) & (adapter < num_adapters)
         offs_r = tl.arange(0, R_PAD)
         r_ok = offs_r < R
-        for a in range(0, num_adapters):
-            mine = live & (adapter == a)
-            if tl.max(mine.to(tl.int32), axis=0) > 0:
-                a_e = _adapter_base(a_ptr, a, e64, stride_aa, stride_ae)
-                s = tl.zeros([LORA_M, R_PAD], dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < K
-                    # rows of other adapters (and padding) read zeros: their values never enter the sums
-                    v = tl.load(v_ptr + v_rows[:, None] + offs_k[None, :] * stride_vk,
-                                mask=mine[:, None] & k_ok[None, :], other=0.0)
-                    # V_PAIRED: v's column p is A's column _paired_columns(p), a permutation inside each 8 (K % 8 == 0)
-                    a_cols = _paired_columns(offs_k) if V_PAIRED else offs_k
-                    w = tl.load(a_e + offs_r[None, :] * stride_ar + a_cols[:, None] * stride_ak,
-                                mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-                    part = tl.dot(v.to(w.dtype), w, input_precision=DOT_PRECISION)
-                    if HAS_SCALES:  # E4M3 codes are exact in 16 bits; one group scale per row and step (BLOCK_K | 128)
-                        part *= tl.load(vs_ptr + vs_rows + k0 // FP8_GROUP, mask=mine, other=0.0)[:, None]
-                    s += part
-                b_e = _adapter_base(b_ptr, a, e64, stride_ba, stride_be)
-                # the expand runs on the tensor cores in B's dtype, as the GEMMs run theirs in the weights'
-                s = (s * tl.load(scaling_ptr + a)).to(b_ptr.dtype.element_ty)
-                if STAGE == W2 and ROWS == ALIGNED:  # GEMM2 weighted its output rows by the router: so is the term
-                    coeff = tl.load(weights_ptr + pair, mask=mine, other=0.0)
-                else:
-                    coeff = tl.full([LORA_M], 1.0, tl.float32)
+        if STAGE == W2 and ROWS == ALIGNED:  # GEMM2 weighted its output rows by the router: so is the term
+            coeff = tl.load(weights_ptr + pair, mask=live, other=0.0)
+        else:
+            coeff = tl.full([LORA_M], 1.0, tl.float32)
+        if ADAPTERS_PAD > 0:
+            _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_ar, stride_ak,
+                          b_ptr, stride_ba, stride_be, stride_bn, stride_br, scaling_ptr, out_ptr,
+                          e64, adapter, live, valid, v_rows, vs_rows, out_rows, coeff, num_adapters, N, K, R,
+                          STAGE, HAS_SCALES, DOT_PRECISION, LORA_M, BLOCK_N, BLOCK_K, R_PAD, V_PAIRED, ADAPTERS_PAD)
+        else:
+            for a in range(0, num_adapters):
+                mine = live & (adapter == a)
+                if tl.max(mine.to(tl.int32), axis=0) > 0:
+                    a_e = _adapter_base(a_ptr, a, e64, stride_aa, stride_ae)
+                    s = tl.zeros([LORA_M, R_PAD], dtype=tl.float32)
+                    for k0 in range(0, K, BLOCK_K):
+                        offs_k = k0 + tl.arange(0, BLOCK_K)
+                        k_ok = offs_k < K
+                        # rows of other adapters (and padding) read zeros: their values never enter the sums
+                        v = tl.load(v_ptr + v_rows[:, None] + offs_k[None, :] * stride_vk,
+                                    mask=mine[:, None] & k_ok[None, :], other=0.0)
+                        # V_PAIRED: v's column p is A's column _paired_columns(p), a permutation inside each 8 (K % 8 == 0)
+                        a_cols = _paired_columns(offs_k) if V_PAIRED else offs_k
+                        w = tl.load(a_e + offs_r[None, :] * stride_ar + a_cols[:, None] * stride_ak,
+                                    mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                        part = tl.dot(v.to(w.dtype), w, input_precision=DOT_PRECISION)
+                        if HAS_SCALES:  # E4M3 codes are exact in 16 bits; one group scale per row and step (BLOCK_K | 128)
+                            part *= tl.load(vs_ptr + vs_rows + k0 // FP8_GROUP, mask=mine, other=0.0)[:, None]
+                        s += part
+                    b_e = _adapter_base(b_ptr, a, e64, stride_ba, stride_be)
+                    # the expand runs on the tensor cores in B's dtype, as the GEMMs run theirs in the weights'
+                    s = (s * tl.load(scaling_ptr + a)).to(b_ptr.dtype.element_ty)
+                    for n0 in range(0, N, BLOCK_N):
+                        offs_n = n0 + tl.arange(0, BLOCK_N)
+                        n_ok = offs_n < N
+                        w = tl.load(b_e + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                                    mask=n_ok[None, :] & r_ok[:, None], other=0.0)
+                        d = tl.dot(s, w, input_precision=DOT_PRECISION)
+                        ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
+                        ok = mine[:, None] & n_ok[None, :]
+                        if STAGE == W13:
+                            tl.store(ptrs, d.to(out_ptr.dtype.element_ty), mask=ok)
+                        else:
+                            y = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+                            tl.store(ptrs, (y + d * coeff[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+            none = valid & (live == 0)
+            if STAGE == W13 and tl.max(none.to(tl.int32), axis=0) > 0:
                 for n0 in range(0, N, BLOCK_N):
                     offs_n = n0 + tl.arange(0, BLOCK_N)
-                    n_ok = offs_n < N
-                    w = tl.load(b_e + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                                mask=n_ok[None, :] & r_ok[:, None], other=0.0)
-                    d = tl.dot(s, w, input_precision=DOT_PRECISION)
-                    ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
-                    ok = mine[:, None] & n_ok[None, :]
-                    if STAGE == W13:
-                        tl.store(ptrs, d.to(out_ptr.dtype.element_ty), mask=ok)
-                    else:
-                        y = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-                        tl.store(ptrs, (y + d * coeff[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
-        none = valid & (live == 0)
-        if STAGE == W13 and tl.max(none.to(tl.int32), axis=0) > 0:
-            for n0 in range(0, N, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                tl.store(out_ptr + out_rows[:, None] + offs_n[None, :],
-                         tl.zeros([LORA_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                         mask=none[:, None] & (offs_n < N)[None, :])
+                    tl.store(out_ptr + out_rows[:, None] + offs_n[None, :],
+                             tl.zeros([LORA_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                             mask=none[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
