@@ -3,8 +3,10 @@ rows the expert GEMMs run (experts/lora.py launches them and documents the layou
 
 The shrink (v [rows, K] times A^T: [rows, r] in fp32) and the expand (times B^T: [rows, N]):
 - lora_blocks_kernel: rows in blocks of one expert (the aligned pair list, or a batched slab), both products on the
-  tensor cores in one program (the rank-r intermediate never leaves registers). A block's rows may belong to different adapters: the program runs the products once per adapter
-  present in the block (an absent adapter costs one compare), each on that adapter's rows only;
+  tensor cores in one program (the rank-r intermediate never leaves registers). A block's rows may belong to
+  different adapters: several adapters of small rank run as one product of their columns side by side, each row
+  keeping its own (_all_adapters); otherwise the program runs the products once per adapter present in the block
+  (an absent adapter costs one compare), each on that adapter's rows only;
 - lora_shrink_kernel + lora_expand_kernel: the decode modes, which have no alignment and so no block of one expert,
   on the CUDA cores: the shrink per (pair, K split) into fp32 partial sums, then per (row, column tile) the splits
   summed, the expand, and a token's slots summed (W2).
