@@ -29,6 +29,9 @@ Inline PTX (ASM) only where the interpreter cannot go; the pure-tl branches comp
 import triton
 import triton.language as tl
 
+# fp16-pair arithmetic shared with moekit's CUDA-core decode kernels (inline PTX, or the same values in tl)
+from moekit.experts.kernels.moe_gemv import _hadd2, _half, _hfma2, _pack2, _pair_sum
+
 ROWS = tl.constexpr(0)
 TILES = tl.constexpr(1)
 F32 = tl.constexpr(0)
@@ -53,12 +56,6 @@ def _pair(w, J: tl.constexpr):
 
 
 @triton.jit
-def _half(bits, SHIFT: tl.constexpr):
-    """fp32 value of the fp16 at bit SHIFT (0 or 16) of int32 ``bits``."""
-    return (bits >> SHIFT).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _halves(bits, ASM: tl.constexpr):
     if ASM:  # ptxas reads each half in place (a widening HADD2.F32 per half), no shift or extraction
         lo, hi = tl.inline_asm_elementwise(
@@ -68,47 +65,6 @@ def _halves(bits, ASM: tl.constexpr):
         lo = _half(bits, 0)
         hi = _half(bits, 16)
     return lo, hi
-
-
-@triton.jit
-def _pack(lo, hi):
-    """int32 fp16x2 of two fp32 tensors (each rounded to fp16; exact for the scaled activations)."""
-    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return lo16 | (hi16 << 16)
-
-
-@triton.jit
-def _hfma2(a, b, c, ASM: tl.constexpr):
-    """a * b + c on int32 fp16x2 words, one rounding per half."""
-    if ASM:
-        r = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    else:  # fp32 products of fp16 values are exact; one fp32 add, then the fp16 rounding
-        r = _pack(_half(a, 0) * _half(b, 0) + _half(c, 0), _half(a, 16) * _half(b, 16) + _half(c, 16))
-    return r
-
-
-@triton.jit
-def _hadd2(a, b, ASM: tl.constexpr):
-    if ASM:
-        r = tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
-                                      pack=1)
-    else:
-        r = _pack(_half(a, 0) + _half(b, 0), _half(a, 16) + _half(b, 16))
-    return r
-
-
-@triton.jit
-def _pair_sum(a, ASM: tl.constexpr):
-    """fp32 sum of the two fp16 halves of int32 words."""
-    if ASM:
-        s = tl.inline_asm_elementwise(
-            "{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
-            "add.f32 $0, a, b; }", "=r,r", [a], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        s = _half(a, 0) + _half(a, 16)
-    return s
 
 
 @triton.jit
@@ -226,10 +182,10 @@ def _chunk_part(w, s, xr, x_scale, x_factor, MATH: tl.constexpr, ASM: tl.constex
             acc = _fma_pair(w, 3, x3l.to(tl.float32), x3h.to(tl.float32), acc, ASM)
         part = (tl.sum(acc, axis=2) * E2M1_UNIT) * _e8m0(s)
     else:
-        p0 = tl.broadcast_to(_pack(x0l.to(tl.float32) * x_scale, x0h.to(tl.float32) * x_scale)[None, :, :], w.shape)
-        p1 = tl.broadcast_to(_pack(x1l.to(tl.float32) * x_scale, x1h.to(tl.float32) * x_scale)[None, :, :], w.shape)
-        p2 = tl.broadcast_to(_pack(x2l.to(tl.float32) * x_scale, x2h.to(tl.float32) * x_scale)[None, :, :], w.shape)
-        p3 = tl.broadcast_to(_pack(x3l.to(tl.float32) * x_scale, x3h.to(tl.float32) * x_scale)[None, :, :], w.shape)
+        p0 = tl.broadcast_to(_pack2(x0l.to(tl.float32) * x_scale, x0h.to(tl.float32) * x_scale)[None, :, :], w.shape)
+        p1 = tl.broadcast_to(_pack2(x1l.to(tl.float32) * x_scale, x1h.to(tl.float32) * x_scale)[None, :, :], w.shape)
+        p2 = tl.broadcast_to(_pack2(x2l.to(tl.float32) * x_scale, x2h.to(tl.float32) * x_scale)[None, :, :], w.shape)
+        p3 = tl.broadcast_to(_pack2(x3l.to(tl.float32) * x_scale, x3h.to(tl.float32) * x_scale)[None, :, :], w.shape)
         acc = _hfma2(_pair(w, 0), p0, tl.zeros_like(w), ASM)
         acc = _hfma2(_pair(w, 1), p1, acc, ASM)
         acc = _hfma2(_pair(w, 2), p2, acc, ASM)
