@@ -270,7 +270,8 @@ def w2_add(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lo
     """Add the LoRA term on w2 of GEMM2's input rows ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8
     activations; ``h_paired``: columns in the word-decoded 4-bit GEMM2's order, as GEMM1 wrote them) into GEMM2's
     output ``y``: per pair [pairs, H] (aligned; pairs with ``per_token=False``), times the router weight ``weights``
-    [pairs]; per token [T, H], its slots summed in a fixed order (pairs, ``per_token``); or the batched output [E, M, H]."""
+    [pairs]; per token [T, H], its slots summed in a fixed order (pairs, ``per_token``); or the batched output
+    [E, M, H]."""
     if lora.w2_a is not None:
         _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, y, weights, rows, per_token, h_paired)
 
@@ -329,13 +330,15 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
     if programs == 0:
         return
     # Several adapters of small rank: their columns side by side in one product (the block's rows read once)
-    adapters_pad = _triton.next_pow2(lora.num_adapters) * r_pad
-    adapters_pad = adapters_pad if lora.num_adapters > 1 and adapters_pad <= ALL_ADAPTERS_MAX_COLUMNS else 0
+    adapters_pad = _triton.next_pow2(lora.num_adapters)
+    if lora.num_adapters == 1 or adapters_pad * r_pad > ALL_ADAPTERS_MAX_COLUMNS:
+        adapters_pad = 0  # one product per adapter present in the block
+    columns = max(1, adapters_pad) * r_pad  # of the expand's [columns, BLOCK_N] operand
     kernels.blocks[(programs,)](
         v, *v_strides, *scales, *adapters,
         out, *out_strides,
         weights if weights is not None else lora.scaling,
         *row_args, rows.top_k, rows.rows_per_expert, lora.num_adapters, n_out, k, r,
         STAGE=stage, ROWS=mode, HAS_SCALES=v_scales is not None, DOT_PRECISION=precision,
-        BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // (adapters_pad or r_pad))),
-        BLOCK_K=64, R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad // r_pad, num_warps=4)
+        BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // columns)), BLOCK_K=64,
+        R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad, num_warps=4)

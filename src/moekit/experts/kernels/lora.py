@@ -156,7 +156,8 @@ def lora_blocks_kernel(
                         # rows of other adapters (and padding) read zeros: their values never enter the sums
                         v = tl.load(v_ptr + v_rows[:, None] + offs_k[None, :] * stride_vk,
                                     mask=mine[:, None] & k_ok[None, :], other=0.0)
-                        # V_PAIRED: v's column p is A's column _paired_columns(p), a permutation inside each 8 (K % 8 == 0)
+                        # V_PAIRED: v's column p is A's column _paired_columns(p), a permutation inside each 8
+                        # (K % 8 == 0)
                         a_cols = _paired_columns(offs_k) if V_PAIRED else offs_k
                         w = tl.load(a_e + offs_r[None, :] * stride_ar + a_cols[:, None] * stride_ak,
                                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)
