@@ -162,8 +162,8 @@ def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank
         block_t, block_r = 128, 64
     tiles = (_triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)) * _triton.cdiv(num_tokens, block_t)
     # Split programs write and read T x E x splits partial sums, and a token block's finishing step takes its tokens
-    # one at a time: past a few tiles the folded form's longer programs cost less (H100, 2026-12-05: mixtral-8x7b
-    # T=4096 on 32 split tiles took 3.4x the default's time)
+    # one at a time: past a few tiles the folded form's longer programs cost less (mixtral-8x7b T=4096 on 32 split
+    # tiles took 3.4x the default's time: benchmarks/results/archive/invariant_router_splits_h100_2026-12-05.md)
     fold = splits > 1 and tiles * INVARIANT_FOLD_SMS >= num_sms
     cfg = launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
                         INVARIANT_BLOCK_K, splits=1 if fold else splits, fin_t=1)
