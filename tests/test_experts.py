@@ -23,6 +23,8 @@ TOL = {torch.float32: Tolerance(1e-5, 1e-5), torch.float16: Tolerance(5e-3, 2e-3
 CPU_BACKENDS = ["triton", "torch"]
 # Two fp32 computations of the same products summed in another order: a few ulps of the largest term.
 FP32_REORDERED = Tolerance(1e-5, 1e-6)
+# 4-bit products as fp16x2 FMAs, each group of 32 summed in fp16 and widened once, everything after in fp32.
+FP16X2_SUMS = Tolerance(5e-3, 2e-3)
 
 
 def _weights(E, H, I, dtype, biases, device="cpu"):
@@ -577,6 +579,7 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     (False, None, False, "fp32 products on the same activations"),
     (None, None, True, "GEMM2 per pair, the slots summed by the combine"),
     (None, True, False, "GEMM2's fp16x2 products too, on h prepared the same way"),
+    ("rows", None, False, "GEMM1 on the rows kernel: w13's rows as stored, one exponent per token"),
 ])
 def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, why):
     # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; I = 64: GEMM2's K in two chunks; fp16 (the
@@ -587,11 +590,55 @@ def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, wh
     x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
     tw, tid = _routes(T, E, k)
     b13, b2 = b13.half(), b2.half()
-    cfg = ExpertsConfig(16, GemmConfig(16, 64, packed=packed), GemmConfig(32, 32, packed=packed2), mode="gemv",
-                        split_slots=split)
+    gemm1 = GemmConfig(16, 64, stream_rows=True) if packed == "rows" else GemmConfig(16, 64, packed=packed)
+    cfg = ExpertsConfig(16, gemm1, GemmConfig(32, 32, packed=packed2), mode="gemv", split_slots=split)
     out = _poisoned((T, H), torch.float16)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
     check_close(why, out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2), TOL[torch.float16])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu_and_mul"])  # interleaved gate/up rows, then [gate; up] halves
+@pytest.mark.parametrize("T,I,block_n,scale,spike,mapped,why", [
+    (1, 96, 64, 4.0, 1.0, False, "one token; I = 96 ends mid-tile (64 columns per program)"),
+    (5, 64, 16, 4.0, 1.0, True, "expert map with remote and out-of-range ids: their pairs are skipped"),
+    (3, 32, 16, 2.0 ** 20, 1.0, False, "activations near 2^20: the token's exponent above fp16's range"),
+    (3, 32, 16, 2.0 ** -20, 1.0, False, "activations near 2^-20: below fp16's normal range"),
+    (3, 32, 16, 1.0, 2.0 ** 12, False, "one activation 2^12 times the rest: the token's exponent from its largest"),
+])
+def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapped, why):
+    # GEMM1 alone on kernels/gemv1_rows.py against float64: H = 160 in chunks of 64 codes (the last partial), bf16
+    # activations (no tl.dot here, whose bf16 the interpreter gets wrong), h poisoned, rows of skipped pairs untouched.
+    # The budget is the fp16x2 group sums' (an fp16 rounding per product and add, relative to the group's size).
+    E, H, k = 7, 160, 3
+    w13, _, b13, _ = _weights(E, H, I, torch.float32, True)
+    q13, _, d13, _ = _quantized(fmt, w13, w13[:, :, :32])
+    x = torch.randn(T, H + 3)[:, 3:] * scale                          # strided, offset rows
+    x[:, 7] *= spike
+    x, b13 = x.bfloat16(), b13.bfloat16()
+    ids = torch.rand(T, E).argsort(dim=1)[:, :k].int().reshape(-1)
+    emap, local = None, ids.long()
+    if mapped:
+        ids = torch.randint(0, 2 * E, (T * k,), dtype=torch.int32)
+        ids[0] = 2 * E + 5                                               # out of range: skipped
+        emap = torch.full((2 * E,), -1, dtype=torch.int32)
+        emap[1::2] = torch.arange(E, dtype=torch.int32)                  # even global ids are remote
+        local = torch.where(ids < 2 * E, emap[ids.clamp(max=2 * E - 1)], -1).long()
+    h = _poisoned((T * k, I), torch.float32)  # fp32 h: the interpreter rounds fp32 to bf16 toward zero
+    _experts_triton.gemv1(x, _experts_triton.WeightOperand.of(q13), b13, h, ids, emap, 2 * E if mapped else E, act, k,
+                          GemmConfig(block_n, 64, stream_rows=True))
+    live = local >= 0
+    pre = torch.einsum("ph,pnh->pn", x.double().repeat_interleave(k, 0), d13.double()[local.clamp(min=0)])
+    ref = reference.ACTIVATION_FNS[act](pre + b13.double()[local.clamp(min=0)])
+    check_close(why, h[live], ref[live], FP16X2_SUMS)
+    assert h[~live].isnan().all(), "rows of skipped pairs were written"
+
+
+def test_stream_rows_is_refused_outside_the_gemv_mode():
+    with pytest.raises(ValueError, match="stream_rows applies to mode 'gemv' only"):
+        ExpertsConfig(16, GemmConfig(16, 64, stream_rows=True), GemmConfig(32, 32), mode="per_pair")
+    with pytest.raises(ValueError, match="GEMM1's only"):
+        ExpertsConfig(16, GemmConfig(16, 64), GemmConfig(32, 32, stream_rows=True), mode="gemv")
 
 
 _GPU_4BIT_CONFIGS = {
@@ -604,6 +651,8 @@ _GPU_4BIT_CONFIGS = {
                                                split_slots=True),
     "CUDA-core, 4 slots together": ExpertsConfig(16, GemmConfig(4, 256, slots=4), GemmConfig(4, 512, slots=4),
                                                  mode="gemv"),
+    "CUDA-core, GEMM1 rows kernel": ExpertsConfig(16, GemmConfig(8, 1024, stream_rows=True), GemmConfig(32, 256),
+                                                  mode="gemv"),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 

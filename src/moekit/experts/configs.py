@@ -65,6 +65,12 @@ class GemmConfig:
     measured on the H200 (benchmarks/results/archive/ab_scales_ahead_2026-12-03.md, 2026-12-03: gpt-oss MXFP4 T=256..4096 7-14% faster; qwen3 NVFP4 T=256/1024 16-24%
     slower, T=4096 4% faster). Ignored elsewhere."""
 
+    stream_rows: bool = False
+    """Mode "gemv", GEMM1, 4-bit weights with 16-bit activations: kernels/gemv1_rows.py instead of gemv1_act_kernel:
+    2 * block_n rows of w13 per program in their stored order, fp16x2 products on activations scaled by one power
+    of two per token inside the kernel (no preparation launch); slots and packed do not apply. Elsewhere it is
+    refused (ExpertsConfig); fp32 activations keep gemv1_act_kernel's fp32 products."""
+
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):  # tl.arange and warp counts take powers of two
             _check_pow2(f"GemmConfig.{name}", getattr(self, name))
@@ -126,6 +132,10 @@ class ExpertsConfig:
         for name in ("pdl", "split_slots"):
             if getattr(self, name) and self.mode != "gemv":
                 raise ValueError(f"ExpertsConfig.{name} applies to mode 'gemv' only, got mode {self.mode!r}")
+        if self.gemm1.stream_rows and self.mode != "gemv":
+            raise ValueError(f"ExpertsConfig.gemm1.stream_rows applies to mode 'gemv' only, got mode {self.mode!r}")
+        if self.gemm2.stream_rows:
+            raise ValueError("ExpertsConfig.gemm2.stream_rows: the rows kernel is GEMM1's only")
 
     @property
     def per_pair(self) -> bool:

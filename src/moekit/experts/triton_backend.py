@@ -26,7 +26,7 @@ from .configs import ExpertsConfig, GemmConfig
 from . import lora as expert_lora
 from .._launch import Launcher
 from .kernels import align as align_kernels
-from .kernels import fp8_quant, moe_gemm, moe_gemv
+from .kernels import fp8_quant, gemv1_rows, moe_gemm, moe_gemv
 from .kernels import scaled_fp16 as scaled_fp16_kernels
 
 # Every launch binds its call signature once (moekit._launch): the eager host time of a call.
@@ -35,6 +35,7 @@ gemm2_kernel = Launcher(moe_gemm.gemm2_kernel)
 gemm2_tokens_kernel = Launcher(moe_gemm.gemm2_tokens_kernel)
 combine_kernel = Launcher(moe_gemm.combine_kernel)
 gemv1_act_kernel = Launcher(moe_gemv.gemv1_act_kernel)
+gemv1_rows_kernel = Launcher(gemv1_rows.gemv1_rows_kernel)
 gemv2_tokens_kernel = Launcher(moe_gemv.gemv2_tokens_kernel)
 scaled_fp16_kernel = Launcher(scaled_fp16_kernels.scaled_fp16_kernel)
 quantize_groups_kernel = Launcher(fp8_quant.quantize_groups_kernel)
@@ -362,6 +363,9 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py)."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
+    if cfg.stream_rows and w.format in ("mxfp4", "nvfp4") and x.dtype != torch.float32:
+        return _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
+                           up_off)
     slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
     packed = cfg.packed is not False and w.format in ("mxfp4", "nvfp4") and x.dtype != torch.float32
@@ -381,6 +385,28 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         HAS_DELTA=delta is not None, FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n,
         BLOCK_K=w.gemv_block_k(cfg.block_k),
         HALVES_ASM=_PTX, PDL=pdl, SLOTS=slots, PACKED=packed,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+GEMV1_ROWS_XBLOCK = 1024  # activations per step of the rows kernel's largest-|x| scan
+
+
+def _gemv1_rows(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig, pdl,
+                delta, step, up_off):
+    """gemv1 on kernels/gemv1_rows.py (GemmConfig.stream_rows)."""
+    inter, hidden = w.shape[1] // 2, w.shape[2]
+    words, sw0, sw1, _, *scales = w.gemv_args()
+    return gemv1_rows_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
+        x, x.stride(0), x.stride(1),
+        words, sw0, sw1, *scales,
+        *_bias_args(b13, x),
+        h, h.stride(0), *_scale_args(delta, h),
+        ids, expert_map if expert_map is not None else ids,
+        top_k, num_global, w.shape[0], inter, hidden, step, up_off,
+        HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
+        FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
+        XBLOCK=GEMV1_ROWS_XBLOCK, HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=delta is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -242,11 +242,18 @@ def _pair_sum(bits, HALVES_ASM: tl.constexpr):
 @triton.jit
 def _chunk_sums_fp16x2(w, s, pairs, factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     """_chunk_sums on packed operands: [.., groups] group sums of a loaded 4-bit chunk (words [.., groups, words])
-    with the prepared activations (_load_x_fp16: four pair tensors of w's shape, factors of s's). Each nibble pair
-    (j, j + 4) of a word is one fp16x2 (code * 2^-14, exact) multiplied into an fp16x2 accumulator with its
-    activation pair: a word's eight products in four fp16x2 FMAs, a group's words added in fp16x2, and only the
-    group's sum widened to fp32. The activations' group largest sits in [2^14, 2^15) and a code * 2^-14 below
-    6 * 2^-14: a group's partial sums stay below 2^10."""
+    with the prepared activations (_load_x_fp16: four pair tensors of w's shape, factors of s's), scaled."""
+    return _scaled_group_sums(_fp16x2_group_sums(w, pairs, HALVES_ASM), s, factor, FORMAT)
+
+
+@triton.jit
+def _fp16x2_group_sums(w, pairs, HALVES_ASM: tl.constexpr):
+    """fp32 [.., groups] sums of code * 2^-14 times activation over each group of 4-bit words [.., groups, words],
+    the activations given as four int32 fp16-pair tensors of w's shape (pair j of a word: its nibbles j and
+    j + 4). Each nibble pair of a word is one fp16x2 (code * 2^-14, exact) multiplied into an fp16x2 accumulator
+    with its activation pair: a word's eight products in four fp16x2 FMAs, a group's words added in fp16x2, and
+    only the group's sum widened to fp32. With activations below 2^15 and codes * 2^-14 below 6 * 2^-14, a
+    group's partial sums stay below 2^10."""
     p0, p1, p2, p3 = pairs
     acc = _hfma2(_pair_bits(w << 9, w << 12), p0, tl.zeros_like(w), HALVES_ASM)  # the shifts of _chunk_sums
     acc = _hfma2(_pair_bits(w << 5, w << 8), p1, acc, HALVES_ASM)
@@ -258,7 +265,7 @@ def _chunk_sums_fp16x2(w, s, pairs, factor, FORMAT: tl.constexpr, HALVES_ASM: tl
     else:  # NVFP4: two
         a0, a1 = tl.split(acc)
         acc = _hadd2(a0, a1, HALVES_ASM)
-    return _scaled_group_sums(_pair_sum(acc, HALVES_ASM), s, factor, FORMAT)
+    return _pair_sum(acc, HALVES_ASM)
 
 
 @triton.jit

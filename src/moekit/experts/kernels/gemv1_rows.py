@@ -1,0 +1,149 @@
+"""Decode GEMM1 on the CUDA cores for 4-bit weights and 16-bit activations, streaming w13's rows as stored.
+
+One program owns 2 * BLOCK_N rows of one (token, slot) pair's expert: the gate and up rows of BLOCK_N columns of
+h, in h's (gate, up) order, so that with gpt-oss's interleaved rows a program reads one contiguous run of rows.
+It walks K in chunks of BLOCK_K codes, each chunk as [rows, groups, words] int32 words of 8 codes and [rows,
+groups] scale bytes, keeps fp32 sums per (row, group) and reduces them once after the loop.
+
+The products are fp16x2 FMAs (moe_gemv._fp16x2_group_sums). Instead of the preparation launch of
+moe_gemv's packed path (kernels/scaled_fp16.py: an exponent per 32 activations), the kernel scales its token's
+activations itself by one power of two, the token's largest |x| to [2^14, 2^15): fp16 then holds every bf16
+value down to 2^-28 of that largest exactly, and the few below (whose products are under 2^-28 of the largest)
+lose bits, not range. The activation chunk is loaded once per program as stored and rearranged in registers.
+
+The stream-and-decode microbenchmark (benchmarks/results/stream_decode.md, H200 2026-12-05) measured this design
+at 78.6% of the copy rate on gpt-oss-120b's GEMM1 at T=1, against 65.4% for moe_gemv's gemv1_act_kernel.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from .moe_gemm import MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert
+from .moe_gemv import _fp16x2_group_sums, _opaque, _pack2
+
+
+@triton.jit
+def _token_exponent(x_row, stride_xk, K, XBLOCK: tl.constexpr):
+    """The exponent e of the largest |x| of a token's row (clamped to [-113, 127]: 2^(14 - e) and 2^e stay
+    normal fp32 numbers): (2^(14 - e), 2^e)."""
+    m = tl.zeros([XBLOCK], dtype=tl.float32)
+    for k0 in range(0, K, XBLOCK):
+        offs = k0 + tl.arange(0, XBLOCK)
+        m = tl.maximum(m, tl.abs(tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)))
+    ex = ((tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    ex = tl.minimum(tl.maximum(ex, -113), 127)
+    return ((141 - ex) << 23).to(tl.float32, bitcast=True), ((127 + ex) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, K,
+                     FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Chunk ``c`` of a program: (words [rows, groups, words per group], scale bytes [rows, groups], activations
+    [groups, group size] as stored). Groups past K are masked (zeros): their loads move no bytes."""
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    WORDS: tl.constexpr = GROUP // 8
+    G: tl.constexpr = BLOCK_K // GROUP
+    ROWS: tl.constexpr = w_rows.shape[0]
+    g = c * G + tl.arange(0, G)
+    g_ok = g < K // GROUP
+    # Words addressed as [rows, G * WORDS] (contiguous along a row's chunk) and only then viewed as [rows, G,
+    # WORDS]: seen contiguous along the chunk, the compiler lays lanes along it, a vector of a group's words each,
+    # so that a lane keeps the same groups of several rows and the activations it converts serve all of them.
+    j = tl.arange(0, G * WORDS)
+    w_ok = row_ok[:, None] & ((c * G + j // WORDS) < K // GROUP)[None, :]
+    w_off = tl.multiple_of(w_rows + c * (G * WORDS), WORDS)[:, None] + j[None, :]
+    w = tl.reshape(tl.load(w_ptr + w_off, mask=w_ok, other=0), [ROWS, G, WORDS])
+    # Loaded as [G, rows] and transposed: that load's layout is, transposed, the one of the words' group sums
+    # (lanes along the groups); loaded as [rows, G], each chunk's sums would cross to it through shared memory.
+    s = tl.trans(tl.load(s_ptr + s_rows[None, :] + _opaque(g, K)[:, None], mask=g_ok[:, None] & row_ok[None, :],
+                         other=0))
+    xr = tl.load(x_row + (g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]) * stride_xk, mask=g_ok[:, None],
+                 other=0.0)
+    return w, s, xr
+
+
+@triton.jit
+def _pair_like(x, w):
+    """int32 fp16 pairs of x [groups, words, 2] (the last axis: low, high half), broadcast to w's [rows, groups,
+    words]."""
+    lo, hi = tl.split(x)
+    return tl.broadcast_to(_pack2(lo, hi)[None, :, :], w.shape)
+
+
+@triton.jit
+def _rows_chunk_sums(w, s, xr, x_scale, x_factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
+    """[rows, groups] fp32 products of one chunk, summed per scale group and scaled to their values."""
+    G: tl.constexpr = xr.shape[0]
+    WORDS: tl.constexpr = xr.shape[1] // 8
+    # activation 8 * word + 4 * half + 2a + b of a group: nibble pair j = 2a + b of a word holds halves 0 and 1
+    x = tl.reshape(xr.to(tl.float32) * x_scale, [G, WORDS, 2, 2, 2])
+    xb0, xb1 = tl.split(x)
+    x_a0b0, x_a1b0 = tl.split(xb0)
+    x_a0b1, x_a1b1 = tl.split(xb1)
+    p0 = _pair_like(x_a0b0, w)
+    p1 = _pair_like(x_a0b1, w)
+    p2 = _pair_like(x_a1b0, w)
+    p3 = _pair_like(x_a1b1, w)
+    sums = _fp16x2_group_sums(w, (p0, p1, p2, p3), HALVES_ASM)
+    # codes * 2^-14 times x * 2^(14 - e): the sums are codes times x over 2^e. Multiplied in this order, every
+    # intermediate is finite wherever the result is (2^e times a scale alone may not be).
+    if FORMAT == MXFP4:
+        part = (sums * x_factor) * _e8m0_values(s)
+    else:
+        part = (sums * x_factor) * _e4m3_values(s)
+    return part
+
+
+@triton.jit
+def gemv1_rows_kernel(
+    x_ptr, stride_xm, stride_xk,  # x [T, H], bf16 or fp16
+    w_ptr, stride_we, stride_wn,  # w13 as int32 words of 8 codes [E, 2I, H/8] (rows on whole groups)
+    s_ptr, stride_se, stride_sn, gs_ptr,  # block scales [E, 2I, H/group] (MXFP4 E8M0, NVFP4 E4M3); NVFP4 [E]
+    bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
+    h_ptr, stride_hm,  # out: activations [T*k, I], one row per pair
+    delta_ptr, stride_dm,  # HAS_DELTA: added before the activation, [T*k, 2I] in w13's row order
+    ids_ptr, expert_map_ptr,  # int32 [T*k]; int32 [num_global] (HAS_MAP)
+    top_k, num_global, num_local, I, K,
+    gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
+    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns of h per program: 2 * BLOCK_N rows of w13
+    BLOCK_K: tl.constexpr,  # codes per chunk, whole scale groups
+    XBLOCK: tl.constexpr,  # activations per step of the token's largest-|x| scan
+    HALVES_ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
+    HAS_DELTA: tl.constexpr = False,
+):
+    if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
+        gdc_launch_dependents()
+    num_n = tl.cdiv(I, BLOCK_N)
+    pair = tl.program_id(0) // num_n
+    e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+    if e >= 0:  # pairs of another rank: their rows are never read (GEMM2 skips them too)
+        e64 = e.to(tl.int64)
+        # row r of the program: column n0 + r // 2 of h, its gate (r even) or up (r odd) row of w13
+        r = tl.arange(0, 2 * BLOCK_N)
+        cols = (tl.program_id(0) % num_n) * BLOCK_N + r // 2
+        row_ok = cols < I
+        rows = cols.to(tl.int64) * gate_step + (r % 2) * up_offset
+        w_rows = e64 * stride_we + rows * stride_wn
+        s_rows = e64 * stride_se + rows * stride_sn
+        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+        x_scale, x_factor = _token_exponent(x_row, stride_xk, K, XBLOCK)
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32)
+        for c in range(0, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
+            w, s, xr = _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, K, FORMAT,
+                                        BLOCK_K)
+            acc += _rows_chunk_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM)
+        y = tl.sum(acc, axis=1)
+        if FORMAT == NVFP4:  # the per-expert global scale divides out once
+            y = y / tl.load(gs_ptr + e64)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + e64 * stride_be + rows * stride_bn, mask=row_ok, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            y += tl.load(delta_ptr + pair.to(tl.int64) * stride_dm + rows, mask=row_ok, other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))
+        offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        act = _activate(gate, up, ACTIVATION)
+        tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=offs_n < I)
