@@ -495,12 +495,12 @@ class Run:
                 blocks = block_expert.shape[0]
                 h, _ = tb.activation_buffers(blocks * bm, INTER, x.dtype, dev, False)
                 y = torch.empty(m, HIDDEN, dtype=x.dtype, device=dev)
-                rows = (block_expert, sorted_pairs, block_expert)
+                rows = tb.RowMap.aligned(block_expert, sorted_pairs)
                 h_paired = tb._w4_words(W2, h.dtype)
                 g1 = lambda: tb.gemm1(x, W13, None, h, rows, "swiglu_oai", blocks, cfg.gemm1, bm,  # noqa: E731
-                                      tb.ROWS_ALIGNED, m, 1, 0, h_paired=h_paired)
+                                      m, 1, 0, h_paired=h_paired)
                 g2 = lambda: tb.gemm2(h, W2, None, wts.reshape(-1), y, (0, y.stride(0)), rows, blocks,  # noqa: E731
-                                      cfg.gemm2, bm, tb.ROWS_ALIGNED, m, 0)
+                                      cfg.gemm2, bm, m, 0)
                 for shape, fn, (n, k) in (("w13", g1, (n13, k13)), ("w2", g2, (n2, k2))):
                     us = self.time_us(fn)
                     self.record(kind="moekit", shape=shape, m=m, n=n, k=k, us=us, tflops=2.0 * m * n * k / us * 1e-6,

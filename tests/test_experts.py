@@ -305,9 +305,12 @@ def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
 
 def test_configs_round_trip_through_the_table_format():
     # every field reaches the table and back; entries written before a field existed read as its default
-    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1, tma=True), GemmConfig(8, 512, 8, 1), mode="gemv",
-                        pdl=True)
-    assert ExpertsConfig.from_dict(cfg.to_dict()) == cfg
+    for cfg in (ExpertsConfig(16, GemmConfig(16, 256, 4, 1, stream_rows=True), GemmConfig(8, 512, 8, 1, slots=2,
+                                                                                      packed=True), mode="gemv",
+                              pdl=True, split_slots=True),
+                ExpertsConfig(64, GemmConfig(64, 128, 8, 3, 8, tma=True, half_tails=True, scales_ahead=False),
+                              GemmConfig(128, 64))):
+        assert ExpertsConfig.from_dict(cfg.to_dict()) == cfg
     old = {"block_m": 64, "gemm1": {"block_n": 64, "block_k": 64}, "gemm2": {"block_n": 128, "block_k": 64}}
     assert ExpertsConfig.from_dict(old) == ExpertsConfig(64, GemmConfig(64, 64), GemmConfig(128, 64))
 
@@ -772,8 +775,8 @@ def test_gemm1_writes_h_in_the_paired_order(fmt, act, biases, why):
     hs = []
     for paired in (False, True):
         h = _poisoned((blocks * bm, I), torch.float32)
-        _experts_triton.gemm1(x, op, b13, h, (block_expert, sorted_pairs, block_expert), act, blocks,
-                               GemmConfig(16, 32), bm, _experts_triton.ROWS_ALIGNED, T * k, k, 0, h_paired=paired)
+        _experts_triton.gemm1(x, op, b13, h, _experts_triton.RowMap.aligned(block_expert, sorted_pairs), act,
+                              blocks, GemmConfig(16, 32), bm, T * k, k, 0, h_paired=paired)
         # blocks past the used ones have expert -1 and positions that were never written
         hs.append(h[(sorted_pairs < T * k) & (block_expert.repeat_interleave(bm) >= 0)])
     assert not hs[0].isnan().any(), why
@@ -1277,6 +1280,21 @@ def test_gpu_w4a8_tiles_equal_the_recoding_bit_for_bit():
 def test_gemv_slots_must_be_a_power_of_two(slots):
     with pytest.raises(ValueError, match="GemmConfig.slots"):
         GemmConfig(8, 512, slots=slots)
+
+
+@pytest.mark.parametrize("mode,gemm,switch,why", [
+    ("gemv", "gemm1", {"tma": True}, "TMA boxes feed tensor-core tiles"),
+    ("gemv", "gemm2", {"scales_ahead": True}, "the CUDA-core kernels load a chunk's scales with its words"),
+    ("per_pair", "gemm1", {"half_tails": True}, "per-pair tiles hold one pair: no padding half"),
+    ("aligned", "gemm2", {"slots": 2}, "slots are the CUDA-core kernels' pairs per program"),
+    ("aligned", "gemm1", {"packed": True}, "fp16x2 products are the CUDA-core kernels'"),
+    ("per_pair", "gemm1", {"stream_rows": True}, "the rows kernel is a CUDA-core GEMM1"),
+])
+def test_a_switch_set_under_another_mode_is_refused(mode, gemm, switch, why):
+    plain = GemmConfig(16, 64)
+    gemms = {"gemm1": plain, "gemm2": plain} | {gemm: GemmConfig(16, 64, **switch)}
+    with pytest.raises(ValueError, match=f"{gemm}.{next(iter(switch))} applies to mode"):
+        ExpertsConfig(16, gemms["gemm1"], gemms["gemm2"], mode=mode)
 
 
 def _counted_routes(counts, k):

@@ -35,7 +35,8 @@ def _check_pow2(name: str, value) -> None:
 @dataclass(frozen=True)
 class GemmConfig:
     """Launch shape of one grouped GEMM (kernels/moe_gemm.py). GEMM1 computes BLOCK_N gate and
-    BLOCK_N up columns per program."""
+    BLOCK_N up columns per program. Each switch below belongs to the kernels of some ExpertsConfig modes, which
+    refuses it under the others; within its modes, weights it cannot apply to run without it."""
 
     block_n: int
     block_k: int
@@ -43,33 +44,32 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 1
     tma: bool = False
-    """Weight tiles by Hopper TMA copies (dense and FP8 weights in the aligned and batched modes,
-    where the stack allows it; elsewhere the per-thread copies run)."""
+    """Weight tiles by Hopper TMA copies (modes "aligned" and "per_pair"; dense and FP8 weights where the stack
+    allows it, other weights keep the per-thread copies)."""
     half_tails: bool = False
-    """Aligned row blocks (BLOCK_M >= 32) whose second half is padding compute BLOCK_M // 2 rows:
+    """Mode "aligned": row blocks (BLOCK_M >= 32) whose second half is padding compute BLOCK_M // 2 rows:
     each expert's last block is one about half the time at prefill sizes. Both row counts compile
     into the kernel (twice its code); the block picks at run time."""
     slots: int | None = None
     """On the CUDA cores (ExpertsConfig mode "gemv"), a token's slots (pairs) handled together, a power of
     two. GEMM1: pairs per program, their experts' rows loaded together and the token's activation
     chunk shared (None: 1). GEMM2: slots read per step of one loop over (group of slots, K chunk),
-    or 0 for a loop per slot (None: the weight format's default, dense 1, 4-bit 0). Ignored elsewhere."""
+    or 0 for a loop per slot (None: the weight format's default, dense 1, 4-bit 0)."""
     packed: bool | None = None
-    """On the CUDA cores with 4-bit weights and 16-bit activations: the products as fp16x2 FMAs, a group's
+    """On the CUDA cores (mode "gemv") with 4-bit weights and 16-bit activations: the products as fp16x2 FMAs, a group's
     sum widened to fp32 once, on activations prepared as fp16 with an exponent per 32 (one more launch).
     GEMM1: None is on; GEMM2 (its loop per slot, on GEMM1's output): only True. fp32 activations keep fp32
-    products. Ignored elsewhere."""
+    products; dense weights ignore it."""
     scales_ahead: bool | None = None
-    """Tensor-core GEMMs with 4-bit weights: each K step's block-scale codes loaded one step ahead (single
+    """Tensor-core GEMMs (modes "aligned" and "per_pair") with 4-bit weights: each K step's block-scale codes loaded one step ahead (single
     bytes, which the software pipeline does not copy asynchronously). None: on for MXFP4, off for NVFP4, as
     measured on the H200 (benchmarks/results/archive/ab_scales_ahead_2026-12-03.md, 2026-12-03: gpt-oss MXFP4 T=256..4096 7-14% faster; qwen3 NVFP4 T=256/1024 16-24%
-    slower, T=4096 4% faster). Ignored elsewhere."""
-
+    slower, T=4096 4% faster); other weights ignore it."""
     stream_rows: bool = False
     """Mode "gemv", GEMM1, 4-bit weights with 16-bit activations: kernels/gemv1_rows.py instead of gemv1_act_kernel:
     2 * block_n rows of w13 per program in their stored order, fp16x2 products on activations scaled by one power
-    of two per token inside the kernel (no preparation launch); slots and packed do not apply. Elsewhere it is
-    refused (ExpertsConfig); fp32 activations keep gemv1_act_kernel's fp32 products."""
+    of two per token inside the kernel (no preparation launch); slots and packed do not apply. Dense weights and
+    fp32 activations keep gemv1_act_kernel."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):  # tl.arange and warp counts take powers of two
@@ -93,6 +93,9 @@ def four_bit_block_k(cfg: GemmConfig, tiles: int = 1) -> int:
 
 
 MODES = ("aligned", "per_pair", "gemv")
+# GemmConfig switches and the modes whose kernels read them
+_SWITCH_MODES = {"tma": ("aligned", "per_pair"), "half_tails": ("aligned",), "scales_ahead": ("aligned", "per_pair"),
+                 "slots": ("gemv",), "packed": ("gemv",), "stream_rows": ("gemv",)}
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,15 @@ class ExpertsConfig:
         for name in ("pdl", "split_slots"):
             if getattr(self, name) and self.mode != "gemv":
                 raise ValueError(f"ExpertsConfig.{name} applies to mode 'gemv' only, got mode {self.mode!r}")
-        if self.gemm1.stream_rows and self.mode != "gemv":
-            raise ValueError(f"ExpertsConfig.gemm1.stream_rows applies to mode 'gemv' only, got mode {self.mode!r}")
         if self.gemm2.stream_rows:
             raise ValueError("ExpertsConfig.gemm2.stream_rows: the rows kernel is GEMM1's only")
+        # each GemmConfig switch belongs to the kernels of some modes: set under another, it is refused, not ignored
+        for gemm in ("gemm1", "gemm2"):
+            g = getattr(self, gemm)
+            for name, modes in _SWITCH_MODES.items():
+                if getattr(g, name) not in (None, False) and self.mode not in modes:
+                    raise ValueError(f"ExpertsConfig.{gemm}.{name} applies to mode "
+                                     f"{' or '.join(repr(m) for m in modes)} only, got mode {self.mode!r}")
 
     @property
     def per_pair(self) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import functools
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 
@@ -194,6 +195,37 @@ ROWS_ALIGNED, ROWS_BATCHED, ROWS_PER_PAIR = moe_gemm.ALIGNED.value, moe_gemm.BAT
 PER_PAIR_BLOCK_M = 16  # the smallest tensor-core tile; row 0 is the pair
 
 
+class RowMap(NamedTuple):
+    """What the row blocks of a tensor-core GEMM hold (kernels/moe_gemm.py _block_rows): one mode and its own
+    tensors, the others None. Build with :meth:`aligned`, :meth:`batched` or :meth:`per_pair`."""
+
+    mode: int
+    block_expert: torch.Tensor | None = None  # ALIGNED: int32 [blocks], each row block's local expert (-1: none)
+    sorted_pairs: torch.Tensor | None = None  # ALIGNED: int32 [blocks * BLOCK_M], each row's pair (num_pairs: pad)
+    expert_tokens: torch.Tensor | None = None  # BATCHED: int32 [E], the valid rows of each expert's slab
+    ids: torch.Tensor | None = None  # PER_PAIR: int32 [num_pairs], each pair's (global) expert
+    expert_map: torch.Tensor | None = None  # PER_PAIR: int32 [num_global], global -> local expert, -1 elsewhere
+
+    @classmethod
+    def aligned(cls, block_expert: torch.Tensor, sorted_pairs: torch.Tensor) -> "RowMap":
+        return cls(ROWS_ALIGNED, block_expert=block_expert, sorted_pairs=sorted_pairs)
+
+    @classmethod
+    def batched(cls, expert_tokens: torch.Tensor) -> "RowMap":
+        return cls(ROWS_BATCHED, expert_tokens=expert_tokens)
+
+    @classmethod
+    def per_pair(cls, ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> "RowMap":
+        return cls(ROWS_PER_PAIR, ids=ids, expert_map=expert_map)
+
+    def pointers(self, per_pair: bool = True) -> tuple:
+        """The kernel's row pointers (block_expert, sorted_pairs, expert_tokens[, ids, expert_map]); those this
+        mode does not read are one of its own int32 tensors (the pruned branches still type their loads)."""
+        given = [t for t in self[1:] if t is not None]
+        names = self._fields[1:] if per_pair else self._fields[1:4]
+        return tuple(given[0] if getattr(self, n) is None else getattr(self, n) for n in names)
+
+
 def _scale_args(scales: torch.Tensor | None, fallback: torch.Tensor):
     return (scales, scales.stride(0)) if scales is not None else (fallback, 0)
 
@@ -274,9 +306,8 @@ def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
     return (0, *x3.stride()) if x3.dim() == 2 else x3.stride()
 
 
-def gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: GemmConfig, block_m, mode,
-           num_pairs, top_k, rows_per_expert, expert_map=None, num_global=0, x_scales=None, h_scales=None,
-           h_paired=False, delta=None):
+def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, cfg: GemmConfig, block_m, num_pairs,
+           top_k, rows_per_expert, num_global=0, x_scales=None, h_scales=None, h_paired=False, delta=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
     ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2).
     ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py)."""
@@ -299,21 +330,24 @@ def gemm1(x3, w: WeightOperand, b13, h, rows, activation, num_m_blocks, cfg: Gem
         *_bias_args(b13, x3),
         h, h.stride(0), *_scale_args(delta, h),
         *_scale_args(x_scales, x3), *_scale_args(h_scales, x3),
-        *rows,
+        *rows.pointers(),
         num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w.shape[0],
         inter, hidden, step, up_off,
-        HAS_BIAS=b13 is not None, ROWS=mode, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
+        HAS_BIAS=b13 is not None, ROWS=rows.mode, HAS_MAP=rows.expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id, HAS_DELTA=delta is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale,
-        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, mode, block_m),
+        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, rows.mode, block_m),
         SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
 
 
-def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, cfg: GemmConfig, block_m, mode,
+def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_blocks, cfg: GemmConfig, block_m,
            num_pairs, rows_per_expert, h_scales=None):
+    """Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens)."""
+    if rows.mode == ROWS_PER_PAIR:
+        raise ValueError("gemm2: per-pair rows run gemm2_tokens")
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
@@ -325,13 +359,13 @@ def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows, num_m_blocks, cf
         *_bias_args(b2, h),
         weights,
         y, *y_strides,
-        *rows,
+        *rows.pointers(per_pair=False),
         num_pairs, rows_per_expert, num_m_blocks,
         hidden, inter,
-        HAS_BIAS=b2 is not None, ROWS=mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
+        HAS_BIAS=b2 is not None, ROWS=rows.mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=_PTX, W_TILE_SCALE=_tile_scale(w, cfg.block_n),
-        EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, mode, block_m),
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, rows.mode, block_m),
         SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=_w4_words(w, h.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -585,10 +619,8 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
                 expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights)
             _combine(y, ids, out, top_k)
             return
-        emap = expert_map if expert_map is not None else ids
-        gemm1(x, w13, w13_bias, h, (emap, ids, ids), activation, num_pairs,
-               config.gemm1, PER_PAIR_BLOCK_M, ROWS_PER_PAIR, num_pairs, top_k, 0, expert_map, num_global, xs, hs,
-               delta=delta)
+        gemm1(x, w13, w13_bias, h, RowMap.per_pair(ids, expert_map), activation, num_pairs, config.gemm1,
+               PER_PAIR_BLOCK_M, num_pairs, top_k, 0, num_global, xs, hs, delta=delta)
         gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
         if lora is not None:
             expert_lora.w2_add(h, hs, lora, lora_ids, pairs, out, weights, per_token=True)
@@ -598,16 +630,15 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     blocks = block_expert.shape[0]
     h, hs = activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
     y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
-    rows = (block_expert, sorted_pairs, block_expert)
+    rows = RowMap.aligned(block_expert, sorted_pairs)
     if lora is not None:
         aligned = expert_lora.Rows("aligned", blocks * bm, top_k, bm, num_pairs, block_expert, sorted_pairs)
         delta = expert_lora.w13_delta(x, xs, lora, lora_ids, aligned)
     else:
         delta = None
-    gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_ALIGNED, num_pairs, top_k, 0,
+    gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, num_pairs, top_k, 0,
            x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype), delta=delta)
-    gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, ROWS_ALIGNED, num_pairs, 0,
-           hs)
+    gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, num_pairs, 0, hs)
     if lora is not None:
         expert_lora.w2_add(h, hs, lora, lora_ids, aligned, y, weights, h_paired=_w4_words(w2, h.dtype))
     _combine(y, pair_expert, out, top_k)
@@ -642,17 +673,17 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
     if fp8:  # every row its own groups: padding rows (garbage, NaN) only ever scale themselves
         xq, xs = fp8_groups(x.reshape(num_experts * rows_per_expert, hidden))
         x = xq.view(num_experts, rows_per_expert, hidden)
-    rows = (expert_num_tokens, expert_num_tokens, expert_num_tokens)
+    rows = RowMap.batched(expert_num_tokens)
     if lora is not None:
         slabs = expert_lora.Rows("batched", num_experts * rows_per_expert, block_m=bm,
                                  expert_num_tokens=expert_num_tokens, rows_per_expert=rows_per_expert)
         delta = expert_lora.w13_delta(x, xs, lora, lora_ids, slabs)
     else:
         delta = None
-    gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, ROWS_BATCHED, 0, 1, rows_per_expert,
+    gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, 0, 1, rows_per_expert,
            x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype), delta=delta)
-    gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, ROWS_BATCHED,
-           0, rows_per_expert, hs)
+    gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, 0, rows_per_expert,
+           hs)
     if lora is not None:
         expert_lora.w2_add(h, hs, lora, lora_ids, slabs, out, None, h_paired=_w4_words(w2, h.dtype))
 

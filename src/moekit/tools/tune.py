@@ -125,15 +125,15 @@ class _Problem:
         spec, T = self.spec, self.T
         num_pairs = T * spec.top_k
         if per_pair:
-            blocks, block_m, rows_mode = num_pairs, ext.PER_PAIR_BLOCK_M, ext.ROWS_PER_PAIR
-            rows = [(ids, ids, ids) for _, ids in self.routes]
+            blocks, block_m = num_pairs, ext.PER_PAIR_BLOCK_M
+            rows = [ext.RowMap.per_pair(ids.reshape(-1)) for _, ids in self.routes]
             y = torch.empty(T, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
         else:
-            rows_mode, rows = ext.ROWS_ALIGNED, []
+            rows = []
             for _, ids in self.routes:
                 _, sorted_pairs, block_expert = ext.align(ids, None, spec.num_experts, block_m)
-                rows.append((block_expert, sorted_pairs, block_expert))
-            blocks = rows[0][0].shape[0]  # the bound for T pairs: the same for every route set
+                rows.append(ext.RowMap.aligned(block_expert, sorted_pairs))
+            blocks = rows[0].block_expert.shape[0]  # the bound for T pairs: the same for every route set
             y = torch.empty(num_pairs, spec.hidden_size, device="cuda", dtype=self.x_in.dtype)
         h, hs = ext.activation_buffers(blocks * (1 if per_pair else block_m), spec.intermediate_size,
                                         self.x_in.dtype, self.x.device, self.fp8)
@@ -163,14 +163,14 @@ class _Problem:
                 return ext.gemv2_tokens(h, w2, None, flat_tw, flat_ids, None, spec.num_experts,
                                          y, spec.top_k, cfg)
             elif which == 1:
-                return ext.gemm1(self.x, w13, None, h, rows[r], self.spec.activation, blocks, cfg, block_m, rows_mode,
-                                  num_pairs, spec.top_k, 0, None, spec.num_experts, self.xs, hs)
+                return ext.gemm1(self.x, w13, None, h, rows[r], self.spec.activation, blocks, cfg, block_m, num_pairs,
+                                  spec.top_k, 0, spec.num_experts, self.xs, hs)
             elif per_pair:
                 return ext.gemm2_tokens(h, w2, None, flat_tw, ids, None, spec.num_experts, y, spec.top_k,
                                          cfg, hs)
             else:
                 return ext.gemm2(h, w2, None, flat_tw, y, (0, y.stride(0)), rows[r], blocks, cfg, block_m,
-                                  rows_mode, num_pairs, 0, hs)
+                                  num_pairs, 0, hs)
 
         def measure(cfg):
             try:

@@ -511,15 +511,16 @@ def _slot_operands(pair, ids_ptr, expert_map_ptr, num_global, num_local, w_ptr, 
 
 
 @triton.jit
-def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
-                num_global, num_local, ROWS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                ROWS_M: tl.constexpr):
+def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, ids_ptr, expert_map_ptr, num_pairs,
+                rows_per_expert, num_global, num_local, ROWS: tl.constexpr, HAS_MAP: tl.constexpr,
+                BLOCK_M: tl.constexpr, ROWS_M: tl.constexpr):
     """(expert, slot of each row in the compact row space, pair id of each row, row valid) for the
-    first ROWS_M rows of row block pid_m (BLOCK_M rows).
+    first ROWS_M rows of row block pid_m (BLOCK_M rows). Each mode reads its own pointers:
 
-    ALIGNED: row slot = position in the aligned pair list, pair = sorted pair id.
-    BATCHED: row slot = e * M + m, pair = m. PER_PAIR: block = pair (row 0 only; the pointers are
-    topk_ids and expert_map). Expert -1 means nothing to do.
+    ALIGNED (block_expert, sorted_pairs): row slot = position in the aligned pair list, pair = sorted pair id.
+    BATCHED (expert_tokens): row slot = e * M + m, pair = m.
+    PER_PAIR (ids, expert_map): block = pair, row 0 only.
+    Expert -1 means nothing to do.
     """
     lanes = tl.arange(0, ROWS_M)
     if ROWS == BATCHED:
@@ -531,7 +532,7 @@ def _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, nu
         e = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, e, -1)
         return e, e.to(tl.int64) * rows_per_expert + m, m, row_ok
     if ROWS == PER_PAIR:
-        e = _pair_expert(sorted_pairs_ptr, block_expert_ptr, pid_m, num_global, num_local, HAS_MAP)
+        e = _pair_expert(ids_ptr, expert_map_ptr, pid_m, num_global, num_local, HAS_MAP)
         return e, pid_m.to(tl.int64) + lanes, pid_m + lanes, lanes == 0
     e = tl.load(block_expert_ptr + pid_m)
     pos = pid_m * BLOCK_M + lanes
@@ -560,7 +561,9 @@ def _gemm1_rows(
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
     delta_ptr, stride_dm,  # HAS_DELTA: added before the activation, [rows, 2I] in w13's row order (h's rows)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
-    block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+    block_expert_ptr, sorted_pairs_ptr,  # ALIGNED: int32 expert per row block [blocks], pair per row [blocks * BM]
+    expert_tokens_ptr,  # BATCHED: int32 valid rows per expert [E]
+    ids_ptr, expert_map_ptr,  # PER_PAIR: int32 expert per pair [num_pairs]; global -> local [num_global] (HAS_MAP)
     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
     I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
@@ -579,8 +582,9 @@ def _gemm1_rows(
     HAS_DELTA: tl.constexpr = False,  # LoRA on w13 (kernels/lora.py): its term per row, added like the bias
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
-    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
-                                          rows_per_expert, num_global, num_local, ROWS, HAS_MAP, BLOCK_M, ROWS_M)
+    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, ids_ptr,
+                                          expert_map_ptr, num_pairs, rows_per_expert, num_global, num_local, ROWS,
+                                          HAS_MAP, BLOCK_M, ROWS_M)
     if e >= 0:
         if ROWS == BATCHED:
             x_rows = e.to(tl.int64) * stride_xe + pair.to(tl.int64) * stride_xm
@@ -693,8 +697,9 @@ def gemm1_act_kernel(
     h_ptr, stride_hm,  # out: activations [rows, I], row = compact row slot (FP8: E4M3 codes)
     delta_ptr, stride_dm,  # HAS_DELTA: added before the activation, [rows, 2I] in w13's row order (h's rows)
     xs_ptr, stride_xs, hs_ptr, stride_hs,  # FP8: x group scales [x rows, H/128]; out: h group scales [rows, I/128]
-    block_expert_ptr, sorted_pairs_ptr,
-    expert_tokens_ptr,  # batched: tokens per expert [E]
+    block_expert_ptr, sorted_pairs_ptr,  # ALIGNED: int32 expert per row block [blocks], pair per row [blocks * BM]
+    expert_tokens_ptr,  # BATCHED: int32 valid rows per expert [E]
+    ids_ptr, expert_map_ptr,  # PER_PAIR: int32 expert per pair [num_pairs]; global -> local [num_global] (HAS_MAP)
     num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
     I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
@@ -723,18 +728,19 @@ def gemm1_act_kernel(
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, delta_ptr, stride_dm,
                     xs_ptr, stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
-                    num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step,
-                    up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS,
-                    H_PAIRED, HAS_DELTA)
+                    ids_ptr, expert_map_ptr, num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
+                    I, K, gate_step, up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M,
+                    BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED,
+                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, delta_ptr, stride_dm,
-                    xs_ptr, stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, top_k,
-                    rows_per_expert, num_m_blocks, num_global, num_local, I, K, gate_step, up_offset, HAS_BIAS, ROWS,
-                    HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED,
-                    HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED, SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA)
+                    xs_ptr, stride_xs, hs_ptr, stride_hs, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+                    ids_ptr, expert_map_ptr, num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
+                    I, K, gate_step, up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M,
+                    BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED,
+                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA)
 
 
 @triton.jit
@@ -760,8 +766,9 @@ def _gemm2_rows(
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
 ):
     """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
-    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
-                                          rows_per_expert, 0, 0, ROWS, False, BLOCK_M, ROWS_M)
+    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
+                                          expert_tokens_ptr, expert_tokens_ptr, num_pairs, rows_per_expert, 0, 0,
+                                          ROWS, False, BLOCK_M, ROWS_M)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
