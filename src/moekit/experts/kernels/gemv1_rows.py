@@ -97,15 +97,11 @@ def _rows_chunk_sums(w, s, xr, x_scale, x_factor, FORMAT: tl.constexpr, HALVES_A
 
 @triton.jit
 def gemv1_rows_kernel(
-    x_ptr, stride_xm, stride_xk,  # x [T, H], bf16 or fp16
-    w_ptr, stride_we, stride_wn,  # w13 as int32 words of 8 codes [E, 2I, H/8] (rows on whole groups)
-    s_ptr, stride_se, stride_sn, gs_ptr,  # block scales [E, 2I, H/group] (MXFP4 E8M0, NVFP4 E4M3); NVFP4 [E]
-    bias_ptr, stride_be, stride_bn,  # w13_bias [E, 2I] (HAS_BIAS)
-    h_ptr, stride_hm,  # out: activations [T*k, I], one row per pair
-    delta_ptr, stride_dm,  # HAS_DELTA: added before the activation, [T*k, 2I] in w13's row order
-    ids_ptr, expert_map_ptr,  # int32 [T*k]; int32 [num_global] (HAS_MAP)
-    top_k, num_global, num_local, I, K,
-    gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
+    # as moe_gemv.gemv1_act_kernel's, less its prepared activations: x [T, H] bf16 or fp16 as stored, w13 as int32
+    # words of 8 codes [E, 2I, H/8] (rows on whole groups), no K stride
+    x_ptr, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, gs_ptr,
+    bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, delta_ptr, stride_dm, ids_ptr, expert_map_ptr,
+    top_k, num_global, num_local, I, K, gate_step, up_offset,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns of h per program: 2 * BLOCK_N rows of w13
     BLOCK_K: tl.constexpr,  # codes per chunk, whole scale groups
