@@ -9,9 +9,9 @@ block shape (e.g. a config the tuner skips because it spills outside the K loop)
 
 A config is ``table``, ``table+OPT+OPT...`` (the table's config with options in both GEMMs) or
 ``BLOCK_M:gemm1:gemm2`` with each GEMM as ``block_n,block_k,num_warps,num_stages,group_m[,OPT...]``.
-OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``rows`` (GemmConfig.stream_rows: the CUDA-core
-GEMM1 on kernels/gemv1_rows.py), ``stagesN`` / ``bnN`` / ``bkN`` / ``wN`` (pipeline stages, block_n, block_k,
-warps), ``packed`` /
+OPT: ``tma`` (TMA weight boxes), ``half`` (half tail blocks), ``rows`` (GemmConfig.row_scaled: CUDA-core fp16x2
+products on activation rows scaled inside the kernel, GEMM1 on kernels/gemv1_rows.py), ``stagesN`` / ``bnN`` /
+``bkN`` / ``wN`` (pipeline stages, block_n, block_k, warps), ``packed`` /
 ``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), ``ahead`` / ``atuse`` (GemmConfig.scales_ahead
 of the tensor-core 4-bit GEMMs), ``split`` (ExpertsConfig.split_slots:
 the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``; ``g1.OPT`` / ``g2.OPT`` sets an
@@ -49,10 +49,10 @@ _NUMBERED = {"stages": "num_stages", "bn": "block_n", "bk": "block_k", "w": "num
 
 
 def _option(word: str) -> dict:
-    """One GemmConfig option: tma, half (half_tails), rows (stream_rows), stagesN / bnN / bkN / wN (num_stages,
+    """One GemmConfig option: tma, half (half_tails), rows (row_scaled), stagesN / bnN / bkN / wN (num_stages,
     block_n, block_k, num_warps), packed / unpacked, ahead / atuse."""
     if word in ("tma", "half", "rows"):
-        return {{"tma": "tma", "half": "half_tails", "rows": "stream_rows"}[word]: True}
+        return {{"tma": "tma", "half": "half_tails", "rows": "row_scaled"}[word]: True}
     for prefix, name in _NUMBERED.items():
         if word.startswith(prefix) and word.removeprefix(prefix).isdigit():
             return {name: int(word.removeprefix(prefix))}

@@ -184,15 +184,16 @@ def expert_variants():
         yield f"slots decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=slots: fused_experts(
             x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
 
-    # GEMM1 on the rows kernel (GemmConfig.stream_rows): MXFP4 with interleaved rows, NVFP4 with [gate; up] halves
+    # row-scaled decode (GemmConfig.row_scaled): MXFP4 with interleaved rows, NVFP4 with [gate; up] halves
     from moekit.formats import nvfp4
     for name, mod in (("gpt-oss-120b", mxfp4), ("qwen3-30b-a3b", nvfp4)):
         spec = presets.get(name)
         E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
         w13, w2 = (_expand_quantized(mod, mod.quantize(torch.randn(1, *shape)), E) for shape in ((2 * I, H), (H, I)))
         x, ids = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, spec.top_k, dtype=torch.int32)
-        for bn, warps in ((8, 4), (16, 4), (4, 2)):
-            cfg = replace(decode, gemm1=GemmConfig(bn, 1024, warps, 3, stream_rows=True))
+        for bn, warps in ((8, 4), (16, 4), (4, 2)):  # GEMM2 row-scaled too, at the decode tile of each format
+            cfg = replace(decode, gemm1=GemmConfig(bn, 1024, warps, 3, row_scaled=True),
+                          gemm2=replace(decode.gemm2, row_scaled=True))
             yield f"rows decode {name} BLOCK_N={bn} w{warps}", \
                 lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)

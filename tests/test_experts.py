@@ -305,7 +305,7 @@ def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
 
 def test_configs_round_trip_through_the_table_format():
     # every field reaches the table and back; entries written before a field existed read as its default
-    for cfg in (ExpertsConfig(16, GemmConfig(16, 256, 4, 1, stream_rows=True), GemmConfig(8, 512, 8, 1, slots=2,
+    for cfg in (ExpertsConfig(16, GemmConfig(16, 256, 4, 1, row_scaled=True), GemmConfig(8, 512, 8, 1, slots=2,
                                                                                       packed=True), mode="gemv",
                               pdl=True, split_slots=True),
                 ExpertsConfig(64, GemmConfig(64, 128, 8, 3, 8, tma=True, half_tails=True, scales_ahead=False),
@@ -583,6 +583,8 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     (None, None, True, "GEMM2 per pair, the slots summed by the combine"),
     (None, True, False, "GEMM2's fp16x2 products too, on h prepared the same way"),
     ("rows", None, False, "GEMM1 on the rows kernel: w13's rows as stored, one exponent per token"),
+    ("rows", "rows", False, "both GEMMs row-scaled: no preparation launch at all"),
+    (None, "rows", True, "GEMM2 row-scaled per pair, the slots summed by the combine"),
 ])
 def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, why):
     # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; I = 64: GEMM2's K in two chunks; fp16 (the
@@ -593,8 +595,9 @@ def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, wh
     x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
     tw, tid = _routes(T, E, k)
     b13, b2 = b13.half(), b2.half()
-    gemm1 = GemmConfig(16, 64, stream_rows=True) if packed == "rows" else GemmConfig(16, 64, packed=packed)
-    cfg = ExpertsConfig(16, gemm1, GemmConfig(32, 32, packed=packed2), mode="gemv", split_slots=split)
+    gemm1 = GemmConfig(16, 64, row_scaled=True) if packed == "rows" else GemmConfig(16, 64, packed=packed)
+    gemm2 = GemmConfig(32, 32, row_scaled=True) if packed2 == "rows" else GemmConfig(32, 32, packed=packed2)
+    cfg = ExpertsConfig(16, gemm1, gemm2, mode="gemv", split_slots=split)
     out = _poisoned((T, H), torch.float16)
     fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, out=out, backend="triton", config=cfg)
     check_close(why, out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2), TOL[torch.float16])
@@ -629,7 +632,7 @@ def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapp
         local = torch.where(ids < 2 * E, emap[ids.clamp(max=2 * E - 1)], -1).long()
     h = _poisoned((T * k, I), torch.float32)  # fp32 h: the interpreter rounds fp32 to bf16 toward zero
     _experts_triton.gemv1(x, _experts_triton.WeightOperand.of(q13), b13, h, ids, emap, 2 * E if mapped else E, act, k,
-                          GemmConfig(block_n, 64, stream_rows=True))
+                          GemmConfig(block_n, 64, row_scaled=True))
     live = local >= 0
     pre = torch.einsum("ph,pnh->pn", x.double().repeat_interleave(k, 0), d13.double()[local.clamp(min=0)])
     ref = reference.ACTIVATION_FNS[act](pre + b13.double()[local.clamp(min=0)])
@@ -637,11 +640,45 @@ def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapp
     assert h[~live].isnan().all(), "rows of skipped pairs were written"
 
 
-def test_stream_rows_is_refused_outside_the_gemv_mode():
-    with pytest.raises(ValueError, match="stream_rows applies to mode 'gemv' only"):
-        ExpertsConfig(16, GemmConfig(16, 64, stream_rows=True), GemmConfig(32, 32), mode="per_pair")
-    with pytest.raises(ValueError, match="GEMM1's only"):
-        ExpertsConfig(16, GemmConfig(16, 64), GemmConfig(32, 32, stream_rows=True), mode="gemv")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T,I,scale,spike,mapped,why", [
+    (1, 96, 4.0, 1.0, False, "one token; I = 96: two chunks of 64, the last partial"),
+    (5, 64, 4.0, 1.0, True, "expert map with remote and out-of-range ids: their slots add nothing"),
+    (3, 64, 2.0 ** 20, 1.0, False, "h near 2^20: the row's exponent above fp16's range"),
+    (3, 64, 2.0 ** -20, 1.0, False, "h near 2^-20: below fp16's normal range"),
+    (3, 64, 1.0, 2.0 ** 12, False, "one h value 2^12 times the rest: the row's exponent from its largest"),
+])
+def test_four_bit_decode_row_scaled_gemm2(fmt, T, I, scale, spike, mapped, why):
+    # GEMM2 alone (gemv2_tokens, a loop per slot) with each slot's bf16 h row scaled inside the kernel, against
+    # float64; out poisoned, fp32 (the interpreter rounds fp32 to bf16 toward zero)
+    E, H, k = 7, 160, 3
+    _, w2, _, b2 = _weights(E, H, I, torch.float32, True)
+    q2, _, d2, _ = _quantized(fmt, w2, w2[:, :32, :])
+    h = torch.randn(T * k, I) * scale
+    h[:, 5] *= spike
+    h, b2 = h.bfloat16(), b2.bfloat16()
+    ids = torch.rand(T, E).argsort(dim=1)[:, :k].int().reshape(-1)
+    emap, local = None, ids.long()
+    if mapped:
+        ids = torch.randint(0, 2 * E, (T * k,), dtype=torch.int32)
+        ids[0] = 2 * E + 5                                               # out of range: adds nothing
+        emap = torch.full((2 * E,), -1, dtype=torch.int32)
+        emap[1::2] = torch.arange(E, dtype=torch.int32)                  # even global ids are remote
+        local = torch.where(ids < 2 * E, emap[ids.clamp(max=2 * E - 1)], -1).long()
+    tw = torch.rand(T * k)
+    out = _poisoned((T, H), torch.float32)
+    _experts_triton.gemv2_tokens(h, _experts_triton.WeightOperand.of(q2), b2, tw, ids, emap, 2 * E if mapped else E,
+                                 out, k, GemmConfig(16, 64, row_scaled=True))
+    live = (local >= 0).double()
+    per_pair = torch.einsum("pi,phi->ph", h.double(), d2.double()[local.clamp(min=0)]) \
+        + b2.double()[local.clamp(min=0)]
+    ref = (per_pair * (tw.double() * live)[:, None]).reshape(T, k, H).sum(1)
+    check_close(why, out, ref, FP16X2_SUMS)
+
+
+def test_row_scaled_is_refused_outside_the_gemv_mode():
+    with pytest.raises(ValueError, match="row_scaled applies to mode 'gemv' only"):
+        ExpertsConfig(16, GemmConfig(16, 64, row_scaled=True), GemmConfig(32, 32), mode="per_pair")
 
 
 _GPU_4BIT_CONFIGS = {
@@ -654,8 +691,8 @@ _GPU_4BIT_CONFIGS = {
                                                split_slots=True),
     "CUDA-core, 4 slots together": ExpertsConfig(16, GemmConfig(4, 256, slots=4), GemmConfig(4, 512, slots=4),
                                                  mode="gemv"),
-    "CUDA-core, GEMM1 rows kernel": ExpertsConfig(16, GemmConfig(8, 1024, stream_rows=True), GemmConfig(32, 256),
-                                                  mode="gemv"),
+    "CUDA-core, row-scaled": ExpertsConfig(16, GemmConfig(8, 1024, row_scaled=True),
+                                           GemmConfig(32, 256, row_scaled=True), mode="gemv"),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 
@@ -1288,7 +1325,7 @@ def test_gemv_slots_must_be_a_power_of_two(slots):
     ("per_pair", "gemm1", {"half_tails": True}, "per-pair tiles hold one pair: no padding half"),
     ("aligned", "gemm2", {"slots": 2}, "slots are the CUDA-core kernels' pairs per program"),
     ("aligned", "gemm1", {"packed": True}, "fp16x2 products are the CUDA-core kernels'"),
-    ("per_pair", "gemm1", {"stream_rows": True}, "the rows kernel is a CUDA-core GEMM1"),
+    ("per_pair", "gemm1", {"row_scaled": True}, "the rows kernel is a CUDA-core GEMM1"),
 ])
 def test_a_switch_set_under_another_mode_is_refused(mode, gemm, switch, why):
     plain = GemmConfig(16, 64)

@@ -65,11 +65,13 @@ class GemmConfig:
     bytes, which the software pipeline does not copy asynchronously). None: on for MXFP4, off for NVFP4, as
     measured on the H200 (benchmarks/results/archive/ab_scales_ahead_2026-12-03.md, 2026-12-03: gpt-oss MXFP4 T=256..4096 7-14% faster; qwen3 NVFP4 T=256/1024 16-24%
     slower, T=4096 4% faster); other weights ignore it."""
-    stream_rows: bool = False
-    """Mode "gemv", GEMM1, 4-bit weights with 16-bit activations: kernels/gemv1_rows.py instead of gemv1_act_kernel:
-    2 * block_n rows of w13 per program in their stored order, fp16x2 products on activations scaled by one power
-    of two per token inside the kernel (no preparation launch); slots and packed do not apply. Dense weights and
-    fp32 activations keep gemv1_act_kernel."""
+    row_scaled: bool = False
+    """On the CUDA cores (mode "gemv") with 4-bit weights and 16-bit activations: fp16x2 products on activation
+    rows scaled to fp16 by one power of two each, inside the kernel (no preparation launch; 2^(14 - e) with e the
+    row's largest exponent keeps every bf16 value down to 2^-28 of the largest exact). GEMM1: on
+    kernels/gemv1_rows.py, 2 * block_n rows of w13 per program in their stored order (slots and packed do not
+    apply). GEMM2: its loop per slot, each slot's h row scaled (slots and packed do not apply). Dense weights and
+    fp32 activations ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):  # tl.arange and warp counts take powers of two
@@ -95,7 +97,7 @@ def four_bit_block_k(cfg: GemmConfig, tiles: int = 1) -> int:
 MODES = ("aligned", "per_pair", "gemv")
 # GemmConfig switches and the modes whose kernels read them
 _SWITCH_MODES = {"tma": ("aligned", "per_pair"), "half_tails": ("aligned",), "scales_ahead": ("aligned", "per_pair"),
-                 "slots": ("gemv",), "packed": ("gemv",), "stream_rows": ("gemv",)}
+                 "slots": ("gemv",), "packed": ("gemv",), "row_scaled": ("gemv",)}
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,6 @@ class ExpertsConfig:
         for name in ("pdl", "split_slots"):
             if getattr(self, name) and self.mode != "gemv":
                 raise ValueError(f"ExpertsConfig.{name} applies to mode 'gemv' only, got mode {self.mode!r}")
-        if self.gemm2.stream_rows:
-            raise ValueError("ExpertsConfig.gemm2.stream_rows: the rows kernel is GEMM1's only")
         # each GemmConfig switch belongs to the kernels of some modes: set under another, it is refused, not ignored
         for gemm in ("gemm1", "gemm2"):
             g = getattr(self, gemm)

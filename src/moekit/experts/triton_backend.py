@@ -397,7 +397,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py)."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
-    if cfg.stream_rows and w.format in ("mxfp4", "nvfp4") and x.dtype != torch.float32:
+    if _row_scaled(cfg, w, x.dtype):
         return _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
                            up_off)
     slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
@@ -423,12 +423,17 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     )
 
 
-GEMV1_ROWS_XBLOCK = 1024  # activations per step of the rows kernel's largest-|x| scan
+GEMV_ROW_XBLOCK = 1024  # activations per step of a row-scaled kernel's largest-|x| scan
+
+
+def _row_scaled(cfg: GemmConfig, w: WeightOperand, dtype: torch.dtype) -> bool:
+    """GemmConfig.row_scaled where it applies: 4-bit weights, 16-bit activations."""
+    return cfg.row_scaled and w.format in ("mxfp4", "nvfp4") and dtype != torch.float32
 
 
 def _gemv1_rows(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig, pdl,
                 delta, step, up_off):
-    """gemv1 on kernels/gemv1_rows.py (GemmConfig.stream_rows)."""
+    """gemv1 on kernels/gemv1_rows.py (GemmConfig.row_scaled)."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     words, sw0, sw1, _, *scales = w.gemv_args()
     return gemv1_rows_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
@@ -440,7 +445,7 @@ def _gemv1_rows(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activa
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
-        XBLOCK=GEMV1_ROWS_XBLOCK, HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=delta is not None,
+        XBLOCK=GEMV_ROW_XBLOCK, HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=delta is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -483,8 +488,9 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
                   pdl: bool = False):
     """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent."""
     hidden, inter = w.shape[1], w.shape[2]
-    slots = _gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0)
-    packed = gemv2_packed(cfg, w.format, h.dtype, top_k)
+    row_scaled = _row_scaled(cfg, w, h.dtype)
+    slots = 0 if row_scaled else _gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0)
+    packed = not row_scaled and gemv2_packed(cfg, w.format, h.dtype, top_k)
     if packed:
         pairs, exps = scaled_fp16(h, w.gemv_block_k(cfg.block_k))
         h_args = (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))
@@ -499,7 +505,7 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         top_k, num_global, w.shape[0], hidden, inter,
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=_PTX,
-        SLOTS=slots, PDL=pdl, PACKED=packed, launch_pdl=pdl,
+        SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK, launch_pdl=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -71,12 +71,14 @@ def gemv_candidates(which: int = 1, top_k: int = 1, weight_format: str = "dense"
             return base
         # 4-bit: the pairs of a program share the activation chunk, fp32 in registers; the rows kernel
         # (kernels/gemv1_rows.py) with its words per thread within 32 (sm_90 builds: 80-166 registers, no spills)
-        rows = [GemmConfig(bn, bk, w, stages, stream_rows=True)
+        rows = [GemmConfig(bn, bk, w, stages, row_scaled=True)
                 for bn, bk, w, stages in itertools.product((4, 8, 16), (512, 1024), (2, 4, 8), (2, 3))
                 if bn * bk <= 32 * 128 * w]
         return base + [replace(c, slots=s) for s in several for c in base
                        if c.block_n <= 8 and s * c.block_n * c.block_k <= 32 * 32 * c.num_warps] + rows
     out = [replace(c, slots=0) for c in base] + [replace(c, slots=1) for c in base]
+    if weight_format in ("mxfp4", "nvfp4"):  # each slot's h row scaled in the kernel (a loop per slot)
+        out += [replace(c, row_scaled=True) for c in base]
     for slots in several:  # several experts per step: narrow column tiles, or the step spills
         out += [replace(c, slots=slots) for c in base
                 if c.block_n <= 8 and slots * c.block_n * c.block_k <= 64 * 32 * c.num_warps]

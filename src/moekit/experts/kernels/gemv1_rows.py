@@ -19,21 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .moe_gemm import MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert
-from .moe_gemv import _fp16x2_group_sums, _opaque, _pack2
-
-
-@triton.jit
-def _token_exponent(x_row, stride_xk, K, XBLOCK: tl.constexpr):
-    """The exponent e of the largest |x| of a token's row (clamped to [-113, 127]: 2^(14 - e) and 2^e stay
-    normal fp32 numbers): (2^(14 - e), 2^e)."""
-    m = tl.zeros([XBLOCK], dtype=tl.float32)
-    for k0 in range(0, K, XBLOCK):
-        offs = k0 + tl.arange(0, XBLOCK)
-        m = tl.maximum(m, tl.abs(tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)))
-    ex = ((tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
-    ex = tl.minimum(tl.maximum(ex, -113), 127)
-    return ((141 - ex) << 23).to(tl.float32, bitcast=True), ((127 + ex) << 23).to(tl.float32, bitcast=True)
+from .moe_gemm import MXFP4, NVFP4, _activate, _pair_expert
+from .moe_gemv import _load_row_chunk, _opaque, _row_exponent, _row_scaled_sums
 
 
 @triton.jit
@@ -58,41 +45,7 @@ def _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, 
     # (lanes along the groups); loaded as [rows, G], each chunk's sums would cross to it through shared memory.
     s = tl.trans(tl.load(s_ptr + s_rows[None, :] + _opaque(g, K)[:, None], mask=g_ok[:, None] & row_ok[None, :],
                          other=0))
-    xr = tl.load(x_row + (g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]) * stride_xk, mask=g_ok[:, None],
-                 other=0.0)
-    return w, s, xr
-
-
-@triton.jit
-def _pair_like(x, w):
-    """int32 fp16 pairs of x [groups, words, 2] (the last axis: low, high half), broadcast to w's [rows, groups,
-    words]."""
-    lo, hi = tl.split(x)
-    return tl.broadcast_to(_pack2(lo, hi)[None, :, :], w.shape)
-
-
-@triton.jit
-def _rows_chunk_sums(w, s, xr, x_scale, x_factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
-    """[rows, groups] fp32 products of one chunk, summed per scale group and scaled to their values."""
-    G: tl.constexpr = xr.shape[0]
-    WORDS: tl.constexpr = xr.shape[1] // 8
-    # activation 8 * word + 4 * half + 2a + b of a group: nibble pair j = 2a + b of a word holds halves 0 and 1
-    x = tl.reshape(xr.to(tl.float32) * x_scale, [G, WORDS, 2, 2, 2])
-    xb0, xb1 = tl.split(x)
-    x_a0b0, x_a1b0 = tl.split(xb0)
-    x_a0b1, x_a1b1 = tl.split(xb1)
-    p0 = _pair_like(x_a0b0, w)
-    p1 = _pair_like(x_a0b1, w)
-    p2 = _pair_like(x_a1b0, w)
-    p3 = _pair_like(x_a1b1, w)
-    sums = _fp16x2_group_sums(w, (p0, p1, p2, p3), HALVES_ASM)
-    # codes * 2^-14 times x * 2^(14 - e): the sums are codes times x over 2^e. Multiplied in this order, every
-    # intermediate is finite wherever the result is (2^e times a scale alone may not be).
-    if FORMAT == MXFP4:
-        part = (sums * x_factor) * _e8m0_values(s)
-    else:
-        part = (sums * x_factor) * _e4m3_values(s)
-    return part
+    return w, s, _load_row_chunk(x_row, stride_xk, c * BLOCK_K, K, FORMAT, BLOCK_K)
 
 
 @triton.jit
@@ -125,13 +78,13 @@ def gemv1_rows_kernel(
         w_rows = e64 * stride_we + rows * stride_wn
         s_rows = e64 * stride_se + rows * stride_sn
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
-        x_scale, x_factor = _token_exponent(x_row, stride_xk, K, XBLOCK)
+        x_scale, x_factor = _row_exponent(x_row, stride_xk, K, XBLOCK)
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         acc = tl.zeros([2 * BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32)
         for c in range(0, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
             w, s, xr = _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, K, FORMAT,
                                         BLOCK_K)
-            acc += _rows_chunk_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM)
+            acc += _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM)
         y = tl.sum(acc, axis=1)
         if FORMAT == NVFP4:  # the per-expert global scale divides out once
             y = y / tl.load(gs_ptr + e64)

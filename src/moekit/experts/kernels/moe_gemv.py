@@ -269,6 +269,63 @@ def _fp16x2_group_sums(w, pairs, HALVES_ASM: tl.constexpr):
 
 
 @triton.jit
+def _row_exponent(x_row, stride_xk, K, XBLOCK: tl.constexpr):
+    """The exponent e of the largest |x| of an activation row (clamped to [-113, 127]: 2^(14 - e) and 2^e stay
+    normal fp32 numbers): (2^(14 - e), 2^e)."""
+    m = tl.zeros([XBLOCK], dtype=tl.float32)
+    for k0 in range(0, K, XBLOCK):
+        offs = k0 + tl.arange(0, XBLOCK)
+        m = tl.maximum(m, tl.abs(tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)))
+    ex = ((tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    ex = tl.minimum(tl.maximum(ex, -113), 127)
+    return ((141 - ex) << 23).to(tl.float32, bitcast=True), ((127 + ex) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_row_chunk(x_row, stride_xk, k0, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The chunk of one activation row at k0 as stored, [groups, group size] (zeros past K, a whole number of
+    4-bit groups)."""
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    return tl.load(x_row + (g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]) * stride_xk,
+                   mask=(g < K // GROUP)[:, None], other=0.0)
+
+
+@triton.jit
+def _pair_like(x, w):
+    """int32 fp16 pairs of x [groups, words, 2] (the last axis: low, high half), broadcast to w's [rows, groups,
+    words]."""
+    lo, hi = tl.split(x)
+    return tl.broadcast_to(_pack2(lo, hi)[None, :, :], w.shape)
+
+
+@triton.jit
+def _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
+    """[rows, groups] fp32 products of a 4-bit chunk (words [rows, groups, words], scale bytes [rows, groups]) with
+    one activation row's chunk as stored (xr [groups, group size]) scaled by x_scale = 2^(14 - e) (_row_exponent),
+    summed per scale group and brought to their values: fp16x2 products (_fp16x2_group_sums), x_factor = 2^e."""
+    G: tl.constexpr = xr.shape[0]
+    WORDS: tl.constexpr = xr.shape[1] // 8
+    # activation 8 * word + 4 * half + 2a + b of a group: nibble pair j = 2a + b of a word holds halves 0 and 1
+    x = tl.reshape(xr.to(tl.float32) * x_scale, [G, WORDS, 2, 2, 2])
+    xb0, xb1 = tl.split(x)
+    x_a0b0, x_a1b0 = tl.split(xb0)
+    x_a0b1, x_a1b1 = tl.split(xb1)
+    p0 = _pair_like(x_a0b0, w)
+    p1 = _pair_like(x_a0b1, w)
+    p2 = _pair_like(x_a1b0, w)
+    p3 = _pair_like(x_a1b1, w)
+    sums = _fp16x2_group_sums(w, (p0, p1, p2, p3), HALVES_ASM)
+    # codes * 2^-14 times x * 2^(14 - e): the sums are codes times x over 2^e. Multiplied in this order, every
+    # intermediate is finite wherever the result is (2^e times a scale alone may not be).
+    if FORMAT == MXFP4:
+        part = (sums * x_factor) * _e8m0_values(s)
+    else:
+        part = (sums * x_factor) * _e4m3_values(s)
+    return part
+
+
+@triton.jit
 def _take4(t):
     """The four slices of ``t`` along its last dimension (size 4), in order."""
     a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # last index 2a + b: split takes b
@@ -488,6 +545,8 @@ def gemv2_tokens_kernel(
     SLOTS: tl.constexpr = 1,  # one loop over (group of SLOTS slots, K chunk); 0: a loop per slot
     PDL: tl.constexpr = False,  # launched as GEMM1's programmatic dependent: wait for its grid before reading h
     PACKED: tl.constexpr = False,  # 4-bit, a loop per slot: fp16x2 products on h prepared by scaled_fp16.py
+    ROW_SCALED: tl.constexpr = False,  # 4-bit, a loop per slot: fp16x2 products, each h row scaled here
+    XBLOCK: tl.constexpr = 1024,  # ROW_SCALED: h values per step of a row's largest-|h| scan
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -511,14 +570,24 @@ def gemv2_tokens_kernel(
             if e >= 0:
                 acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
                 w, s = _load_chunk(w_e, s_e, rows, n_ok, 0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K)
-                he_row = he_ptr + pair.to(tl.int64) * stride_hem
-                hv, hf = _load_act(h_row, he_row, 0, K, 1, w, FORMAT, BLOCK_K, PACKED)
-                for k0 in range(0, K, BLOCK_K):
-                    w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
-                                                 stride_sn, FORMAT, BLOCK_K)
-                    hv_next, hf_next = _load_act(h_row, he_row, k0 + BLOCK_K, K, 1, w, FORMAT, BLOCK_K, PACKED)
-                    acc += _act_sums(w, s, hv, hf, FORMAT, HALVES_ASM, PACKED)
-                    w, s, hv, hf = w_next, s_next, hv_next, hf_next
+                if ROW_SCALED:  # the slot's h row to fp16 by one power of two (as kernels/gemv1_rows.py's x)
+                    h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
+                    hv = _load_row_chunk(h_row, 1, 0, K, FORMAT, BLOCK_K)
+                    for k0 in range(0, K, BLOCK_K):
+                        w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
+                                                     stride_sn, FORMAT, BLOCK_K)
+                        hv_next = _load_row_chunk(h_row, 1, k0 + BLOCK_K, K, FORMAT, BLOCK_K)
+                        acc += _row_scaled_sums(w, s, hv, h_scale, h_factor, FORMAT, HALVES_ASM)
+                        w, s, hv = w_next, s_next, hv_next
+                else:
+                    he_row = he_ptr + pair.to(tl.int64) * stride_hem
+                    hv, hf = _load_act(h_row, he_row, 0, K, 1, w, FORMAT, BLOCK_K, PACKED)
+                    for k0 in range(0, K, BLOCK_K):
+                        w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
+                                                     stride_sn, FORMAT, BLOCK_K)
+                        hv_next, hf_next = _load_act(h_row, he_row, k0 + BLOCK_K, K, 1, w, FORMAT, BLOCK_K, PACKED)
+                        acc += _act_sums(w, s, hv, hf, FORMAT, HALVES_ASM, PACKED)
+                        w, s, hv, hf = w_next, s_next, hv_next, hf_next
                 y = tl.sum(acc, axis=1)
                 if FORMAT == NVFP4:
                     y = y / tl.load(gs_ptr + e)
