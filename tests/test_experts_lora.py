@@ -20,7 +20,10 @@ ALIGNED_64 = ExpertsConfig(64, GemmConfig(32, 32), GemmConfig(32, 32))
 PER_PAIR = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="per_pair")
 GEMV = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv")
 GEMV_SPLIT = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv", split_slots=True)
-MODES = {"auto": AUTO, "aligned": ALIGNED_32, "per_pair": PER_PAIR, "gemv": GEMV, "gemv_split": GEMV_SPLIT}
+# 4-bit weights, 16-bit activations: GEMM1 on the rows kernel, GEMM2 row-scaled (others read it as GEMV)
+GEMV_ROWS = ExpertsConfig(16, GemmConfig(16, 32, row_scaled=True), GemmConfig(16, 32, row_scaled=True), mode="gemv")
+MODES = {"auto": AUTO, "aligned": ALIGNED_32, "per_pair": PER_PAIR, "gemv": GEMV, "gemv_split": GEMV_SPLIT,
+         "gemv_rows": GEMV_ROWS}
 CPU_DTYPES = [torch.float32, torch.float16]
 FP32_REORDERED = Tolerance(1e-5, 1e-6)  # the same fp32 products summed in another order
 
@@ -161,13 +164,13 @@ QUANTIZED = [  # (weight format, act_quant, H, I): 4-bit K in whole 32-groups, F
 
 
 @pytest.mark.parametrize("fmt,act_quant,H,I", QUANTIZED)
-@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "batched"])
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "gemv_rows", "batched"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_quantized_base_weights_keep_16_bit_adapters(fmt, act_quant, H, I, mode, backend):
     """The adapters read the GEMMs' inputs as the base weights do (under act_quant, the E4M3-rounded ones)."""
-    if backend == "torch" and mode in ("per_pair", "gemv"):
+    if backend == "torch" and mode in ("per_pair", "gemv", "gemv_rows"):
         pytest.skip("the torch backend has no modes")
-    if mode == "gemv" and act_quant:
+    if mode in ("gemv", "gemv_rows") and act_quant:
         pytest.skip("FP8 activations have no CUDA-core decode kernels")
     E, k, n, T, dtype = 5, 2, 2, 7, torch.float16
     w13, w2 = _weights(E, H, I, torch.float32)
