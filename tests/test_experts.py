@@ -725,9 +725,9 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
     ("mxfp4", "gpt-oss-120b", 16, "the T<=16 entry: the T<=4 config of 2026-12-03 (packed GEMM2) at 16 tokens"),
     ("mxfp4", "gpt-oss-120b", 32, "the T<=32 entry: the T<=4 CUDA-core config of 2026-12-03 at 32 tokens"),
     ("mxfp4", "gpt-oss-120b", 129, "the T<=256 entry: T<=1024's tensor-core config at about 4 rows per expert"),
-    ("nvfp4", "qwen3-30b-a3b", 2, "the T<=2 entry: two slots per CUDA-core program"),
+    ("nvfp4", "qwen3-30b-a3b", 2, "the T<=2 entry: two slots per CUDA-core GEMM2 step, GEMM1 row-scaled"),
     ("nvfp4", "qwen3-30b-a3b", 7, "the T<=8 entry: CUDA-core GEMM2 as GEMM1's dependent launch"),
-    ("nvfp4", "qwen3-30b-a3b", 9, "the T<=16 entry: T<=32's 16-row tensor-core config at 9 tokens"),
+    ("nvfp4", "qwen3-30b-a3b", 9, "the T<=16 entry: the row-scaled CUDA-core config at 9 tokens"),
     ("nvfp4", "qwen3-30b-a3b", 513, "the T<=1024 entry at a bucket's lower end"),
 ])
 def test_gpu_four_bit_table_entries_at_their_token_counts(fmt, preset, T, why):
