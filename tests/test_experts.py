@@ -603,6 +603,19 @@ def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, wh
     check_close(why, out, reference.fused_experts(x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2), TOL[torch.float16])
 
 
+def _decode_pairs(T, E, k, mapped):
+    """(flat ids int32 [T*k], expert map or None, local expert per pair, -1 where skipped): k distinct experts per
+    token, or with ``mapped`` random global ids over 2E experts, the even ones remote, one out of range."""
+    ids = torch.rand(T, E).argsort(dim=1)[:, :k].int().reshape(-1)
+    if not mapped:
+        return ids, None, ids.long()
+    ids = torch.randint(0, 2 * E, (T * k,), dtype=torch.int32)
+    ids[0] = 2 * E + 5
+    emap = torch.full((2 * E,), -1, dtype=torch.int32)
+    emap[1::2] = torch.arange(E, dtype=torch.int32)
+    return ids, emap, torch.where(ids < 2 * E, emap[ids.clamp(max=2 * E - 1)], -1).long()
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("act", ["swiglu_oai", "silu_and_mul"])  # interleaved gate/up rows, then [gate; up] halves
 @pytest.mark.parametrize("T,I,block_n,scale,spike,mapped,why", [
@@ -622,14 +635,7 @@ def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapp
     x = torch.randn(T, H + 3)[:, 3:] * scale                          # strided, offset rows
     x[:, 7] *= spike
     x, b13 = x.bfloat16(), b13.bfloat16()
-    ids = torch.rand(T, E).argsort(dim=1)[:, :k].int().reshape(-1)
-    emap, local = None, ids.long()
-    if mapped:
-        ids = torch.randint(0, 2 * E, (T * k,), dtype=torch.int32)
-        ids[0] = 2 * E + 5                                               # out of range: skipped
-        emap = torch.full((2 * E,), -1, dtype=torch.int32)
-        emap[1::2] = torch.arange(E, dtype=torch.int32)                  # even global ids are remote
-        local = torch.where(ids < 2 * E, emap[ids.clamp(max=2 * E - 1)], -1).long()
+    ids, emap, local = _decode_pairs(T, E, k, mapped)
     h = _poisoned((T * k, I), torch.float32)  # fp32 h: the interpreter rounds fp32 to bf16 toward zero
     _experts_triton.gemv1(x, _experts_triton.WeightOperand.of(q13), b13, h, ids, emap, 2 * E if mapped else E, act, k,
                           GemmConfig(block_n, 64, row_scaled=True))
@@ -657,14 +663,7 @@ def test_four_bit_decode_row_scaled_gemm2(fmt, T, I, scale, spike, mapped, why):
     h = torch.randn(T * k, I) * scale
     h[:, 5] *= spike
     h, b2 = h.bfloat16(), b2.bfloat16()
-    ids = torch.rand(T, E).argsort(dim=1)[:, :k].int().reshape(-1)
-    emap, local = None, ids.long()
-    if mapped:
-        ids = torch.randint(0, 2 * E, (T * k,), dtype=torch.int32)
-        ids[0] = 2 * E + 5                                               # out of range: adds nothing
-        emap = torch.full((2 * E,), -1, dtype=torch.int32)
-        emap[1::2] = torch.arange(E, dtype=torch.int32)                  # even global ids are remote
-        local = torch.where(ids < 2 * E, emap[ids.clamp(max=2 * E - 1)], -1).long()
+    ids, emap, local = _decode_pairs(T, E, k, mapped)
     tw = torch.rand(T * k)
     out = _poisoned((T, H), torch.float32)
     _experts_triton.gemv2_tokens(h, _experts_triton.WeightOperand.of(q2), b2, tw, ids, emap, 2 * E if mapped else E,
