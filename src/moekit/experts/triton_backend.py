@@ -402,7 +402,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
                            up_off)
     slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
-    packed = cfg.packed is not False and w.format in ("mxfp4", "nvfp4") and x.dtype != torch.float32
+    packed = cfg.packed is not False and _fp16x2_operands(w.format, x.dtype)
     if packed:
         pairs, exps = scaled_fp16(x, w.gemv_block_k(cfg.block_k))  # whole chunks: the kernel's loads need no mask
         x_args = (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
@@ -426,9 +426,15 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
 GEMV_ROW_XBLOCK = 1024  # activations per step of a row-scaled kernel's largest-|x| scan
 
 
+def _fp16x2_operands(weight_format: str, dtype: torch.dtype) -> bool:
+    """The CUDA-core decode kernels can take fp16x2 products (packed or row-scaled): 4-bit weights, 16-bit
+    activations (fp32 ones keep fp32 products)."""
+    return weight_format in ("mxfp4", "nvfp4") and dtype != torch.float32
+
+
 def _row_scaled(cfg: GemmConfig, w: WeightOperand, dtype: torch.dtype) -> bool:
     """GemmConfig.row_scaled where it applies: 4-bit weights, 16-bit activations."""
-    return cfg.row_scaled and w.format in ("mxfp4", "nvfp4") and dtype != torch.float32
+    return cfg.row_scaled and _fp16x2_operands(w.format, dtype)
 
 
 def _gemv1_rows(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig, pdl,
@@ -481,7 +487,7 @@ def gemv2_packed(cfg: GemmConfig, weight_format: str, h_dtype: torch.dtype, top_
     """Whether gemv2_tokens runs fp16x2 products on prepared h: only on request (GemmConfig.packed), for 4-bit
     weights and 16-bit h, and in the loop per slot."""
     slots = _gemv_slots(cfg, top_k, 1 if weight_format in FLAT_SLOT_FORMATS else 0)
-    return cfg.packed is True and weight_format in ("mxfp4", "nvfp4") and h_dtype != torch.float32 and slots == 0
+    return cfg.packed is True and _fp16x2_operands(weight_format, h_dtype) and slots == 0
 
 
 def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
