@@ -625,11 +625,12 @@ def _decode_pairs(T, E, k, mapped):
     (3, 32, 16, 2.0 ** -20, 1.0, False, "activations near 2^-20: below fp16's normal range"),
     (3, 32, 16, 1.0, 2.0 ** 12, False, "one activation 2^12 times the rest: the token's exponent from its largest"),
 ])
-def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapped, why):
+@pytest.mark.parametrize("k", [3, 6])  # 6: not a power of two
+def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapped, why, k):
     # GEMM1 alone on kernels/gemv1_rows.py against float64: H = 160 in chunks of 64 codes (the last partial), bf16
     # activations (no tl.dot here, whose bf16 the interpreter gets wrong), h poisoned, rows of skipped pairs untouched.
     # The budget is the fp16x2 group sums' (an fp16 rounding per product and add, relative to the group's size).
-    E, H, k = 7, 160, 3
+    E, H = 7, 160
     w13, _, b13, _ = _weights(E, H, I, torch.float32, True)
     q13, _, d13, _ = _quantized(fmt, w13, w13[:, :, :32])
     x = torch.randn(T, H + 3)[:, 3:] * scale                          # strided, offset rows
