@@ -727,7 +727,7 @@ def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
     ("mxfp4", "gpt-oss-120b", 129, "the T<=256 entry: T<=1024's tensor-core config at about 4 rows per expert"),
     ("nvfp4", "qwen3-30b-a3b", 2, "the T<=2 entry: two slots per CUDA-core GEMM2 step, GEMM1 row-scaled"),
     ("nvfp4", "qwen3-30b-a3b", 7, "the T<=8 entry: CUDA-core GEMM2 as GEMM1's dependent launch"),
-    ("nvfp4", "qwen3-30b-a3b", 9, "the T<=16 entry: the row-scaled CUDA-core config at 9 tokens"),
+    ("nvfp4", "qwen3-30b-a3b", 9, "the T<=16 entry: T<=32's 16-row tensor-core config at 9 tokens"),
     ("nvfp4", "qwen3-30b-a3b", 513, "the T<=1024 entry at a bucket's lower end"),
 ])
 def test_gpu_four_bit_table_entries_at_their_token_counts(fmt, preset, T, why):
