@@ -1,0 +1,143 @@
+"""Gluon kernel of benchmarks/gluon_moe.py: the grouped form of benchmarks/_gluon_w4_kernels.py's producer/consumer
+MXFP4 GEMM, one launch per GEMM of an MoE layer (issue 28, part 3).
+
+Each CTA owns one BLOCK_M row block of moekit's aligned routing (``experts.triton_backend.align``: pairs sorted by
+expert, each expert's run padded to BLOCK_M, ``block_expert[b]`` the expert of block b, -1 past the last run) and
+one BN-column tile of that expert's weights. The loader warp and the decode warps are _gluon_w4_kernels' own: the
+stacked expert weights are one [E * N, ...] operand, so the tile of expert e starts at row e * N (a tile that runs
+past N reads the next expert's rows, or TMA's zeros after the last one; those columns are never stored). The MMA
+partition differs only in its epilogue:
+
+  ACT      GEMM1: A is x gathered into row-block order (the host's index_select), W is w13 with gate and up rows
+           interleaved (gate j at row 2j, up j at 2j + 1: gpt-oss's layout as stored, [gate; up] halves
+           interleaved once at load time), so a thread's accumulator pair (2j, 2j + 1) is one (gate, up) pair:
+           bias, activation (SiLU * up or gpt-oss's clamped SwiGLU) and the bf16 store of h [rows, I] happen in
+           registers, without a layout conversion through shared memory.
+  SCATTER  GEMM2: A is h (TMA, row-block order), the epilogue adds b2, scales each row by its pair's router
+           weight and stores it at y[pair] (padding rows, whose pair is the sentinel num_pairs, are not stored);
+           moekit's combine kernel then sums each token's slots in order.
+
+A block past the last run (expert -1) returns before any barrier or copy.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from _gluon_w4_kernels import _decoder, _loader
+
+ACT = gl.constexpr(0)
+SCATTER = gl.constexpr(1)
+SILU_AND_MUL = gl.constexpr(0)  # moekit's activation ids (experts/kernels/moe_gemm.py)
+SWIGLU_OAI = gl.constexpr(1)
+SWIGLU_ALPHA = gl.constexpr(1.702)  # moekit.reference.SWIGLU_ALPHA / SWIGLU_LIMIT (gluon_moe.py checks they agree)
+SWIGLU_LIMIT = gl.constexpr(7.0)
+
+
+@gluon.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def _activate(gate, up, ACTIVATION: gl.constexpr):
+    if ACTIVATION == SILU_AND_MUL:
+        return gate * _sigmoid(gate) * up
+    else:
+        g = gl.minimum(gate, SWIGLU_LIMIT)
+        u = gl.minimum(gl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+        return (u + 1.0) * g * _sigmoid(SWIGLU_ALPHA * g)
+
+
+@gluon.jit
+def _mma_moe(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, out_ptr, stride_out, bias_ptr, pairs_ptr,
+             weights_ptr, num_pairs, N, expert, off_m, n0, k_steps, EPILOGUE: gl.constexpr,
+             ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BM: gl.constexpr = a_bufs.shape[1]
+    BN: gl.constexpr = w_bufs.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for i in range(k_steps):
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(a_ready.index(s), phase)
+        mbarrier.wait(w_ready.index(s), phase)
+        acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        prev = (i + STAGES - 1) % STAGES
+        mbarrier.arrive(a_empty.index(prev), pred=i > 0)
+        mbarrier.arrive(w_empty.index(prev), pred=i > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    if HAS_BIAS:
+        b = gl.load(bias_ptr + expert.to(gl.int64) * N + cols, mask=cols < N, other=0.0).to(gl.float32)
+        acc = acc + gl.expand_dims(b, 0)
+    if EPILOGUE == ACT:
+        gate, up = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
+        h = _activate(gate, up, ACTIVATION).to(gl.bfloat16)
+        h_layout: gl.constexpr = h.type.layout
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, h_layout))
+        hcols = n0 // 2 + gl.arange(0, BN // 2, layout=gl.SliceLayout(0, h_layout))
+        offs = gl.expand_dims(rows.to(gl.int64) * stride_out, 1) + gl.expand_dims(hcols, 0)
+        gl.store(out_ptr + offs, h, mask=gl.expand_dims(hcols < N // 2, 0) & gl.expand_dims(rows >= 0, 1))
+    else:
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+        pair = gl.load(pairs_ptr + rows)
+        valid = pair < num_pairs
+        wt = gl.load(weights_ptr + pair, mask=valid, other=0.0)
+        y = (acc * gl.expand_dims(wt, 1)).to(out_ptr.dtype.element_ty)
+        offs = gl.expand_dims(pair.to(gl.int64) * stride_out, 1) + gl.expand_dims(cols, 0)
+        gl.store(out_ptr + offs, y, mask=gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0))
+
+
+@gluon.jit
+def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_expert_ptr, pairs_ptr, weights_ptr,
+                  num_pairs, num_blocks, N, K, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, FULL_RANGE: gl.constexpr,
+                  DECODE: gl.constexpr, DECODE_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                  DECODE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = q_desc.block_type.shape[0]
+    G: gl.constexpr = q_desc.block_type.shape[1]
+    gl.static_assert(G * 32 == BK, "the codes' box must hold BK / 32 groups")
+    # Row blocks vary fastest: an expert's blocks are neighbours, so its weight tile's codes come from L2.
+    pid = gl.program_id(0)
+    block = pid % num_blocks
+    n0 = (pid // num_blocks) * BN
+    expert = gl.load(block_expert_ptr + block)
+    if expert >= 0:
+        off_m = block * BM
+        k_steps = K // BK
+        w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, G, BN], s_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(a_ready.index(s), count=1)
+            mbarrier.init(a_empty.index(s), count=1)
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=1)
+            mbarrier.init(w_ready.index(s), count=1)
+            mbarrier.init(w_empty.index(s), count=1)
+        off_w = expert * N + n0  # the tile's first row in the stacked [E * N] weights
+
+        gl.warp_specialize([
+            (_mma_moe, (a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, out_ptr, stride_out, bias_ptr, pairs_ptr,
+                        weights_ptr, num_pairs, N, expert, off_m, n0, k_steps, EPILOGUE, ACTIVATION, HAS_BIAS,
+                        num_warps)),
+            (_loader, (a_desc, q_desc, s_desc, a_bufs, q_bufs, s_bufs, a_ready, a_empty, q_ready, q_empty, off_m,
+                       off_w, k_steps)),
+            (_decoder, (q_bufs, s_bufs, w_bufs, q_ready, q_empty, w_ready, w_empty, k_steps, SUB, FULL_RANGE, DECODE,
+                        DECODE_WARPS)),
+        ], [1, DECODE_WARPS], [LOAD_REGS, DECODE_REGS])

@@ -1,0 +1,162 @@
+"""The grouped Gluon MXFP4 experts prototype (benchmarks/gluon_moe.py, benchmarks/_gluon_moe_kernels.py).
+
+CPU: the load-time stacks' exact round trips, the whole pipeline emulated (moekit's align and combine under the
+interpreter, each GEMM block by block on the decode warps' emulated weights) against float64, and that every candidate
+builds for sm_90 without spills. GPU: the kernels against float64 at shapes with partial tiles and at gpt-oss-120b's
+H and I."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gluon_moe as gm  # noqa: E402
+import gluon_w4 as gw  # noqa: E402
+from test_gluon_w4 import _gluon_build_unavailable  # noqa: E402
+
+from moekit import reference  # noqa: E402
+from moekit.formats import mxfp4  # noqa: E402
+
+# (max, RMS) error relative to the reference's largest / RMS value: the W4A16 budget (1e-2) and the library's bf16
+# relative Frobenius budget (tests/test_experts.py's TOL): h, y and out each rounded to bf16
+TOL = (1e-2, 5e-3)
+
+
+def _errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    assert torch.isfinite(got).all(), "non-finite outputs (unwritten rows?)"
+    d = got.double() - ref
+    return ((d.abs().max() / ref.abs().max().clamp_min(1e-300)).item(),
+            (d.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300)).item())
+
+
+class Case:
+    """Random MXFP4 stacks with biases, routes and activations for one shape."""
+
+    def __init__(self, num_tokens, experts, hidden, inter, top_k, activation, device, routing="random", seed=0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.activation = activation
+        self.w13 = gw.random_mxfp4(experts * 2 * inter, hidden, device)
+        self.w13 = mxfp4.MXFP4Tensor(self.w13.data.reshape(experts, 2 * inter, hidden // 2),
+                                     self.w13.scales.reshape(experts, 2 * inter, hidden // 32),
+                                     (experts, 2 * inter, hidden))
+        w2 = gw.random_mxfp4(experts * hidden, inter, device)
+        self.w2 = mxfp4.MXFP4Tensor(w2.data.reshape(experts, hidden, inter // 2),
+                                    w2.scales.reshape(experts, hidden, inter // 32), (experts, hidden, inter))
+        self.b13 = torch.randn(experts, 2 * inter, device=device, generator=g) * 0.1
+        self.b2 = torch.randn(experts, hidden, device=device, generator=g) * 0.1
+        self.x = (torch.randn(num_tokens, hidden, device=device, generator=g) * 0.5).to(torch.bfloat16)
+        self.tw = torch.softmax(torch.randn(num_tokens, top_k, device=device, generator=g), -1)
+        if routing == "one expert":  # every token's first slot on expert 0, the other slots on distinct others
+            ids = torch.arange(top_k, device=device).repeat(num_tokens, 1)
+        elif routing == "skip expert 1":
+            ids = torch.rand(num_tokens, experts - 1, device=device, generator=g).argsort(1)[:, :top_k]
+            ids = ids + (ids >= 1).long()
+        else:
+            ids = torch.rand(num_tokens, experts, device=device, generator=g).argsort(1)[:, :top_k]
+        self.ti = ids.int().contiguous()
+        self.p13 = gm.prepare_stack(self.w13, self.b13, interleave=activation == "silu_and_mul")
+        self.p2 = gm.prepare_stack(self.w2, self.b2)
+
+    def reference(self):
+        return reference.fused_experts(self.x.double(), mxfp4.dequantize(self.w13, torch.float64),
+                                       mxfp4.dequantize(self.w2, torch.float64), self.tw.double(), self.ti,
+                                       activation=self.activation, w13_bias=self.b13.double(),
+                                       w2_bias=self.b2.double())
+
+
+def test_prepared_stacks_round_trip():
+    for interleave in (False, True):
+        w = gw.random_mxfp4(3 * 256, 128, "cpu")
+        w = mxfp4.MXFP4Tensor(w.data.reshape(3, 256, 64), w.scales.reshape(3, 256, 4), (3, 256, 128))
+        bias = torch.randn(3, 256)
+        p = gm.prepare_stack(w, bias, interleave=interleave)
+        back, b = gm.unprepare_stack(p, interleaved=interleave)
+        assert torch.equal(back.data, w.data) and torch.equal(back.scales, w.scales) and torch.equal(b, bias)
+
+
+def test_interleave_puts_gate_j_and_up_j_side_by_side():
+    w = torch.arange(8).reshape(1, 8, 1)  # gate rows 0..3, up rows 4..7
+    assert gm.interleave_halves(w).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(gm.deinterleave_halves(gm.interleave_halves(w)), w)
+
+
+def test_configs_fit_gpt_oss():
+    for cfg in gm.candidates():
+        p13 = gm.PreparedStack(None, None, None, 128, 2 * gm.INTER, gm.HIDDEN, False)
+        p2 = gm.PreparedStack(None, None, None, 128, gm.HIDDEN, gm.INTER, False)
+        gm.check_shapes(cfg, p13, p2)
+    with pytest.raises(ValueError, match="same row blocks"):
+        gm.Config(gw.Config(bm=128), gw.Config(bm=64, stages=6))
+
+
+# (T, E, H, I, k, activation, routing, why)
+EMULATED = [
+    (0, 5, 192, 128, 2, "swiglu_oai", "random", "no tokens: nothing launched, zeros"),
+    (1, 5, 192, 128, 2, "swiglu_oai", "random", "decode: most experts have no tokens"),
+    (7, 7, 192, 128, 6, "silu_and_mul", "random", "k = 6 (not a power of two), E prime, [gate; up] interleaved"),
+    (9, 5, 192, 128, 3, "swiglu_oai", "skip expert 1", "an expert with no tokens between two with some"),
+    (129, 5, 192, 128, 2, "silu_and_mul", "one expert", "every token on expert 0: its run spans 2-3 row blocks"),
+    (129, 7, 64, 192, 3, "swiglu_oai", "random", "H = 64 (one K step in GEMM1), I = 192 (3 K steps in GEMM2)"),
+]
+
+
+@pytest.mark.parametrize("T,E,H,I,k,act,routing,why", EMULATED, ids=[c[-1] for c in EMULATED])
+@pytest.mark.parametrize("bm", (64, 128))
+def test_emulated_pipeline_matches_float64(T, E, H, I, k, act, routing, why, bm):
+    case = Case(T, E, H, I, k, act, "cpu", routing)
+    cfg = gm.Config(gw.Config(bm=bm, stages=6 if bm == 64 else 4), gw.Config(bm=bm, stages=6 if bm == 64 else 4))
+    got = gm.emulate(cfg, case.x, case.p13, case.p2, case.tw, case.ti, act)
+    assert got.shape == (T, H)
+    if T == 0:
+        return
+    max_err, rms_err = _errors(got, case.reference())
+    assert max_err <= TOL[0] and rms_err <= TOL[1], (max_err, rms_err)
+
+
+def test_compile_only_builds_sm90_without_spills():
+    why = _gluon_build_unavailable()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_moe.py"), "--compile-only"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ok", "FAIL", "SPILL"))]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(lines) == 2 * len(gm.candidates())
+    assert all(ln.startswith("ok") and " spill    0 B" in ln for ln in lines), "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU
+
+
+def _gpu_check(case: Case, cfg: gm.Config):
+    gm.check_shapes(cfg, case.p13, case.p2)
+    out = torch.full((case.x.shape[0], case.w2.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gm.fused_experts(cfg, case.x, case.p13, case.p2, case.tw, case.ti, case.activation, out=out)
+    torch.cuda.synchronize()
+    if case.x.shape[0] == 0:
+        return
+    max_err, rms_err = _errors(out, case.reference())
+    assert max_err <= TOL[0] and rms_err <= TOL[1], f"{cfg.label()}: {max_err:.3e} / {rms_err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,H,I,k,act,routing,why", EMULATED, ids=[c[-1] for c in EMULATED])
+def test_gpu_small_shapes(T, E, H, I, k, act, routing, why):
+    """H = 192: w2's last 128-column tile runs into the next expert's rows (or TMA's zeros after the last)."""
+    _gpu_check(Case(T, E, H, I, k, act, "cuda", routing), gm.candidates()[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", gm.candidates(), ids=lambda c: c.label().replace(" ", "-"))
+@pytest.mark.parametrize("act", ("swiglu_oai", "silu_and_mul"))
+def test_gpu_gpt_oss_sizes(cfg, act):
+    """gpt-oss-120b's H and I, 4 experts, 300 tokens (2-3 row blocks per expert, a partial last one)."""
+    _gpu_check(Case(300, 4, gm.HIDDEN, gm.INTER, 2, act, "cuda"), cfg)
