@@ -164,10 +164,15 @@ def check_shapes(cfg: Config, w13: PreparedStack, w2: PreparedStack) -> None:
     """ValueError unless the kernels can run ``cfg`` on these stacks."""
     w4.check_config(cfg.gemm1, w13.n, w13.k)
     w4.check_config(cfg.gemm2, w2.n, w2.k)
-    if w13.n != 2 * w2.k or w13.k != w2.n:
-        raise ValueError(f"w13 [E, {w13.n}, {w13.k}] and w2 [E, {w2.n}, {w2.k}] are not one MLP's")
-    if w13.n % cfg.gemm1.bn:  # a tile's (gate, up) pairs must stay within one expert's rows
-        raise ValueError(f"GEMM1's BN {cfg.gemm1.bn} must divide 2I = {w13.n}")
+    if w13.experts != w2.experts or w13.n != 2 * w2.k or w13.k != w2.n:
+        raise ValueError(f"w13 [{w13.experts}, {w13.n}, {w13.k}] and w2 [{w2.experts}, {w2.n}, {w2.k}] are not one "
+                         "MLP's stacks")
+    # TMA: the scales' rows (E * N bytes) and h's rows (I bf16) 16-byte multiples
+    for name, p in (("w13", w13), ("w2", w2)):
+        if (p.experts * p.n) % 16:
+            raise ValueError(f"{name}: E * N = {p.experts * p.n} must be a multiple of 16 (TMA row stride)")
+    if (w2.k * 2) % 16:
+        raise ValueError(f"I = {w2.k}: h's rows must be a multiple of 16 bytes (TMA)")
 
 
 def gemm(cfg: w4.Config, a: torch.Tensor, p: PreparedStack, out: torch.Tensor, block_expert: torch.Tensor,
@@ -195,11 +200,14 @@ def fused_experts(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: Prepared
     """moekit.fused_experts's standard format on prepared stacks (no expert map): out [T, H] in x's dtype (bf16)."""
     from moekit.experts import triton_backend as tb
 
+    if x.dtype != torch.bfloat16 or x.shape[-1] != w13.k:
+        raise ValueError(f"x must be bf16 [T, {w13.k}] (the TMA boxes' layout), got {x.dtype} {tuple(x.shape)}")
+    check_shapes(cfg, w13, w2)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     out = torch.empty(num_tokens, w2.n, dtype=x.dtype, device=x.device) if out is None else out
     if num_pairs == 0:
-        return out
+        return out.zero_()
     pair_expert, sorted_pairs, block_expert = tb.align(topk_ids, None, w13.experts, cfg.bm)
     rows = block_expert.shape[0] * cfg.bm
     # padding rows (the sentinel) and the rows of blocks past the last run (never written by align): any real token
@@ -226,8 +234,10 @@ def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
 def emulate(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
     """:func:`fused_experts` with each GEMM done block by block in torch on the decode warps' emulated weights
-    (gluon_w4.emulate_decode), fp32 sums, the epilogues' roundings to bf16: the host steps and the epilogues' index
-    math on the CPU (tests/test_gluon_moe.py; under TRITON_INTERPRET=1 for moekit's align and combine)."""
+    (gluon_w4.emulate_decode), fp32 sums, the epilogues' roundings to bf16: the host steps (align, gather, buffers,
+    combine) and the epilogues' arithmetic on the CPU (tests/test_gluon_moe.py; under TRITON_INTERPRET=1 for moekit's
+    align and combine). Each block takes its expert's whole rows at once: the kernel's column tiles, and tiles that
+    run into the next expert's rows, are the GPU tests' to check."""
     from moekit.experts import triton_backend as tb
 
     num_tokens, top_k = topk_ids.shape

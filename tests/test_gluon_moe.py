@@ -148,15 +148,27 @@ def _gpu_check(case: Case, cfg: gm.Config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", gm.candidates(), ids=lambda c: c.label().replace(" ", "-"))
 @pytest.mark.parametrize("T,E,H,I,k,act,routing,why", EMULATED, ids=[c[-1] for c in EMULATED])
-def test_gpu_small_shapes(T, E, H, I, k, act, routing, why):
+def test_gpu_small_shapes(T, E, H, I, k, act, routing, why, cfg):
     """H = 192: w2's last 128-column tile runs into the next expert's rows (or TMA's zeros after the last)."""
-    _gpu_check(Case(T, E, H, I, k, act, "cuda", routing), gm.candidates()[0])
+    _gpu_check(Case(T, E, H, I, k, act, "cuda", routing), cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_full_range_scales():
+    """Scale bytes past 128: the decode's second multiply (FULL_RANGE) in both GEMMs."""
+    case = Case(65, 5, 192, 128, 2, "swiglu_oai", "cuda")
+    for w in (case.w13, case.w2):
+        w.scales.random_(100, 140)
+    case.p13, case.p2 = gm.prepare_stack(case.w13, case.b13), gm.prepare_stack(case.w2, case.b2)
+    assert case.p13.full_range and case.p2.full_range
+    _gpu_check(case, gm.candidates()[0])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", gm.candidates(), ids=lambda c: c.label().replace(" ", "-"))
 @pytest.mark.parametrize("act", ("swiglu_oai", "silu_and_mul"))
 def test_gpu_gpt_oss_sizes(cfg, act):
-    """gpt-oss-120b's H and I, 4 experts, 300 tokens (2-3 row blocks per expert, a partial last one)."""
-    _gpu_check(Case(300, 4, gm.HIDDEN, gm.INTER, 2, act, "cuda"), cfg)
+    """gpt-oss-120b's H and I, 5 experts, top-4, 300 tokens (2-3 row blocks per expert, a partial last one)."""
+    _gpu_check(Case(300, 5, gm.HIDDEN, gm.INTER, 4, act, "cuda"), cfg)
