@@ -22,9 +22,8 @@ A block past the last run (expert -1) returns before any barrier or copy.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from _gluon_w4_kernels import _decoder, _loader
+from _gluon_w4_kernels import _decoder, _loader, _mma_k_loop, _rings
 
 ACT = gl.constexpr(0)
 SCATTER = gl.constexpr(1)
@@ -53,23 +52,11 @@ def _activate(gate, up, ACTIVATION: gl.constexpr):
 def _mma_moe(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, out_ptr, stride_out, bias_ptr, pairs_ptr,
              weights_ptr, num_pairs, N, expert, off_m, n0, k_steps, EPILOGUE: gl.constexpr,
              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BN: gl.constexpr = w_bufs.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                           instr_shape=[16, BN, 16])
-    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-    for i in range(k_steps):
-        s = i % STAGES
-        phase = (i // STAGES) & 1
-        mbarrier.wait(a_ready.index(s), phase)
-        mbarrier.wait(w_ready.index(s), phase)
-        acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        prev = (i + STAGES - 1) % STAGES
-        mbarrier.arrive(a_empty.index(prev), pred=i > 0)
-        mbarrier.arrive(w_empty.index(prev), pred=i > 0)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    acc = _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, acc_layout)
 
     cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     if HAS_BIAS:
@@ -112,24 +99,8 @@ def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_e
     if expert >= 0:
         off_m = block * BM
         k_steps = K // BK
-        w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, G, BN], s_desc.layout)
-        w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_layout)
-        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(a_ready.index(s), count=1)
-            mbarrier.init(a_empty.index(s), count=1)
-            mbarrier.init(q_ready.index(s), count=1)
-            mbarrier.init(q_empty.index(s), count=1)
-            mbarrier.init(w_ready.index(s), count=1)
-            mbarrier.init(w_empty.index(s), count=1)
+        a_bufs, q_bufs, s_bufs, w_bufs, a_ready, a_empty, q_ready, q_empty, w_ready, w_empty = _rings(
+            a_desc, q_desc, s_desc, STAGES)
         off_w = expert * N + n0  # the tile's first row in the stacked [E * N] weights
 
         gl.warp_specialize([

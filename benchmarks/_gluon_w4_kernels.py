@@ -253,13 +253,11 @@ def _decoder(q_bufs, s_bufs, w_bufs, q_ready, q_empty, w_ready, w_empty, k_steps
 
 
 @gluon.jit
-def _mma(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, stride_cm, M, N, off_m, off_n, k_steps,
-         num_warps: gl.constexpr):
+def _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, acc_layout: gl.constexpr):
+    """The MMA partition's K loop: fp32 [BM, BN] accumulator in ``acc_layout``, every wgmma retired on return."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BN: gl.constexpr = w_bufs.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BN, 16])
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
     for i in range(k_steps):
         s = i % STAGES
@@ -272,7 +270,17 @@ def _mma(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, stride_cm, M
         prev = (i + STAGES - 1) % STAGES
         mbarrier.arrive(a_empty.index(prev), pred=i > 0)
         mbarrier.arrive(w_empty.index(prev), pred=i > 0)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+
+@gluon.jit
+def _mma(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, stride_cm, M, N, off_m, off_n, k_steps,
+         num_warps: gl.constexpr):
+    BM: gl.constexpr = a_bufs.shape[1]
+    BN: gl.constexpr = w_bufs.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BN, 16])
+    acc = _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, acc_layout)
     rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
     cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
@@ -281,21 +289,12 @@ def _mma(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, stride_cm, M
 
 
 @gluon.jit
-def w4_gemm_kernel(a_desc, q_desc, s_desc, c_ptr, stride_cm, M, N, K, STAGES: gl.constexpr, SUB: gl.constexpr,
-                   FULL_RANGE: gl.constexpr, DECODE: gl.constexpr, DECODE_WARPS: gl.constexpr,
-                   LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _rings(a_desc, q_desc, s_desc, STAGES: gl.constexpr):
+    """The shared-memory rings (A, codes, scales, decoded W) and their barriers, initialized."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = q_desc.block_type.shape[0]
     G: gl.constexpr = q_desc.block_type.shape[1]
-    gl.static_assert(G * 32 == BK, "the codes' box must hold BK / 32 groups")
-    # M blocks vary fastest: neighbouring CTAs decode the same weight tile, so its codes come from L2.
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BM)
-    off_m = (pid % num_m) * BM
-    off_n = (pid // num_m) * BN
-    k_steps = K // BK
-
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -314,6 +313,27 @@ def w4_gemm_kernel(a_desc, q_desc, s_desc, c_ptr, stride_cm, M, N, K, STAGES: gl
         mbarrier.init(q_empty.index(s), count=1)
         mbarrier.init(w_ready.index(s), count=1)
         mbarrier.init(w_empty.index(s), count=1)
+    return a_bufs, q_bufs, s_bufs, w_bufs, a_ready, a_empty, q_ready, q_empty, w_ready, w_empty
+
+
+@gluon.jit
+def w4_gemm_kernel(a_desc, q_desc, s_desc, c_ptr, stride_cm, M, N, K, STAGES: gl.constexpr, SUB: gl.constexpr,
+                   FULL_RANGE: gl.constexpr, DECODE: gl.constexpr, DECODE_WARPS: gl.constexpr,
+                   LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = q_desc.block_type.shape[0]
+    G: gl.constexpr = q_desc.block_type.shape[1]
+    gl.static_assert(G * 32 == BK, "the codes' box must hold BK / 32 groups")
+    # M blocks vary fastest: neighbouring CTAs decode the same weight tile, so its codes come from L2.
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BM)
+    off_m = (pid % num_m) * BM
+    off_n = (pid // num_m) * BN
+    k_steps = K // BK
+
+    a_bufs, q_bufs, s_bufs, w_bufs, a_ready, a_empty, q_ready, q_empty, w_ready, w_empty = _rings(
+        a_desc, q_desc, s_desc, STAGES)
 
     gl.warp_specialize([
         (_mma, (a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, stride_cm, M, N, off_m, off_n, k_steps,
