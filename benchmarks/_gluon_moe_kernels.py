@@ -54,9 +54,8 @@ def _mma_moe(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, out_ptr, stride
              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_bufs.shape[1]
     BN: gl.constexpr = w_bufs.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BN, 16])
-    acc = _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, acc_layout)
+    acc = _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, num_warps)
+    acc_layout: gl.constexpr = acc.type.layout
 
     cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     if HAS_BIAS:
@@ -89,8 +88,6 @@ def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_e
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = q_desc.block_type.shape[0]
-    G: gl.constexpr = q_desc.block_type.shape[1]
-    gl.static_assert(G * 32 == BK, "the codes' box must hold BK / 32 groups")
     # Row blocks vary fastest: an expert's blocks are neighbours, so its weight tile's codes come from L2.
     pid = gl.program_id(0)
     block = pid % num_blocks

@@ -253,11 +253,14 @@ def _decoder(q_bufs, s_bufs, w_bufs, q_ready, q_empty, w_ready, w_empty, k_steps
 
 
 @gluon.jit
-def _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, acc_layout: gl.constexpr):
-    """The MMA partition's K loop: fp32 [BM, BN] accumulator in ``acc_layout``, every wgmma retired on return."""
+def _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, num_warps: gl.constexpr):
+    """The MMA partition's K loop: the fp32 [BM, BN] wgmma accumulator, every wgmma retired on return (its layout,
+    for the epilogue's indices: ``acc.type.layout``)."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BN: gl.constexpr = w_bufs.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BN, 16])
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
     for i in range(k_steps):
         s = i % STAGES
@@ -278,9 +281,8 @@ def _mma(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, stride_cm, M
          num_warps: gl.constexpr):
     BM: gl.constexpr = a_bufs.shape[1]
     BN: gl.constexpr = w_bufs.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BN, 16])
-    acc = _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, acc_layout)
+    acc = _mma_k_loop(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, k_steps, num_warps)
+    acc_layout: gl.constexpr = acc.type.layout
     rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
     cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
@@ -295,6 +297,7 @@ def _rings(a_desc, q_desc, s_desc, STAGES: gl.constexpr):
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = q_desc.block_type.shape[0]
     G: gl.constexpr = q_desc.block_type.shape[1]
+    gl.static_assert(G * 32 == BK, "the codes' box must hold BK / 32 groups")
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -323,8 +326,6 @@ def w4_gemm_kernel(a_desc, q_desc, s_desc, c_ptr, stride_cm, M, N, K, STAGES: gl
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = q_desc.block_type.shape[0]
-    G: gl.constexpr = q_desc.block_type.shape[1]
-    gl.static_assert(G * 32 == BK, "the codes' box must hold BK / 32 groups")
     # M blocks vary fastest: neighbouring CTAs decode the same weight tile, so its codes come from L2.
     pid = gl.program_id(0)
     num_m = gl.cdiv(M, BM)

@@ -48,7 +48,8 @@ import triton  # noqa: E402
 
 import _gluon_moe_kernels as kern  # noqa: E402
 import gluon_w4 as w4  # noqa: E402
-from moekit import reference  # noqa: E402
+from moekit import layouts, reference  # noqa: E402
+from moekit.experts import torch_backend  # noqa: E402
 from moekit.formats import mxfp4  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2880, 2880, 128, 4  # gpt-oss-120b
@@ -101,19 +102,6 @@ def candidates() -> list[Config]:
 # Load-time layouts
 
 
-def interleave_halves(w: torch.Tensor) -> torch.Tensor:
-    """[..., 2I, X] rows [gate; up] -> gate j at row 2j, up j at 2j + 1 (also for biases [..., 2I] via a unit X)."""
-    two_i = w.shape[-2]
-    gate, up = w[..., : two_i // 2, :], w[..., two_i // 2:, :]
-    return torch.stack([gate, up], dim=-2).reshape(w.shape).contiguous()
-
-
-def deinterleave_halves(w: torch.Tensor) -> torch.Tensor:
-    two_i = w.shape[-2]
-    pairs = w.reshape(*w.shape[:-2], two_i // 2, 2, w.shape[-1])
-    return torch.cat([pairs[..., 0, :], pairs[..., 1, :]], dim=-2).contiguous()
-
-
 @dataclasses.dataclass(frozen=True)
 class PreparedStack:
     """An expert stack [E, N, K] as moe_w4_kernel reads it (made once, when weights load)."""
@@ -137,8 +125,8 @@ def prepare_stack(w: mxfp4.MXFP4Tensor, bias: torch.Tensor | None = None, interl
     e, n, k = w.shape
     data, scales = w.data, w.scales
     if interleave:
-        data, scales = interleave_halves(data), interleave_halves(scales)
-        bias = None if bias is None else interleave_halves(bias.unsqueeze(-1)).squeeze(-1)
+        data, scales = layouts.interleave(data), layouts.interleave(scales)
+        bias = None if bias is None else layouts.interleave_bias(bias)
     codes = w4.prepare_codes(data.reshape(e * n, k // 2))
     full = bool((scales > w4.FAST_SCALE_MAX).any())
     return PreparedStack(codes, w4.prepare_scales(scales.reshape(e * n, k // 32)),
@@ -151,8 +139,8 @@ def unprepare_stack(p: PreparedStack, interleaved: bool = False) -> tuple[mxfp4.
     scales = w4.unprepare_scales(p.scales_t).reshape(p.experts, p.n, p.k // 32)
     bias = p.bias
     if interleaved:
-        data, scales = deinterleave_halves(data), deinterleave_halves(scales)
-        bias = None if bias is None else deinterleave_halves(bias.unsqueeze(-1)).squeeze(-1)
+        data, scales = layouts.deinterleave(data), layouts.deinterleave(scales)
+        bias = None if bias is None else layouts.deinterleave_bias(bias)
     return mxfp4.MXFP4Tensor(data.contiguous(), scales.contiguous(), (p.experts, p.n, p.k)), bias
 
 
@@ -195,24 +183,37 @@ def gemm(cfg: w4.Config, a: torch.Tensor, p: PreparedStack, out: torch.Tensor, b
     return kern.moe_w4_kernel[grid](*args, **kwargs)
 
 
+def _row_blocks(cfg: Config, x: torch.Tensor, topk_ids: torch.Tensor, experts: int) -> tuple:
+    """moekit's alignment into BM-row blocks (pair_expert, sorted_pairs, block_expert) and x gathered into their
+    order [blocks * BM, H]."""
+    from moekit.experts import triton_backend as tb
+
+    pair_expert, sorted_pairs, block_expert = tb.align(topk_ids, None, experts, cfg.bm)
+    # padding rows (the sentinel) and the rows of blocks past the last run (never written by align): any real token
+    xg = x.index_select(0, (sorted_pairs // topk_ids.shape[1]).clamp_(0, x.shape[0] - 1))
+    return pair_expert, sorted_pairs, block_expert, xg
+
+
 def fused_experts(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """moekit.fused_experts's standard format on prepared stacks (no expert map): out [T, H] in x's dtype (bf16)."""
     from moekit.experts import triton_backend as tb
 
-    if x.dtype != torch.bfloat16 or x.shape[-1] != w13.k:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w13.k:
         raise ValueError(f"x must be bf16 [T, {w13.k}] (the TMA boxes' layout), got {x.dtype} {tuple(x.shape)}")
+    if (topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]
+            or topk_weights.shape != topk_ids.shape or topk_ids.device != x.device):
+        raise ValueError(f"topk_ids must be int32 [T={x.shape[0]}, k] on {x.device} with topk_weights of its shape, "
+                         f"got {topk_ids.dtype} {tuple(topk_ids.shape)} on {topk_ids.device}, weights "
+                         f"{tuple(topk_weights.shape)}")
     check_shapes(cfg, w13, w2)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     out = torch.empty(num_tokens, w2.n, dtype=x.dtype, device=x.device) if out is None else out
     if num_pairs == 0:
         return out.zero_()
-    pair_expert, sorted_pairs, block_expert = tb.align(topk_ids, None, w13.experts, cfg.bm)
-    rows = block_expert.shape[0] * cfg.bm
-    # padding rows (the sentinel) and the rows of blocks past the last run (never written by align): any real token
-    xg = x.index_select(0, (sorted_pairs // top_k).clamp_(0, num_tokens - 1))
-    h = torch.empty(rows, w13.n // 2, dtype=x.dtype, device=x.device)
+    pair_expert, sorted_pairs, block_expert, xg = _row_blocks(cfg, x, topk_ids, w13.experts)
+    h = torch.empty(xg.shape[0], w13.n // 2, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, w2.n, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     gemm(cfg.gemm1, xg, w13, h, block_expert, sorted_pairs, weights, num_pairs, kern.ACT.value, activation)
@@ -222,13 +223,11 @@ def fused_experts(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: Prepared
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The kernels' activation on fp32 [rows, 2I] with interleaved (gate, up) columns."""
-    gate, up = h[:, 0::2], h[:, 1::2]
+    """The kernels' activation on fp32 [rows, 2I] with interleaved (gate, up) columns: moekit's torch backend's, whose
+    silu_and_mul reads [gate; up] halves."""
     if activation == "silu_and_mul":
-        return gate * torch.sigmoid(gate) * up
-    g = gate.clamp(max=reference.SWIGLU_LIMIT)
-    u = up.clamp(-reference.SWIGLU_LIMIT, reference.SWIGLU_LIMIT)
-    return (u + 1.0) * g * torch.sigmoid(reference.SWIGLU_ALPHA * g)
+        h = layouts.deinterleave_bias(h)  # [rows, 2I] along dim 1, as a bias stack is
+    return torch_backend._activate(h, activation)
 
 
 def emulate(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack, topk_weights: torch.Tensor,
@@ -245,8 +244,7 @@ def emulate(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack,
     out = torch.zeros(num_tokens, w2.n, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return out
-    pair_expert, sorted_pairs, block_expert = tb.align(topk_ids, None, w13.experts, cfg.bm)
-    xg = x.index_select(0, (sorted_pairs // top_k).clamp_(0, num_tokens - 1))
+    pair_expert, sorted_pairs, block_expert, xg = _row_blocks(cfg, x, topk_ids, w13.experts)
     w13_rows = w4.emulate_decode(w13.as_w4()).float()
     w2_rows = w4.emulate_decode(w2.as_w4()).float()
     h = torch.full((xg.shape[0], w13.n // 2), float("nan"), dtype=x.dtype)

@@ -39,13 +39,8 @@ class Case:
     def __init__(self, num_tokens, experts, hidden, inter, top_k, activation, device, routing="random", seed=0):
         g = torch.Generator(device=device).manual_seed(seed)
         self.activation = activation
-        self.w13 = gw.random_mxfp4(experts * 2 * inter, hidden, device)
-        self.w13 = mxfp4.MXFP4Tensor(self.w13.data.reshape(experts, 2 * inter, hidden // 2),
-                                     self.w13.scales.reshape(experts, 2 * inter, hidden // 32),
-                                     (experts, 2 * inter, hidden))
-        w2 = gw.random_mxfp4(experts * hidden, inter, device)
-        self.w2 = mxfp4.MXFP4Tensor(w2.data.reshape(experts, hidden, inter // 2),
-                                    w2.scales.reshape(experts, hidden, inter // 32), (experts, hidden, inter))
+        self.w13 = gm.random_stack(experts, 2 * inter, hidden, device)
+        self.w2 = gm.random_stack(experts, hidden, inter, device)
         self.b13 = torch.randn(experts, 2 * inter, device=device, generator=g) * 0.1
         self.b2 = torch.randn(experts, hidden, device=device, generator=g) * 0.1
         self.x = (torch.randn(num_tokens, hidden, device=device, generator=g) * 0.5).to(torch.bfloat16)
@@ -70,18 +65,11 @@ class Case:
 
 def test_prepared_stacks_round_trip():
     for interleave in (False, True):
-        w = gw.random_mxfp4(3 * 256, 128, "cpu")
-        w = mxfp4.MXFP4Tensor(w.data.reshape(3, 256, 64), w.scales.reshape(3, 256, 4), (3, 256, 128))
+        w = gm.random_stack(3, 256, 128, "cpu")
         bias = torch.randn(3, 256)
         p = gm.prepare_stack(w, bias, interleave=interleave)
         back, b = gm.unprepare_stack(p, interleaved=interleave)
         assert torch.equal(back.data, w.data) and torch.equal(back.scales, w.scales) and torch.equal(b, bias)
-
-
-def test_interleave_puts_gate_j_and_up_j_side_by_side():
-    w = torch.arange(8).reshape(1, 8, 1)  # gate rows 0..3, up rows 4..7
-    assert gm.interleave_halves(w).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert torch.equal(gm.deinterleave_halves(gm.interleave_halves(w)), w)
 
 
 def test_configs_fit_gpt_oss():
@@ -91,6 +79,24 @@ def test_configs_fit_gpt_oss():
         gm.check_shapes(cfg, p13, p2)
     with pytest.raises(ValueError, match="same row blocks"):
         gm.Config(gw.Config(bm=128), gw.Config(bm=64, stages=6))
+
+
+def test_bad_input_is_refused_before_any_launch():
+    case = Case(4, 5, 192, 128, 2, "swiglu_oai", "cpu")
+    cfg = gm.candidates()[0]
+    bad = {
+        "x must be bf16": dict(x=case.x.half()),
+        "x must be bf16 \\[T, 192\\]": dict(x=case.x[:, :128]),
+        "topk_ids must be int32": dict(ti=case.ti.long()),
+        "topk_ids must be int32 \\[T=4": dict(ti=case.ti[:3], tw=case.tw[:3]),
+        "with topk_weights of its shape": dict(tw=case.tw[:, :1]),
+    }
+    for match, args in bad.items():
+        a = dict(x=case.x, tw=case.tw, ti=case.ti) | args
+        with pytest.raises(ValueError, match=match):
+            gm.fused_experts(cfg, a["x"], case.p13, case.p2, a["tw"], a["ti"], "swiglu_oai")
+    with pytest.raises(ValueError, match="not one MLP's stacks"):
+        gm.fused_experts(cfg, case.x, case.p13, case.p13, case.tw, case.ti, "swiglu_oai")
 
 
 # (T, E, H, I, k, activation, routing, why)
