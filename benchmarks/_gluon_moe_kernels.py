@@ -84,14 +84,21 @@ def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_e
                   num_pairs, num_blocks, N, K, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
                   HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, FULL_RANGE: gl.constexpr,
                   DECODE: gl.constexpr, DECODE_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                  DECODE_REGS: gl.constexpr, num_warps: gl.constexpr):
+                  DECODE_REGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = q_desc.block_type.shape[0]
-    # Row blocks vary fastest: an expert's blocks are neighbours, so its weight tile's codes come from L2.
+    # Groups of GROUP_M row blocks, all the column tiles of a group before the next, row blocks fastest inside a
+    # group: the CTAs in flight share a few blocks of A (read from L2 by every column tile) and an expert's weight
+    # tile serves its neighbouring blocks from L2. Row blocks fastest over the whole grid re-read every block of A
+    # from HBM once per column tile (45 times x's gathered rows for gpt-oss's GEMM1).
     pid = gl.program_id(0)
-    block = pid % num_blocks
-    n0 = (pid // num_blocks) * BN
+    n_tiles = gl.cdiv(N, BN)
+    per_group = GROUP_M * n_tiles
+    first = (pid // per_group) * GROUP_M
+    group_m = gl.minimum(num_blocks - first, GROUP_M)
+    block = first + (pid % per_group) % group_m
+    n0 = ((pid % per_group) // group_m) * BN
     expert = gl.load(block_expert_ptr + block)
     if expert >= 0:
         off_m = block * BM

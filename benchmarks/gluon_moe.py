@@ -66,6 +66,7 @@ class Config:
 
     gemm1: w4.Config = w4.Config()
     gemm2: w4.Config = w4.Config()
+    group_m: int = 4  # row blocks per group of the launch order (the kernel's GROUP_M)
 
     def __post_init__(self) -> None:
         if self.gemm1.bm != self.gemm2.bm:
@@ -78,23 +79,25 @@ class Config:
         return self.gemm1.bm
 
     def label(self) -> str:
-        return f"g1 [{self.gemm1.label()}] g2 [{self.gemm2.label()}]"
+        return f"g1 [{self.gemm1.label()}] g2 [{self.gemm2.label()}] group {self.group_m}"
 
 
 def candidates() -> list[Config]:
     """The configs the GPU run checks and times (and --compile-only builds): the single-GEMM winners of
-    archive/gluon_w4_h100_2026-12-05.md at M = 128 (an expert's rows at T = 4096) and at M >= 2048."""
-    c128 = w4.Config()
+    archive/gluon_w4_h100_2026-12-05.md at M = 128 (an expert's rows at T = 4096) and at M >= 2048, in launch groups
+    of row blocks (archive/gluon_moe_h100_2026-12-06.md: row blocks fastest over the whole grid lost 1.35-1.46x to
+    moekit's MXFP4 kernels at 128-row blocks)."""
+    c128, c64 = w4.Config(), w4.Config(bm=64, stages=6)
+    # 256 rows (two warpgroups of 128): two decode warps leave the MMA warps 240 registers (with four, the epilogue
+    # spills)
+    c256 = w4.Config(bm=256, warps=8, stages=4, decode_warps=2)
     return [
-        Config(c128, c128),
-        Config(w4.Config(bn=64, stages=6), w4.Config(bn=64, stages=6)),
-        Config(w4.Config(warps=8), w4.Config(warps=8)),
-        Config(w4.Config(decode_warps=8, sub=128, decode_regs=96), w4.Config(decode_warps=8, sub=128, decode_regs=96)),
-        Config(w4.Config(bm=64, stages=6), w4.Config(bm=64, stages=6)),
-        # 256 rows (two warpgroups of 128): two decode warps leave the MMA warps 240 registers (with four, the
-        # epilogue spills)
-        Config(w4.Config(bm=256, warps=8, stages=4, decode_warps=2), w4.Config(bm=256, warps=8, stages=4,
-                                                                               decode_warps=2)),
+        Config(c128, c128, group_m=4),
+        Config(c128, c128, group_m=8),
+        Config(w4.Config(warps=8), w4.Config(warps=8), group_m=4),
+        Config(c64, c64, group_m=4),
+        Config(c64, c64, group_m=8),
+        Config(c256, c256, group_m=2),
     ]
 
 
@@ -165,7 +168,7 @@ def check_shapes(cfg: Config, w13: PreparedStack, w2: PreparedStack) -> None:
 
 def gemm(cfg: w4.Config, a: torch.Tensor, p: PreparedStack, out: torch.Tensor, block_expert: torch.Tensor,
          sorted_pairs: torch.Tensor, weights: torch.Tensor, num_pairs: int, epilogue: int, activation: str,
-         warmup: bool = False):
+         group_m: int, warmup: bool = False):
     """One grouped GEMM: a [blocks * BM, K] bf16 in row-block order. ACT: out = h [blocks * BM, N/2];
     SCATTER: out = y [pairs, N] (rows of padding slots untouched)."""
     a_desc, q_desc, s_desc = w4.descriptors(cfg, a, p.as_w4())
@@ -177,7 +180,7 @@ def gemm(cfg: w4.Config, a: torch.Tensor, p: PreparedStack, out: torch.Tensor, b
     kwargs = dict(EPILOGUE=epilogue, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=p.bias is not None,
                   STAGES=cfg.stages, SUB=cfg.sub, FULL_RANGE=p.full_range, DECODE=w4.DECODES["words"],
                   DECODE_WARPS=cfg.decode_warps, LOAD_REGS=cfg.load_regs, DECODE_REGS=cfg.decode_regs,
-                  num_warps=cfg.warps)
+                  GROUP_M=group_m, num_warps=cfg.warps)
     if warmup:
         return kern.moe_w4_kernel.warmup(*args, grid=grid, **kwargs)
     return kern.moe_w4_kernel[grid](*args, **kwargs)
@@ -216,8 +219,10 @@ def fused_experts(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: Prepared
     h = torch.empty(xg.shape[0], w13.n // 2, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, w2.n, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    gemm(cfg.gemm1, xg, w13, h, block_expert, sorted_pairs, weights, num_pairs, kern.ACT.value, activation)
-    gemm(cfg.gemm2, h, w2, y, block_expert, sorted_pairs, weights, num_pairs, kern.SCATTER.value, activation)
+    gemm(cfg.gemm1, xg, w13, h, block_expert, sorted_pairs, weights, num_pairs, kern.ACT.value, activation,
+         cfg.group_m)
+    gemm(cfg.gemm2, h, w2, y, block_expert, sorted_pairs, weights, num_pairs, kern.SCATTER.value, activation,
+         cfg.group_m)
     tb._combine(y, pair_expert, out, top_k)
     return out
 
@@ -298,7 +303,7 @@ def compile_only() -> int:
             try:
                 check_shapes(cfg, p13, p2)
                 k = gemm(c, a, p, out, ints[:blocks], ints, torch.zeros(pairs), pairs, epi, "swiglu_oai",
-                         warmup=True)
+                         cfg.group_m, warmup=True)
                 r = w4.ptxas_report(k, c)
                 bad = r["spill"] > 0
                 failures += bad
@@ -418,6 +423,36 @@ def time_full(configs: list[Config], tokens, dev, gen, log, budget) -> list[dict
     return records
 
 
+def profile(configs: list[Config], tokens, dev, gen, log) -> list[dict]:
+    """Device time per kernel (torch.profiler, mean of 5 calls after warm-up) of each config's pipeline and of
+    moekit.fused_experts on the same MXFP4 weights: which step the time goes to."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    layer = Layer(EXPERTS, "swiglu_oai", dev, gen)
+    records, calls = [], 5
+    for t in tokens:
+        x = (torch.randn(t, HIDDEN, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+        tw, ti = random_routes(t, EXPERTS, TOP_K, dev, gen)
+        rows = [("moekit MXFP4", lambda: layer.moekit(x, tw, ti))]
+        rows += [(f"Gluon {c.label()}", lambda c=c: fused_experts(c, x, layer.p13, layer.p2, tw, ti, "swiglu_oai"))
+                 for c in configs]
+        for name, fn in rows:
+            fn()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+            for ev in prof.key_averages():
+                us = ev.device_time_total / calls
+                if us > 0:
+                    records.append({"kind": "profile", "T": t, "implementation": name, "kernel": ev.key[:90],
+                                    "us": us})
+            log(f"profiled T={t} {name}")
+    return records
+
+
 def markdown(env: dict, records: list[dict]) -> str:
     lines = [f"# Gluon grouped MXFP4 experts, gpt-oss-120b shapes ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}. `benchmarks/gluon_moe.py`: whole experts calls "
@@ -436,6 +471,11 @@ def markdown(env: dict, records: list[dict]) -> str:
     lines += ["", "Checks against float64:", "", "| config | activation | T | max rel err | note |", "|---|---|---|---|---|"]
     lines += [f"| {r['config']} | {r['activation']} | {r['T']} | {r['max_rel_err']:.2e} | {r['note']} |"
               for r in records if r["kind"] == "check"]
+    prof = [r for r in records if r["kind"] == "profile"]
+    if prof:
+        lines += ["", "Device time per kernel (torch.profiler, us per call):", "", "| T | implementation | kernel | us |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['T']} | {r['implementation']} | `{r['kernel']}` | {r['us']:.1f} |" for r in prof]
     return "\n".join(lines) + "\n"
 
 
@@ -446,6 +486,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", type=int, default=None, help="only the first N candidates")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new timings after this long")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", action="store_true", help="also the device time per kernel of each pipeline")
     args = p.parse_args(argv)
     if args.compile_only:
         return compile_only()
@@ -464,12 +505,16 @@ def main(argv=None) -> int:
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
     passed, records = check(candidates()[:args.configs], dev, gen, log)
     records += time_full(passed, args.tokens, dev, gen, log, lambda: time.monotonic() - t0 > args.budget_s)
+    if args.profile:
+        records += profile(passed, args.tokens, dev, gen, log)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"gluon_moe_{env['date']}"
     stem.with_suffix(".json").write_text(json.dumps({"env": env, "records": records}, indent=1))
     md = markdown(env, records)
     stem.with_suffix(".md").write_text(md)
     print(md.split("Checks against float64")[0])
+    if args.profile:
+        print(md.split("Device time per kernel")[1])
     return 0
 
 
