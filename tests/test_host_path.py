@@ -7,7 +7,8 @@ import torch
 
 import moekit
 from moekit import ExpertsLoRA, batched_experts, fused_experts, fused_router, route, router_gemm
-from moekit.experts import backends, configs
+from moekit._calls import CheckedCalls
+from moekit.experts import api, backends, configs
 from moekit.experts import triton_backend  # noqa: F401 - registers the torch.library ops this file replaces
 
 E, H, I, K, T = 6, 32, 16, 2, 5
@@ -24,6 +25,7 @@ def _call():
 def test_a_repeated_call_decides_nothing_again(monkeypatch, backend):
     selections = []
     monkeypatch.setattr(backends, "_SELECTED", {})                   # what earlier tests asked is forgotten
+    monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
     real = backends._select_auto
     monkeypatch.setattr(backends, "_select_auto", lambda call: selections.append(call) or real(call))
     configs._choose.cache_clear()
@@ -91,3 +93,45 @@ def test_the_oracle_follows_the_gate_and_the_candidates():
     finally:
         backends.unregister("first")
     assert backends.select_backend(backends.ExpertsCall.of(args[0], args[1])).name == "torch"
+
+
+@pytest.mark.parametrize("op", ["fused", "batched"])
+def test_a_repeated_experts_call_is_checked_once_per_signature(monkeypatch, op):
+    checked = []
+    real = api._check_weights
+    monkeypatch.setattr(api, "_check_weights", lambda *a: checked.append(1) or real(*a))
+    monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
+    x, w13, w2, tw, ids = _call()
+    xb, counts = torch.randn(E, 3, H), torch.full((E,), 2, dtype=torch.int32)
+
+    def call(**kw):
+        if op == "fused":
+            return fused_experts(x, w13, w2, tw, ids, backend="triton", **kw)
+        return batched_experts(xb, counts, w13, w2, backend="triton", **kw)
+
+    valid = slice(None) if op == "fused" else (slice(None), slice(0, 2))  # batched: padding rows unspecified
+    first = call()[valid]
+    for _ in range(3):
+        assert torch.equal(call()[valid], first)
+    assert len(checked) == 1
+    call(activation="swiglu_oai")                                       # another option: checked again
+    assert len(checked) == 2
+    src = x if op == "fused" else xb
+    call(out=torch.empty_like(src))
+    with pytest.raises(ValueError, match="overlap"):                    # the same signature, but out is the input:
+        call(out=src)                                                   # addresses are checked on every call
+    assert len(checked) == 3
+
+
+def test_a_checked_signature_still_checks_values_and_new_kinds(monkeypatch):
+    monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
+    x, w13, w2, tw, ids = _call()
+    emap = torch.arange(E, dtype=torch.int32)
+    fused_experts(x, w13, w2, tw, ids, expert_map=emap, backend="triton")
+    emap[0] = E                                                          # changed in place: read again
+    with pytest.raises(ValueError, match="expert_map values"):
+        fused_experts(x, w13, w2, tw, ids, expert_map=emap, backend="triton")
+    with pytest.raises(TypeError, match="topk_ids"):                    # another dtype: another signature
+        fused_experts(x, w13, w2, tw, ids.long(), backend="triton")
+    with pytest.raises(TypeError, match="config"):                      # a bad option has no signature
+        fused_experts(x, w13, w2, tw, ids, backend="triton", config={"block_m": 16})

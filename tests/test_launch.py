@@ -81,18 +81,48 @@ class _FakeJit:
 
 def test_a_signature_binds_once_then_launches_through_the_compiled_kernel(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     fn = _FakeJit()
     launcher = _launch.Launcher(fn)
     x = torch.empty(64)
-    launcher[(3,)](x, 5, BLOCK=16)
-    launcher[(4, 2)](x, 9, BLOCK=16)             # same classes: the compiled kernel, the keyword tail in order
+    launcher[(3,)](x, 9, BLOCK=16)
+    launcher[(4, 2)](x, 9, BLOCK=16)             # the same key: the compiled kernel, the keyword tail in order
     launcher[(4,)](x[1:], 9, BLOCK=16)           # unaligned: Triton's path (another specialization)
     launcher[(4,)](x, 16, BLOCK=16)              # a multiple of 16: Triton's path
     launcher[(4,)](x, 9, BLOCK=32)               # another constexpr: Triton's path
+    launcher[(4,)](x, 25, BLOCK=16)              # ints are keyed by value: bound once more, then reused
+    launcher[(4,)](x, 25, BLOCK=16)
+    launcher[(4,)](x[4:], 9, BLOCK=16)           # another aligned tensor: the first binding
     kinds = [entry[0] for entry in fn.log]
-    assert kinds == ["triton", "bound", "triton", "triton", "triton"]
+    assert kinds == ["triton", "bound", "triton", "triton", "triton", "triton", "bound", "bound"]
     assert fn.log[1][1] == (4, 2, 1, 1234, "fn", "meta", None, None, None, x, 9, 16, 7)
+
+
+def test_constants_made_once_key_like_keywords(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    fn = _FakeJit()
+    launcher = _launch.Launcher(fn)
+    x = torch.empty(64)
+    c16, c32 = _launch.Constants(BLOCK=16), _launch.Constants(BLOCK=32)
+    assert c16 == {"BLOCK": 16} and hash(c16) == hash(_launch.Constants(BLOCK=16))
+    launcher.launch((1,), (x, 9), c16)
+    launcher.launch((1,), (x, 9), _launch.Constants(BLOCK=16))   # equal constants: the binding
+    launcher.launch((1,), (x, 9), c32)                           # other values: Triton's path
+    assert [entry[0] for entry in fn.log] == ["triton", "bound", "triton"]
+    assert fn.log[1][1][-2:] == (16, 7)                           # the keyword tail, defaults filled
+
+
+def test_a_key_tells_each_tensors_alignment_apart():
+    base = torch.empty(64)
+    a, b = base[4:], base[1:]  # 16-byte aligned, then not
+    key = _launch._key_function((torch.Tensor, torch.Tensor, int))
+    assert key((a, a, 3)) == key((base, base, 3))
+    assert len({key((a, b, 3)), key((b, a, 3)), key((b, b, 3)), key((a, a, 3))}) == 4
+    assert key((a, a, 3)) != key((a, a.double()[:8], 3))  # dtypes
+    assert key((a, a, 3)) != key((a, a, 4))
 
 
 def test_under_the_interpreter_every_launch_is_tritons(monkeypatch):

@@ -8,10 +8,11 @@ import moekit
 
 ROOT = Path(moekit.__file__).parent
 LAYERS = [  # each layer may import those before it (and itself); tools may import everything
-    {"moekit._checks", "moekit._triton", "moekit._launch", "moekit._invariant", "moekit.presets", "moekit.layouts"},
+    {"moekit._checks", "moekit._triton", "moekit._launch", "moekit._invariant", "moekit._env", "moekit.presets",
+     "moekit.layouts"},
     {"moekit.formats"},
     {"moekit.reference"},
-    {"moekit.metrics", "moekit.gate"},
+    {"moekit.metrics", "moekit.gate", "moekit._calls"},
     {"moekit.routing"},
     {"moekit.experts"},
     {"moekit.layer"},

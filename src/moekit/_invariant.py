@@ -14,12 +14,14 @@ beyond the switch and the one matmul the torch paths share.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
+from . import _env
+
 ENV = "MOEKIT_BATCH_INVARIANT"
 _ENABLED: bool | None = None
+_FROM_ENV = _env.flag(ENV)
 
 ROWS_PER_MATMUL = 16
 """Rows of every matmul the torch paths issue under the switch. A CPU BLAS picks its kernel, blocking and threads
@@ -43,7 +45,7 @@ def enabled() -> bool:
     """Whether batch-invariant mode is on (set_batch_invariant, else MOEKIT_BATCH_INVARIANT)."""
     if _ENABLED is not None:
         return _ENABLED
-    return os.environ.get(ENV, "0") not in ("", "0")
+    return _FROM_ENV()
 
 
 @contextlib.contextmanager

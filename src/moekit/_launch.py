@@ -37,28 +37,60 @@ class _Unkeyed(Exception):
 def signature(args: tuple, kwargs: dict) -> tuple:
     """The part of a launch's arguments that Triton's specialization depends on (hashable). Ints: Triton makes
     1 a constexpr, gives multiples of 16 the divisibility attribute and picks i32/i64/u64 by range."""
-    Tensor = torch.Tensor
-    key = tuple([(a.dtype, a.data_ptr() & 15 == 0) if type(a) is Tensor
-                 else (a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX, a <= _I64_MAX) if type(a) is int
-                 else type(a) if a is None or type(a) is bool or type(a) is float
-                 else _other(a) for a in args])
+    types = tuple(map(type, args))
     for v in kwargs.values():  # constexprs and options: their values are the specialization
         if not (v is None or type(v) in _KEYWORD_TYPES):
             raise _Unkeyed(type(v).__name__)
-    return (key, tuple(kwargs.items()))
+    return (types, _key_function(types)(args), tuple(kwargs.items()))
 
 
 _KEYWORD_TYPES = (int, bool, float, str)
+_KEY_FUNCTIONS: dict = {}
 
 
-def _other(a):
-    if isinstance(a, torch.Tensor):  # a subclass (nn.Parameter)
-        return (a.dtype, a.data_ptr() & 15 == 0)
-    if type(a).__name__ == "TensorDescriptor" and hasattr(a, "block_shape"):
-        # Triton types a host TMA descriptor by its element type and box (tensordesc<bf16[64, 128]>); the
-        # launcher encodes base, shape and strides on every launch
-        return ("tensordesc", a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None))
-    raise _Unkeyed(type(a).__name__)
+def _key_function(types: tuple):
+    """``args -> key`` for positional arguments of these exact types, generated once per tuple of types: one
+    expression instead of a loop that dispatches on every argument's type (a launch's largest host cost).
+
+    The key: the tensors' 16-byte alignment flags (one OR of their addresses when all are aligned, the common
+    case), the ints by value (finer than Triton's classes, ==1 / multiple of 16 / i32 / i64 range: a new value
+    binds again, once, where classifying every int on every launch cost more than the launch), the tensors'
+    dtypes, the descriptors' element types and boxes. None, bools and floats are keyed by their type."""
+    fn = _KEY_FUNCTIONS.get(types)
+    if fn is not None:
+        return fn
+    ptrs, parts = [], []
+    for i, t in enumerate(types):
+        if issubclass(t, torch.Tensor):  # nn.Parameter too
+            ptrs.append(f"a{i}.data_ptr()")
+            parts.append(f"a{i}.dtype")
+        elif t is int:
+            parts.append(f"a{i}")
+        elif t in (type(None), bool, float):
+            pass
+        elif t.__name__ == "TensorDescriptor" and hasattr(t, "from_tensor"):
+            # Triton types a host TMA descriptor by its element type and box (tensordesc<bf16[64, 128]>); the
+            # launcher encodes base, shape and strides on every launch
+            parts.append(f"('tensordesc', a{i}.base.dtype, tuple(a{i}.block_shape), getattr(a{i}, 'padding', None))")
+        else:
+            raise _Unkeyed(t.__name__)
+    lines = ["def key(args):"]
+    if types:
+        lines.append(f"    {''.join(f'a{i}, ' for i in range(len(types)))}= args")
+    if ptrs:
+        lines += [f"    p{j} = {expr}" for j, expr in enumerate(ptrs)]
+        every = " | ".join(f"p{j}" for j in range(len(ptrs)))
+        each = " | ".join(f"(p{j} & 15 == 0) << {j}" for j in range(len(ptrs)))
+        lines.append(f"    flags = {(1 << len(ptrs)) - 1} if not ({every}) & 15 else {each}")
+    else:
+        lines.append("    flags = 0")
+    lines.append(f"    return (flags, {''.join(part + ', ' for part in parts)})")
+    scope: dict = {}
+    exec(compile("\n".join(lines) + "\n", f"<moekit._launch key of {len(types)} arguments>", "exec"), scope)
+    if len(_KEY_FUNCTIONS) >= 4096:
+        _KEY_FUNCTIONS.clear()
+    fn = _KEY_FUNCTIONS[types] = scope["key"]
+    return fn
 
 
 class _Bound:
@@ -70,6 +102,20 @@ class _Bound:
         self.function = kernel.function
         self.packed_metadata = kernel.packed_metadata
         self.tail = tail
+
+
+class Constants(dict):
+    """A launch's keywords (constexprs and options) made once, e.g. per shape, and passed as they are to
+    :meth:`Launcher.launch`: hashed once, not on every launch. Never modified after it is made."""
+
+    __slots__ = ("_hash",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hash = hash(tuple(self.items()))
+
+    def __hash__(self):
+        return self._hash
 
 
 class Launcher:
@@ -98,21 +144,29 @@ class Launcher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict):
+        """``kwargs``: a dict, or a :class:`Constants` made once."""
         if not self._bindable or _hooks_set(self._runtime):
             return self.fn[grid](*args, **kwargs)
+        types = tuple(map(type, args))
+        # a bound kernel means CUDA is up: the device without torch.cuda.current_device's initialization check
+        device = torch._C._cuda_getDevice() if self._bound else torch.cuda.current_device()
         try:
-            key = signature(args, kwargs)
-        except _Unkeyed:
+            key = (device, types, _key_function(types)(args),
+                   kwargs if type(kwargs) is Constants else tuple(kwargs.items()))
+            bound = self._bound.get(key)
+        except (_Unkeyed, TypeError):  # an argument type not keyed here, an unhashable keyword
             return self.fn[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
-        bound = self._bound.get((device, key))
         if bound is None:
             kernel = self.fn[grid](*args, **kwargs)  # compiles if needed, and launches
             if hasattr(kernel, "result"):  # an asynchronous compile's future
                 kernel = kernel.result()
+            try:
+                signature(args, kwargs)  # keywords of other types (a runtime tensor by keyword) are not bound
+            except _Unkeyed:
+                return kernel
             if len(self._bound) >= self.MAX_SIGNATURES:
                 self._bound.clear()
-            self._bound[(device, key)] = _Bound(kernel, self._tail(len(args), kwargs))
+            self._bound[key] = _Bound(kernel, self._tail(len(args), kwargs))
             return kernel
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1

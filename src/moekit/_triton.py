@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from . import _env
+
+_INTERPRET = _env.flag("TRITON_INTERPRET")
 
 
 @functools.cache
@@ -19,7 +22,7 @@ def triton_importable() -> bool:
 
 def interpreting() -> bool:
     """True when Triton runs kernels through numpy (``TRITON_INTERPRET=1``), e.g. in CPU tests."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRET()
 
 
 def can_launch(device: torch.device) -> bool:

@@ -10,12 +10,14 @@ CUDA-graph capture: the first call of each shape must be eager.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from . import _env
+
 _ENABLED: bool | None = None
+_FROM_ENV = _env.flag("MOEKIT_VERIFY")
 _RESULTS: dict = {}
 _GENERATION = [0]  # bumped whenever a verdict or the switch changes: callers may cache what depended on them
 
@@ -32,7 +34,7 @@ def set_verification(enabled: bool | None) -> None:
 def enabled() -> bool:
     if _ENABLED is not None:
         return _ENABLED
-    return os.environ.get("MOEKIT_VERIFY", "0") not in ("", "0")
+    return _FROM_ENV()
 
 
 def reset() -> None:

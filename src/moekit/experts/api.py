@@ -15,9 +15,11 @@ import weakref
 import torch
 
 from .. import _invariant, gate
-from .._checks import check_out, check_shape, check_tensor, tensor_version
+from .._calls import CheckedCalls
+from .._checks import check_disjoint, check_out, check_shape, check_tensor, tensor_version
 from ..formats import format_of
 from ..presets import ACTIVATIONS
+from . import backends
 from .backends import ExpertsCall, select_backend
 from .configs import ExpertsConfig
 from .lora import ExpertsLoRA, check_call as check_lora
@@ -263,6 +265,21 @@ def fused_experts(
     Returns:
         [T, H] in x's dtype.
     """
+    key = None
+    if lora is None and lora_ids is None:
+        key = _call_key("fused", x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, out, backend,
+                        config, act_quant, activation)
+        chosen = _VALIDATED.get(key)
+        if chosen is not None:  # the checks of this signature passed before: only those that read values remain
+            if expert_map is not None:
+                check_expert_map_values(expert_map, w13.shape[0])
+                if gate.active():
+                    check_ids_within_map(topk_ids, expert_map)
+            out = _fresh_or_disjoint(out, x, w13, w2, topk_weights=topk_weights)
+            _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
+            chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias,
+                         expert_map, config, act_quant)
+            return out
     check_tensor("x", x, ndim=2, dtypes=WEIGHT_DTYPES)
     E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
@@ -278,10 +295,29 @@ def fused_experts(
     check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
     out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
     chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None)
+    _VALIDATED.put(key, chosen)
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
     chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map,
                  config, act_quant, **_lora_args(lora, lora_ids))
     return out  # the caller's tensor itself, whatever a runner returned
+
+
+# A repeated eager call without LoRA skips the checks and the oracle: its signature (moekit._calls), with the
+# registered backends, maps to the backend that served it.
+_VALIDATED = CheckedCalls()
+
+
+def _call_key(op: str, *args) -> tuple | None:
+    return CheckedCalls.signature(op, *args, backends.registry_version())
+
+
+def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
+    """A new output, or ``out`` (its shape, dtype and layout were checked with the signature) if it overlaps none of
+    the inputs: addresses change from call to call, so this check does too."""
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    check_disjoint("out", out, {"x": x, "w13": _storage(w13), "w2": _storage(w2), **other_inputs})
+    return out
 
 
 def _lora_args(lora, lora_ids) -> dict:
@@ -325,6 +361,17 @@ def batched_experts(
         never writes them (an ``out=`` keeps what it held there, a fresh output is uninitialized),
         the torch backend writes zeros.
     """
+    key = None
+    if lora is None and lora_ids is None:
+        key = _call_key("batched", x, expert_num_tokens, w13, w2, w13_bias, w2_bias, out, backend, config, act_quant,
+                        activation)
+        chosen = _VALIDATED.get(key)
+        if chosen is not None:  # checked before (see fused_experts)
+            out = _fresh_or_disjoint(out, x, w13, w2)
+            _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
+            chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config,
+                           act_quant)
+            return out
     check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
     E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
     if x.shape[0] != E:
@@ -334,6 +381,7 @@ def batched_experts(
     check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
     out = _options_and_out(x, w13, w2, act_quant, config, out)
     chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, lora=lora is not None)
+    _VALIDATED.put(key, chosen)
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
     chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant,
                    **_lora_args(lora, lora_ids))

@@ -135,6 +135,14 @@ BACKENDS: tuple[Backend, ...] = BUILTIN
 """Priority order: the first candidate that supports a call serves it."""
 
 
+_REGISTRY_VERSION = [0]
+
+
+def registry_version() -> tuple:
+    """Changes whenever the candidates do (register, unregister): decisions cached per call depend on them."""
+    return (_REGISTRY_VERSION[0], id(BACKENDS))
+
+
 def register(backend: Backend, *, first: bool = True) -> None:
     """Add a backend (e.g. a vendor kernel, or in tests a deliberately broken one): ahead of the
     built-ins (``first``) or after them. Its name must be new."""
@@ -142,11 +150,13 @@ def register(backend: Backend, *, first: bool = True) -> None:
     if backend.name in names():
         raise ValueError(f"a backend named {backend.name!r} exists already")
     BACKENDS = (backend,) + BACKENDS if first else BACKENDS + (backend,)
+    _REGISTRY_VERSION[0] += 1
 
 
 def unregister(name: str) -> None:
     global BACKENDS
     BACKENDS = tuple(b for b in BACKENDS if b.name != name)
+    _REGISTRY_VERSION[0] += 1
 
 
 def names() -> tuple[str, ...]:

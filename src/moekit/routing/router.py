@@ -9,11 +9,13 @@ crossover, plain torch on other devices (see :mod:`moekit.routing.tiers`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .. import _invariant, _triton
+from .._calls import CheckedCalls
 from .._checks import check_disjoint, check_out, check_shape, check_tensor
 from . import gate_case
 from . import tiers as router_tiers
@@ -49,8 +51,7 @@ class RouterLoRA:
             raise TypeError(f"lora.scale must be a float, got {type(self.scale).__name__}")
 
 
-@dataclass(frozen=True)
-class _GemmArgs:
+class _GemmArgs(NamedTuple):  # a tuple: made on every call, cheaper than a frozen dataclass
     x: torch.Tensor  # [T, H], any strides
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -111,6 +112,20 @@ def router_gemm(
     Returns:
         logits [..., E] in ``out_dtype``.
     """
+    key = None
+    if lora is None:
+        key = CheckedCalls.signature(x, weight, bias, out, out_dtype, tier)
+        run = _CHECKED_GEMMS.get(key)
+        if run is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
+            x2 = x.reshape(-1, weight.shape[1])
+            if out is not None:
+                check_disjoint("out", out, {"x": x, "weight": weight, "bias": bias})
+                out2 = out.view(-1, weight.shape[0])
+            else:
+                out2 = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=weight.device)
+            if x2.shape[0]:
+                _RUNNERS[run](_GemmArgs(x2, weight, None if bias is None else bias.contiguous(), None), out2)
+            return out if out is not None else out2.view(*x.shape[:-1], weight.shape[0])
     args = _validate_gemm(x, weight, bias, lora)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
@@ -127,8 +142,12 @@ def router_gemm(
     if torch.compiler.is_compiling():
         torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
     else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
-        _gemm(args, out2, tier)
+        _CHECKED_GEMMS.put(key, _gemm(args, out2, tier))
     return out if out is not None else out2.view(out_shape)
+
+
+# A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> tier.
+_CHECKED_GEMMS = CheckedCalls()
 
 
 def _lora_parts(lora: RouterLoRA | None):
@@ -150,8 +169,8 @@ def _(out, x, weight, bias, lora_a, lora_b, lora_scale, tier) -> None:
     return None
 
 
-def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> None:
-    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks."""
+def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> str:
+    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks (returned)."""
     num_experts, hidden = args.weight.shape
     choice = router_tiers.choose_tier(args.x.shape[0], hidden, num_experts, args.weight.device, tier)
     run = choice.tier
@@ -160,6 +179,7 @@ def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> None:
             run = "cublas" if args.weight.is_cuda else "torch"
     if args.x.shape[0] > 0:
         _RUNNERS[run](args, out2)
+    return run
 
 
 def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
@@ -228,6 +248,16 @@ def fused_router(
     Returns:
         (topk_weights float32 [T, k], topk_ids int32 [T, k]) with T = x.numel() // H.
     """
+    key = None
+    if lora is None and replay_ids is None and record_ids is None:
+        corr = routing_kwargs.get("correction_bias")
+        key = CheckedCalls.signature(x, weight, bias, corr, top_k, method, impl,
+                                     *[(k, v) for k, v in routing_kwargs.items() if k != "correction_bias"])
+        plan = _CHECKED_ROUTERS.get(key)
+        if plan is not None:  # checked and decided before (see router_gemm)
+            opts, fused = plan
+            args = _GemmArgs(x.reshape(-1, weight.shape[1]), weight, None if bias is None else bias.contiguous(), None)
+            return _fused_router_run(args, opts, None if corr is None else corr.contiguous(), fused)
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
@@ -248,8 +278,13 @@ def fused_router(
                                                opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
                                                opts.scaling, impl)
     else:  # eager: straight to the implementation (the op is for torch.compile)
-        routes = _fused_router_impl(args, opts, corr_bias, impl)
+        fused = _fused_router_choice(args, opts, corr_bias, impl)
+        routes = _fused_router_run(args, opts, corr_bias, fused)
+        _CHECKED_ROUTERS.put(key, (opts, fused))
     return record(routes, record_ids)
+
+
+_CHECKED_ROUTERS = CheckedCalls()  # fused_router: signature -> (routing options, whether the fused kernel serves)
 
 
 @torch.library.custom_op("moekit::fused_router", mutates_args=())
@@ -263,12 +298,22 @@ def _fused_router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _fused_router_impl(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl: str):
-    weight, top_k = args.weight, opts.top_k
-    num_tokens = args.x.shape[0]
+    return _fused_router_run(args, opts, corr_bias, _fused_router_choice(args, opts, corr_bias, impl))
+
+
+def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl: str) -> bool:
+    """Whether the one-launch fused kernel serves the call (else router_gemm + route)."""
+    weight, num_tokens = args.weight, args.x.shape[0]
     fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
         num_tokens, weight.device, weight.shape[1], weight.shape[0]))
     if fused and impl == "auto" and num_tokens:
         fused = gate_case.fused_refusal(num_tokens, weight, args.bias, corr_bias, args.lora, opts, fused_router) is None
+    return fused
+
+
+def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool):
+    weight, top_k = args.weight, opts.top_k
+    num_tokens = args.x.shape[0]
     if not fused:
         logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
         _gemm(args, logits)

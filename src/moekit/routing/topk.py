@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import _triton, reference
+from .._calls import CheckedCalls
 from .._checks import check_tensor, check_top_k
 from ..presets import ROUTING_METHODS
 from . import gate_case
@@ -95,6 +96,13 @@ def route(
         (topk_weights float32 [T, k], topk_ids int32 [T, k]), contiguous. Ids are always in [0, E)
         (replayed ids as given).
     """
+    key = None
+    if replay_ids is None and record_ids is None:
+        key = CheckedCalls.signature(logits, top_k, method, renormalize, correction_bias, num_groups, topk_groups,
+                                     scaling, impl)
+        plan = _CHECKED_ROUTES.get(key)
+        if plan is not None:  # this signature's checks passed and its implementation was chosen (moekit._calls)
+            return _route_run(logits, plan[0], correction_bias, plan[1])
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     opts = validate_routing(
         logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
@@ -103,10 +111,13 @@ def route(
     check_replay(replay_ids, record_ids, logits.shape[0], top_k, logits.device)
     _check_impl(impl, logits.device)
     if replay_ids is not None:
-        routes = replay(logits, replay_ids, opts)
-    else:
-        routes = route_with(logits, opts, correction_bias, impl=impl)
-    return record(routes, record_ids)
+        return record(replay(logits, replay_ids, opts), record_ids)
+    use_triton = _route_choice(logits, opts, correction_bias, impl)
+    _CHECKED_ROUTES.put(key, (opts, use_triton))
+    return record(_route_run(logits, opts, correction_bias, use_triton), record_ids)
+
+
+_CHECKED_ROUTES = CheckedCalls()  # signature -> (routing options, whether the Triton kernel serves it)
 
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -148,9 +159,18 @@ def _triton_serves_auto(logits: torch.Tensor) -> bool:
 def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str = "auto"):
     """:func:`route` on already validated arguments (used by the router)."""
     _check_impl(impl, logits.device)
+    return _route_run(logits, opts, correction_bias, _route_choice(logits, opts, correction_bias, impl))
+
+
+def _route_choice(logits, opts: RoutingOptions, correction_bias, impl: str) -> bool:
+    """Whether the Triton routing kernel serves the call (else the torch path)."""
     use_triton = impl == "triton" or (impl == "auto" and _triton_serves_auto(logits))
     if use_triton and impl == "auto" and logits.shape[0]:
         use_triton = gate_case.route_refusal(logits, correction_bias, opts, route_with) is None
+    return use_triton
+
+
+def _route_run(logits, opts: RoutingOptions, correction_bias, use_triton: bool):
     if not use_triton:
         return _route_torch(logits, opts, correction_bias)
     corr = None if correction_bias is None else correction_bias.contiguous()

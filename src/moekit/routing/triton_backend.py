@@ -12,7 +12,7 @@ import torch
 from .. import _invariant, _triton
 from . import tiers
 from .kernels import topk as topk_kernels
-from .._launch import Launcher
+from .._launch import Constants, Launcher
 from .kernels import router as router_kernels
 
 # Every launch binds its call signature once (moekit._launch): the eager host time of a call.
@@ -67,7 +67,7 @@ def _router_plan(num_tokens: int, hidden: int, num_experts: int, rank: int, rout
         raise ValueError(f"T={num_tokens} needs {t_blocks} token blocks; the small-batch router kernel "
                          f"has {_triton.NUM_COUNTERS} (use tier='cublas' or fewer tokens)")
     total_rows = num_experts + rank
-    constants = dict(
+    constants = Constants(
         BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, FIN_T=cfg.fin_t,
         # The interpreter runs programs one by one: a finisher waiting for a later one would hang.
         FIN_PROGRAMS=cfg.fin_programs if router_kernel.compiled else 1,
@@ -101,7 +101,7 @@ def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions |
     else:
         scaling = routing.scaling
         out2 = x
-    router_kernel[plan.grid](  # every tensor here is 2-D: one stride() call gives both strides
+    router_kernel.launch(plan.grid, (  # every tensor here is 2-D: one stride() call gives both strides
         x, *x.stride(),
         weight, *weight.stride(),
         a, *a.stride(),
@@ -112,8 +112,7 @@ def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions |
         topk_weights, topk_ids,
         num_tokens, hidden, weight.shape[0], rank, plan.k_per_split, plan.rows,
         float(lora.scale) if lora is not None else 0.0, scaling,
-        **plan.constants,
-    )
+    ), plan.constants)
 
 
 def route_triton(logits, opts: RoutingOptions, correction_bias):
@@ -122,14 +121,18 @@ def route_triton(logits, opts: RoutingOptions, correction_bias):
     weights, ids = empty_routes(num_tokens, opts.top_k, logits.device)
     if num_tokens == 0:
         return weights, ids
-    block_t = routing_block_tokens(num_experts)
-    grid = (_triton.cdiv(num_tokens, block_t),)
-    routing_kernel[grid](
+    block_t, constants = _routing_constants(num_experts, opts, correction_bias is not None)
+    routing_kernel.launch((_triton.cdiv(num_tokens, block_t),), (
         logits, logits.stride(0), logits.stride(1),
         correction_bias if correction_bias is not None else logits,
         weights, ids, num_tokens, num_experts, opts.scaling,
-        BLOCK_T=block_t, E_PAD=_triton.next_pow2(num_experts),
-        **kernel_constants(opts, num_experts, correction_bias is not None),
-        num_warps=4,
-    )
+    ), constants)
     return weights, ids
+
+
+@functools.lru_cache(maxsize=1024)
+def _routing_constants(num_experts: int, opts: RoutingOptions, has_corr_bias: bool) -> tuple[int, Constants]:
+    """(tokens per program, the routing kernel's constexprs and options): once per kind of call."""
+    block_t = routing_block_tokens(num_experts)
+    return block_t, Constants(BLOCK_T=block_t, E_PAD=_triton.next_pow2(num_experts),
+                              **kernel_constants(opts, num_experts, has_corr_bias), num_warps=4)

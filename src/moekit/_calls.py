@@ -1,0 +1,69 @@
+"""Checked call signatures: the host work of a repeated eager call.
+
+An op's checks (types, shapes, strides, dtypes, devices, options) and its choice of implementation read only the
+call's *signature*: each tensor argument's shape, strides, dtype and device, a quantized weight's format and
+parts, the options, and the process state those decisions depend on (the verification gate's verdicts, the
+batch-invariant switch, the interpreter switch). :class:`CheckedCalls` remembers, per signature that passed, what
+the op decided, so that the next call of that signature goes straight to its launches. A new signature is checked
+in full; what depends on addresses or values (``out=`` overlapping an input, an expert map changed in place) is
+checked on every call by the ops themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _invariant, _triton, gate
+from .formats import TYPES, to_parts
+
+
+def _meta(a):
+    """A tensor by its shape, strides, dtype and device; a quantized weight by its format and parts; None as itself;
+    anything else (options, a frozen config) by its type and value: top_k=True is not top_k=1 (the checks refuse
+    the first)."""
+    if a is None:
+        return None
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device)
+    if isinstance(a, _QUANTIZED):
+        fmt, data, scales, global_scale, tag, shape = to_parts(a)
+        return (fmt, tag, tuple(shape), _meta(data), _meta(scales), _meta(global_scale))
+    return (type(a), a)
+
+
+_QUANTIZED = tuple(TYPES.values())
+
+
+class CheckedCalls:
+    """``signature -> decision`` of one op's eager calls (bounded: forgotten all at once past ``limit``)."""
+
+    def __init__(self, limit: int = 4096):
+        self._entries: dict = {}
+        self._limit = limit
+
+    @staticmethod
+    def signature(*args) -> tuple | None:
+        """The signature of a call with these arguments (tensors, quantized weights, None, plain or hashable
+        options), or None where it has none: while torch.compile traces, or an argument of a type the checks
+        would refuse (they then say why)."""
+        if torch.compiler.is_compiling():
+            return None
+        try:
+            key = (*map(_meta, args), gate.generation(), _invariant.enabled(), _triton.interpreting())
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def get(self, key):
+        return None if key is None else self._entries.get(key)
+
+    def put(self, key, decision) -> None:
+        if key is None:
+            return
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        self._entries[key] = decision
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,21 @@
+"""Switches read from the environment on every eager call (MOEKIT_BATCH_INVARIANT, MOEKIT_VERIFY, TRITON_INTERPRET).
+
+They are read at call time, not once at import, so that a process (or a test) may set them while it runs. Each is
+read from ``os.environ``'s own dict where it keeps one (POSIX: bytes keys): ``os.environ.get`` encodes the key and
+decodes the value, a microsecond or more per read, and an eager call reads several."""
+
+from __future__ import annotations
+
+import os
+
+_DATA = getattr(os.environ, "_data", None)
+_BYTES_KEYS = os.name == "posix" and isinstance(_DATA, dict)
+_OFF = (None, b"", b"0", "", "0")
+
+
+def flag(name: str):
+    """``flag(NAME)() -> bool``: whether the variable is set to anything but "" or "0", at the time of the call."""
+    if _BYTES_KEYS:
+        key, data = os.fsencode(name), _DATA
+        return lambda: data.get(key) not in _OFF
+    return lambda: os.environ.get(name) not in _OFF
