@@ -20,6 +20,7 @@ from .routing import GateLinear, fused_router
 # The tensors of each quantized type that become buffers (names as the types' fields).
 _QUANTIZED_PARTS = {"mxfp4": ("data", "scales"), "nvfp4": ("data", "scales", "global_scale"), "fp8": ("data", "scale")}
 _LORA_PARTS = ("w13_a", "w13_b", "w2_a", "w2_b", "scaling")  # ExpertsLoRA's fields, buffers lora_<field>
+_LORA_SCALING = "lora_scaling"  # set whenever adapters are loaded
 
 
 class FusedMoE(nn.Module):
@@ -192,9 +193,9 @@ class FusedMoE(nn.Module):
     def expert_lora(self) -> ExpertsLoRA | None:
         """The loaded adapters as fused_experts takes them (built once over this module's buffers, again only after
         they were replaced, e.g. by ``.to()``), or None."""
-        parts = tuple(self._buffers.get(f"lora_{field}") for field in _LORA_PARTS)
-        if parts[-1] is None:
+        if self._buffers.get(_LORA_SCALING) is None:  # no adapters: the common case, on every forward
             return None
+        parts = tuple(self._buffers.get(f"lora_{field}") for field in _LORA_PARTS)
         cached = self._lora
         if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
             cached = self._lora = (parts, ExpertsLoRA(*parts))

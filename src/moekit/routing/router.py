@@ -115,15 +115,19 @@ def router_gemm(
     key = None
     if lora is None:
         key = CheckedCalls.signature(x, weight, bias, out, out_dtype, tier)
-        run = _CHECKED_GEMMS.get(key)
-        if run is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
+        checked = _CHECKED_GEMMS.get(key)
+        if checked is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
+            run, plan = checked
             x2 = x.reshape(-1, weight.shape[1])
             if out is not None:
                 check_disjoint("out", out, {"x": x, "weight": weight, "bias": bias})
                 out2 = out.view(-1, weight.shape[0])
             else:
                 out2 = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=weight.device)
-            if x2.shape[0]:
+            if plan is not None:  # the Triton tier, its launch shape kept with the signature
+                _triton_backend().launch_router(x2, weight, None if bias is None else bias.contiguous(), None,
+                                                out2=out2, plan=plan)
+            elif x2.shape[0]:
                 _RUNNERS[run](_GemmArgs(x2, weight, None if bias is None else bias.contiguous(), None), out2)
             return out if out is not None else out2.view(*x.shape[:-1], weight.shape[0])
     args = _validate_gemm(x, weight, bias, lora)
@@ -142,11 +146,16 @@ def router_gemm(
     if torch.compiler.is_compiling():
         torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
     else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
-        _CHECKED_GEMMS.put(key, _gemm(args, out2, tier))
+        run = _gemm(args, out2, tier)
+        if key is not None:
+            plan = (_triton_backend().router_plan(args.x, weight, args.bias, None)
+                    if run == "triton" and args.x.shape[0] else None)
+            _CHECKED_GEMMS.put(key, (run, plan))
     return out if out is not None else out2.view(out_shape)
 
 
-# A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> tier.
+# A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> (tier, the
+# Triton tier's launch shape or None).
 _CHECKED_GEMMS = CheckedCalls()
 
 
@@ -209,10 +218,14 @@ def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
         out2.addmm_(xa.to(out2.dtype), args.lora.b.to(out2.dtype).T, alpha=args.lora.scale)
 
 
-def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
+def _triton_backend():
     from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
 
-    triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
+    return triton_backend
+
+
+def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
+    _triton_backend().launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
 
 
 _RUNNERS = {"torch": _run_torch, "cublas": _run_cublas, "triton": _run_triton}
@@ -255,9 +268,9 @@ def fused_router(
                                      *[(k, v) for k, v in routing_kwargs.items() if k != "correction_bias"])
         plan = _CHECKED_ROUTERS.get(key)
         if plan is not None:  # checked and decided before (see router_gemm)
-            opts, fused = plan
+            opts, fused, launch = plan
             args = _GemmArgs(x.reshape(-1, weight.shape[1]), weight, None if bias is None else bias.contiguous(), None)
-            return _fused_router_run(args, opts, None if corr is None else corr.contiguous(), fused)
+            return _fused_router_run(args, opts, None if corr is None else corr.contiguous(), fused, launch)
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
@@ -280,11 +293,15 @@ def fused_router(
     else:  # eager: straight to the implementation (the op is for torch.compile)
         fused = _fused_router_choice(args, opts, corr_bias, impl)
         routes = _fused_router_run(args, opts, corr_bias, fused)
-        _CHECKED_ROUTERS.put(key, (opts, fused))
+        if key is not None:
+            launch = (_triton_backend().router_plan(args.x, weight, args.bias, None, opts, corr_bias)
+                      if fused and args.x.shape[0] else None)
+            _CHECKED_ROUTERS.put(key, (opts, fused, launch))
     return record(routes, record_ids)
 
 
-_CHECKED_ROUTERS = CheckedCalls()  # fused_router: signature -> (routing options, whether the fused kernel serves)
+# fused_router: signature -> (routing options, whether the fused kernel serves, its launch shape or None)
+_CHECKED_ROUTERS = CheckedCalls()
 
 
 @torch.library.custom_op("moekit::fused_router", mutates_args=())
@@ -311,7 +328,8 @@ def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl:
     return fused
 
 
-def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool):
+def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool, plan=None):
+    """``plan``: the fused kernel's launch shape (triton_backend.router_plan), kept with the call's signature."""
     weight, top_k = args.weight, opts.top_k
     num_tokens = args.x.shape[0]
     if not fused:
@@ -323,7 +341,7 @@ def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: b
         from . import triton_backend
 
         triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, routing=opts, corr_bias=corr_bias,
-                                     topk_weights=topk_weights, topk_ids=topk_ids)
+                                     topk_weights=topk_weights, topk_ids=topk_ids, plan=plan)
     return topk_weights, topk_ids
 
 
