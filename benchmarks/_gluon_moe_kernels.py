@@ -20,6 +20,8 @@ partition differs only in its epilogue:
 A block past the last run (expert -1) returns before any barrier or copy.
 """
 
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -81,10 +83,16 @@ def _mma_moe(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, out_ptr, stride
 
 @gluon.jit
 def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_expert_ptr, pairs_ptr, weights_ptr,
-                  num_pairs, num_blocks, N, K, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, FULL_RANGE: gl.constexpr,
-                  DECODE: gl.constexpr, DECODE_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                  DECODE_REGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                  block_rows_ptr, min_rows, max_rows, row_offset, num_pairs, num_blocks, N, K,
+                  EPILOGUE: gl.constexpr,
+                  ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+                  FULL_RANGE: gl.constexpr, DECODE: gl.constexpr, DECODE_WARPS: gl.constexpr,
+                  LOAD_REGS: gl.constexpr, DECODE_REGS: gl.constexpr, GROUP_M: gl.constexpr,
+                  ROW_STRIDE: gl.constexpr, ROW_CLASSES: gl.constexpr, num_warps: gl.constexpr):
+    """ROW_STRIDE: the rows of an aligned block (BM, or with ROW_CLASSES a multiple of 64 above it). ROW_CLASSES:
+    this launch serves only the blocks whose rows (``block_rows``: the run's rows in the block, a prefix) are in
+    (min_rows, max_rows], their BM rows from ``row_offset`` on; the host launches one tile per class and part, so
+    that a block computes about the rows it holds."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = q_desc.block_type.shape[0]
@@ -100,8 +108,12 @@ def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_e
     block = first + (pid % per_group) % group_m
     n0 = ((pid % per_group) // group_m) * BN
     expert = gl.load(block_expert_ptr + block)
-    if expert >= 0:
-        off_m = block * BM
+    serve = expert >= 0
+    if ROW_CLASSES:
+        rows = gl.load(block_rows_ptr + block)
+        serve = serve & (rows > min_rows) & (rows <= max_rows)
+    if serve:
+        off_m = block * ROW_STRIDE + row_offset
         k_steps = K // BK
         a_bufs, q_bufs, s_bufs, w_bufs, a_ready, a_empty, q_ready, q_empty, w_ready, w_empty = _rings(
             a_desc, q_desc, s_desc, STAGES)
@@ -116,3 +128,18 @@ def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_e
             (_decoder, (q_bufs, s_bufs, w_bufs, q_ready, q_empty, w_ready, w_empty, k_steps, SUB, FULL_RANGE, DECODE,
                         DECODE_WARPS)),
         ], [1, DECODE_WARPS], [LOAD_REGS, DECODE_REGS])
+
+
+@triton.jit
+def gather_rows_kernel(x_ptr, stride_x, pairs_ptr, out_ptr, num_pairs, top_k, H, BLOCK_H: tl.constexpr):
+    """out[r] = x[pairs[r] // top_k] for the rows that hold a pair; padding rows (the sentinel num_pairs) are left
+    as they are: the GEMMs' rows are independent, and the epilogues never store a padding row's result. A gather
+    of every row (index_select) moved a whole block's rows per expert, up to twice x's routed rows at 256-row
+    blocks."""
+    row = tl.program_id(0)
+    pair = tl.load(pairs_ptr + row)
+    if (pair >= 0) & (pair < num_pairs):  # align leaves the blocks past the last run unwritten: any value
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        v = tl.load(x_ptr + (pair // top_k).to(tl.int64) * stride_x + cols, mask=mask)
+        tl.store(out_ptr + row.to(tl.int64) * H + cols, v, mask=mask)

@@ -4,6 +4,11 @@
     align (moekit's)  ->  x gathered into row-block order  ->  GEMM1 (Gluon: decode warps, bias, activation)
       ->  GEMM2 (Gluon: bias, router weight, rows scattered to their pairs)  ->  moekit's combine
 
+Launch order: groups of row blocks, all column tiles of a group before the next (x's blocks stay in L2). Row
+classes (:class:`RowClasses`): blocks of 256 rows, each covered by the tiles of its class of rows (64; 128; 128 + 64;
+256), one launch per tile and GEMM, so that a block computes about the rows it holds and decodes its expert's weights
+once or twice. The gather (a Triton kernel) writes only the rows that hold a pair.
+
 The kernels are benchmarks/_gluon_moe_kernels.py. The weights are prepared once, at load time (:func:`prepare_stack`):
 codes as int32 words in the decode's order, scales transposed to [K/32, E * N], w13's [gate; up] halves
 interleaved for silu_and_mul (gpt-oss's swiglu_oai stacks already are), so that GEMM1's epilogue finds each
@@ -82,7 +87,62 @@ class Config:
         return f"g1 [{self.gemm1.label()}] g2 [{self.gemm2.label()}] group {self.group_m}"
 
 
-def candidates() -> list[Config]:
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One launch per GEMM of :class:`RowClasses`: BM = ``cfg.bm`` rows from ``offset`` of each block whose rows are
+    in (``lo``, ``hi``]."""
+
+    cfg: Config
+    offset: int
+    lo: int
+    hi: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowClasses:
+    """Blocks of ``stride`` rows (moekit's alignment at that size), each covered by the tiles of its class of rows:
+    at T = 4096, gpt-oss-120b's experts hold 128 +- 11 rows, which fixed blocks of 128 rows cover with about 1.5
+    blocks (the weights decoded 1.5 times) and blocks of 256 with twice the rows. Tensor shapes are powers of two,
+    so 129..192 rows take a 128-row and a 64-row tile: about 1.25x the rows overall."""
+
+    tiles: tuple[Tile, ...]
+    stride: int = 256
+    group_m: int = 4
+
+    def __post_init__(self) -> None:
+        for rows in range(1, self.stride + 1):  # every row count covered, each of its rows exactly once
+            covered = sorted(r for t in self.tiles if t.lo < rows <= t.hi for r in range(t.offset, t.offset + t.cfg.bm))
+            if covered[:rows] != list(range(rows)) or len(set(covered)) != len(covered):
+                raise ValueError(f"the tiles do not cover a block of {rows} rows once: rows {covered[:8]}...")
+            if any(t.offset + t.cfg.bm > self.stride for t in self.tiles):
+                raise ValueError(f"a tile runs past the {self.stride}-row block")
+
+    @property
+    def bm(self) -> int:
+        """The alignment's block rows."""
+        return self.stride
+
+    @property
+    def variants(self) -> tuple[Config, ...]:
+        return tuple(t.cfg for t in self.tiles)
+
+    def label(self) -> str:
+        return "classes " + " | ".join(f"({t.lo},{t.hi}] +{t.offset} BM{t.cfg.bm}" for t in self.tiles) + \
+            f" [{self.tiles[0].cfg.gemm1.label()} ...] group {self.group_m}"
+
+
+def row_classes() -> RowClasses:
+    """256-row blocks: up to 64 rows one 64-row tile, up to 128 one 128-row tile, up to 192 a 128-row and a 64-row
+    tile, up to 256 one 256-row tile (two warpgroups of 128)."""
+    c64 = Config(w4.Config(bm=64, stages=6), w4.Config(bm=64, stages=6))
+    c128 = Config(w4.Config(), w4.Config())
+    c256 = Config(w4.Config(bm=256, warps=8, stages=4, decode_warps=2), w4.Config(bm=256, warps=8, stages=4,
+                                                                                  decode_warps=2))
+    return RowClasses((Tile(c64, 0, 0, 64), Tile(c128, 0, 64, 192), Tile(c64, 128, 128, 192),
+                       Tile(c256, 0, 192, 256)))
+
+
+def candidates() -> list[Config | RowClasses]:
     """The configs the GPU run checks and times (and --compile-only builds): the single-GEMM winners of
     archive/gluon_w4_h100_2026-12-05.md at M = 128 (an expert's rows at T = 4096) and at M >= 2048, in launch groups
     of row blocks (archive/gluon_moe_h100_2026-12-06.md: row blocks fastest over the whole grid lost 1.35-1.46x to
@@ -98,6 +158,7 @@ def candidates() -> list[Config]:
         Config(c64, c64, group_m=4),
         Config(c64, c64, group_m=8),
         Config(c256, c256, group_m=2),
+        row_classes(),
     ]
 
 
@@ -151,10 +212,11 @@ def unprepare_stack(p: PreparedStack, interleaved: bool = False) -> tuple[mxfp4.
 # Launch
 
 
-def check_shapes(cfg: Config, w13: PreparedStack, w2: PreparedStack) -> None:
+def check_shapes(cfg: Config | RowClasses, w13: PreparedStack, w2: PreparedStack) -> None:
     """ValueError unless the kernels can run ``cfg`` on these stacks."""
-    w4.check_config(cfg.gemm1, w13.n, w13.k)
-    w4.check_config(cfg.gemm2, w2.n, w2.k)
+    for c in getattr(cfg, "variants", (cfg,)):
+        w4.check_config(c.gemm1, w13.n, w13.k)
+        w4.check_config(c.gemm2, w2.n, w2.k)
     if w13.experts != w2.experts or w13.n != 2 * w2.k or w13.k != w2.n:
         raise ValueError(f"w13 [{w13.experts}, {w13.n}, {w13.k}] and w2 [{w2.experts}, {w2.n}, {w2.k}] are not one "
                          "MLP's stacks")
@@ -168,36 +230,56 @@ def check_shapes(cfg: Config, w13: PreparedStack, w2: PreparedStack) -> None:
 
 def gemm(cfg: w4.Config, a: torch.Tensor, p: PreparedStack, out: torch.Tensor, block_expert: torch.Tensor,
          sorted_pairs: torch.Tensor, weights: torch.Tensor, num_pairs: int, epilogue: int, activation: str,
-         group_m: int, warmup: bool = False):
-    """One grouped GEMM: a [blocks * BM, K] bf16 in row-block order. ACT: out = h [blocks * BM, N/2];
-    SCATTER: out = y [pairs, N] (rows of padding slots untouched)."""
+         group_m: int, warmup: bool = False, row_stride: int | None = None, block_rows: torch.Tensor | None = None,
+         rows_class: tuple[int, int, int] = (0, 0, 0)):
+    """One grouped GEMM: a [blocks * row_stride, K] bf16 in row-block order (row_stride: BM unless row classes).
+    ACT: out = h [blocks * row_stride, N/2]; SCATTER: out = y [pairs, N] (rows of padding slots untouched).
+    ``block_rows`` (int32 [blocks]): with row classes, this launch serves the blocks whose rows are in (lo, hi],
+    BM rows from ``offset`` (``rows_class`` = (lo, hi, offset))."""
     a_desc, q_desc, s_desc = w4.descriptors(cfg, a, p.as_w4())
     blocks = block_expert.shape[0]
     grid = (blocks * triton.cdiv(p.n, cfg.bn),)
     bias = p.bias if p.bias is not None else weights  # never read without HAS_BIAS
-    args = (a_desc, q_desc, s_desc, out, out.stride(0), bias, block_expert, sorted_pairs, weights, num_pairs, blocks,
-            p.n, p.k)
+    args = (a_desc, q_desc, s_desc, out, out.stride(0), bias, block_expert, sorted_pairs, weights,
+            block_rows if block_rows is not None else block_expert, *rows_class, num_pairs, blocks, p.n, p.k)
     kwargs = dict(EPILOGUE=epilogue, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=p.bias is not None,
                   STAGES=cfg.stages, SUB=cfg.sub, FULL_RANGE=p.full_range, DECODE=w4.DECODES["words"],
                   DECODE_WARPS=cfg.decode_warps, LOAD_REGS=cfg.load_regs, DECODE_REGS=cfg.decode_regs,
-                  GROUP_M=group_m, num_warps=cfg.warps)
+                  GROUP_M=group_m, ROW_STRIDE=row_stride or cfg.bm, ROW_CLASSES=block_rows is not None,
+                  num_warps=cfg.warps)
     if warmup:
         return kern.moe_w4_kernel.warmup(*args, grid=grid, **kwargs)
     return kern.moe_w4_kernel[grid](*args, **kwargs)
 
 
-def _row_blocks(cfg: Config, x: torch.Tensor, topk_ids: torch.Tensor, experts: int) -> tuple:
+GATHER_BLOCK_H = 1024
+
+
+def _row_blocks(cfg: Config | RowClasses, x: torch.Tensor, topk_ids: torch.Tensor, experts: int,
+                kernel: bool = False) -> tuple:
     """moekit's alignment into BM-row blocks (pair_expert, sorted_pairs, block_expert) and x gathered into their
-    order [blocks * BM, H]."""
+    order [blocks * BM, H]: by gather_rows_kernel (``kernel``: padding rows left unwritten) or, for the emulation,
+    index_select (padding rows and the rows of blocks past the last run, never written by align: any real token)."""
     from moekit.experts import triton_backend as tb
 
     pair_expert, sorted_pairs, block_expert = tb.align(topk_ids, None, experts, cfg.bm)
-    # padding rows (the sentinel) and the rows of blocks past the last run (never written by align): any real token
-    xg = x.index_select(0, (sorted_pairs // topk_ids.shape[1]).clamp_(0, x.shape[0] - 1))
+    num_tokens, top_k = topk_ids.shape
+    if not kernel:
+        return pair_expert, sorted_pairs, block_expert, x.index_select(
+            0, (sorted_pairs // top_k).clamp_(0, num_tokens - 1))
+    xg = torch.empty(sorted_pairs.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    kern.gather_rows_kernel[(sorted_pairs.shape[0], triton.cdiv(x.shape[1], GATHER_BLOCK_H))](
+        x, x.stride(0), sorted_pairs, xg, num_tokens * top_k, top_k, x.shape[1], BLOCK_H=GATHER_BLOCK_H,
+        num_warps=4)
     return pair_expert, sorted_pairs, block_expert, xg
 
 
-def fused_experts(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack, topk_weights: torch.Tensor,
+def _block_rows(sorted_pairs: torch.Tensor, num_pairs: int, stride: int) -> torch.Tensor:
+    """int32 [blocks]: the rows of each block that hold a pair (a prefix of the block: align pads each run's end)."""
+    return (sorted_pairs.view(-1, stride) < num_pairs).sum(1, dtype=torch.int32)
+
+
+def fused_experts(cfg: Config | RowClasses, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """moekit.fused_experts's standard format on prepared stacks (no expert map): out [T, H] in x's dtype (bf16)."""
     from moekit.experts import triton_backend as tb
@@ -215,14 +297,22 @@ def fused_experts(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: Prepared
     out = torch.empty(num_tokens, w2.n, dtype=x.dtype, device=x.device) if out is None else out
     if num_pairs == 0:
         return out.zero_()
-    pair_expert, sorted_pairs, block_expert, xg = _row_blocks(cfg, x, topk_ids, w13.experts)
+    pair_expert, sorted_pairs, block_expert, xg = _row_blocks(cfg, x, topk_ids, w13.experts, kernel=True)
     h = torch.empty(xg.shape[0], w13.n // 2, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, w2.n, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    gemm(cfg.gemm1, xg, w13, h, block_expert, sorted_pairs, weights, num_pairs, kern.ACT.value, activation,
-         cfg.group_m)
-    gemm(cfg.gemm2, h, w2, y, block_expert, sorted_pairs, weights, num_pairs, kern.SCATTER.value, activation,
-         cfg.group_m)
+    blocks = (block_expert, sorted_pairs, weights, num_pairs)
+    if isinstance(cfg, RowClasses):  # GEMM1 for every tile, then GEMM2 (h complete)
+        rows = _block_rows(sorted_pairs, num_pairs, cfg.bm)
+        for t in cfg.tiles:
+            gemm(t.cfg.gemm1, xg, w13, h, *blocks, kern.ACT.value, activation, cfg.group_m, row_stride=cfg.bm,
+                 block_rows=rows, rows_class=(t.lo, t.hi, t.offset))
+        for t in cfg.tiles:
+            gemm(t.cfg.gemm2, h, w2, y, *blocks, kern.SCATTER.value, activation, cfg.group_m, row_stride=cfg.bm,
+                 block_rows=rows, rows_class=(t.lo, t.hi, t.offset))
+    else:
+        gemm(cfg.gemm1, xg, w13, h, *blocks, kern.ACT.value, activation, cfg.group_m)
+        gemm(cfg.gemm2, h, w2, y, *blocks, kern.SCATTER.value, activation, cfg.group_m)
     tb._combine(y, pair_expert, out, top_k)
     return out
 
@@ -235,7 +325,7 @@ def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     return torch_backend._activate(h, activation)
 
 
-def emulate(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack, topk_weights: torch.Tensor,
+def emulate(cfg: Config | RowClasses, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
     """:func:`fused_experts` with each GEMM done block by block in torch on the decode warps' emulated weights
     (gluon_w4.emulate_decode), fp32 sums, the epilogues' roundings to bf16: the host steps (align, gather, buffers,
@@ -255,27 +345,40 @@ def emulate(cfg: Config, x: torch.Tensor, w13: PreparedStack, w2: PreparedStack,
     h = torch.full((xg.shape[0], w13.n // 2), float("nan"), dtype=x.dtype)
     y = torch.full((num_pairs, w2.n), float("nan"), dtype=x.dtype)
     weights = topk_weights.reshape(-1).float()
-    bm = cfg.bm
+    stride = cfg.bm
+    tiles = cfg.tiles if isinstance(cfg, RowClasses) else (Tile(cfg, 0, 0, stride),)
+    rows = _block_rows(sorted_pairs, num_pairs, stride).tolist()
     for b, e in enumerate(block_expert.tolist()):
-        if e < 0:
-            continue
-        blk = slice(b * bm, (b + 1) * bm)
-        acc = xg[blk].float() @ w13_rows[e * w13.n:(e + 1) * w13.n].t()
-        if w13.bias is not None:
-            acc += w13.bias[e]
-        h[blk] = _activate(acc, activation).to(x.dtype)
-        acc = h[blk].float() @ w2_rows[e * w2.n:(e + 1) * w2.n].t()
-        if w2.bias is not None:
-            acc += w2.bias[e]
-        pairs = sorted_pairs[blk].long()
-        valid = pairs < num_pairs
-        y[pairs[valid]] = (acc[valid] * weights[pairs[valid], None]).to(x.dtype)
+        for t in tiles:  # the kernels' tiles of the block's class of rows (one tile of BM rows without classes)
+            if e < 0 or not t.lo < rows[b] <= t.hi:
+                continue
+            blk = slice(b * stride + t.offset, b * stride + t.offset + t.cfg.bm)
+            acc = xg[blk].float() @ w13_rows[e * w13.n:(e + 1) * w13.n].t()
+            if w13.bias is not None:
+                acc += w13.bias[e]
+            h[blk] = _activate(acc, activation).to(x.dtype)
+            acc = h[blk].float() @ w2_rows[e * w2.n:(e + 1) * w2.n].t()
+            if w2.bias is not None:
+                acc += w2.bias[e]
+            pairs = sorted_pairs[blk].long()
+            valid = pairs < num_pairs
+            y[pairs[valid]] = (acc[valid] * weights[pairs[valid], None]).to(x.dtype)
     tb._combine(y, pair_expert, out, top_k)
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Compile-only (CPU)
+
+
+def launches() -> list[tuple[Config | RowClasses, Config, bool]]:
+    """(candidate, the Config of one launch per GEMM, row classes) of every kernel build the candidates make (a
+    config two tiles share builds once)."""
+    out = []
+    for cfg in candidates():
+        for v in dict.fromkeys(getattr(cfg, "variants", (cfg,))):
+            out.append((cfg, v, isinstance(cfg, RowClasses)))
+    return out
 
 
 def compile_only() -> int:
@@ -292,18 +395,18 @@ def compile_only() -> int:
     p13 = prepare_stack(w13, torch.zeros(e, 2 * INTER))
     p2 = prepare_stack(w2, torch.zeros(e, HIDDEN))
     failures = 0
-    for cfg in candidates():
-        for name, c, p, epi in (("w13", cfg.gemm1, p13, kern.ACT.value), ("w2", cfg.gemm2, p2, kern.SCATTER.value)):
+    for cfg, v, classes in launches():
+        for name, c, p, epi in (("w13", v.gemm1, p13, kern.ACT.value), ("w2", v.gemm2, p2, kern.SCATTER.value)):
             t = time.monotonic()
-            rows = blocks * c.bm
+            rows = blocks * cfg.bm
             a = torch.empty(rows, p.k, dtype=torch.bfloat16)
             out = torch.empty(rows if epi == kern.ACT.value else pairs, p.n // 2 if epi == kern.ACT.value else p.n,
                               dtype=torch.bfloat16)
-            ints = torch.zeros(blocks * c.bm, dtype=torch.int32)
+            ints = torch.zeros(rows, dtype=torch.int32)
             try:
                 check_shapes(cfg, p13, p2)
                 k = gemm(c, a, p, out, ints[:blocks], ints, torch.zeros(pairs), pairs, epi, "swiglu_oai",
-                         cfg.group_m, warmup=True)
+                         cfg.group_m, warmup=True, row_stride=cfg.bm, block_rows=ints[:blocks] if classes else None)
                 r = w4.ptxas_report(k, c)
                 bad = r["spill"] > 0
                 failures += bad

@@ -123,8 +123,41 @@ def test_emulated_pipeline_matches_float64(T, E, H, I, k, act, routing, why, bm)
     assert max_err <= TOL[0] and rms_err <= TOL[1], (max_err, rms_err)
 
 
+@pytest.mark.parametrize("T,E,H,I,k,act,routing,why", EMULATED + [
+    (300, 3, 192, 128, 2, "swiglu_oai", "random", "runs of about 200 rows: the 128 + 64 and 256-row tiles"),
+    (64, 3, 192, 128, 2, "silu_and_mul", "one expert", "64 rows on expert 0: the class edge (64 is the small tile's)"),
+], ids=[c[-1] for c in EMULATED] + ["200-row runs", "64-row run"])
+def test_emulated_row_classes_match_float64(T, E, H, I, k, act, routing, why):
+    case = Case(T, E, H, I, k, act, "cpu", routing)
+    got = gm.emulate(gm.row_classes(), case.x, case.p13, case.p2, case.tw, case.ti, act)
+    if T == 0:
+        return
+    max_err, rms_err = _errors(got, case.reference())
+    assert max_err <= TOL[0] and rms_err <= TOL[1], (max_err, rms_err)
+
+
+def test_gather_kernel_writes_every_routed_row_and_no_padding_row():
+    # (the interpreter) rows that hold a pair get their token's x; padding rows keep what the buffer held
+    case = Case(37, 5, 2112, 128, 3, "swiglu_oai", "cpu")  # H past two 1024-column blocks of the gather
+    x = case.x[:, :2100]  # strided rows, H not a multiple of the block
+    for cfg in (gm.candidates()[0], gm.row_classes()):
+        _, pairs, block_expert, got = gm._row_blocks(cfg, x, case.ti, 5, kernel=True)
+        in_runs = (block_expert >= 0).repeat_interleave(cfg.bm)  # blocks past the last run: align leaves them as is
+        routed = in_runs & (pairs < case.ti.numel())
+        assert routed.sum() == case.ti.numel()
+        assert torch.equal(got[routed], x[pairs[routed].long() // 3])
+
+
+def test_row_classes_must_cover_every_row_once():
+    c64, c128 = gm.row_classes().tiles[0].cfg, gm.row_classes().tiles[1].cfg
+    with pytest.raises(ValueError, match="cover a block of 129 rows"):  # nothing for 129..192
+        gm.RowClasses((gm.Tile(c64, 0, 0, 64), gm.Tile(c128, 0, 64, 128)), stride=192)
+    with pytest.raises(ValueError, match="cover a block of 1 rows"):    # rows 0..63 twice
+        gm.RowClasses((gm.Tile(c64, 0, 0, 64), gm.Tile(c64, 0, 0, 64)), stride=64)
+
+
 def test_compile_only_builds_sm90_without_spills():
-    compile_only_builds("gluon_moe.py", 2 * len(gm.candidates()))
+    compile_only_builds("gluon_moe.py", 2 * len(gm.launches()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
