@@ -79,12 +79,18 @@ class _FakeJit:
         return run
 
 
-def test_a_signature_binds_once_then_launches_through_the_compiled_kernel(monkeypatch):
+@pytest.fixture
+def fake_launcher(monkeypatch):
+    """A Launcher over _FakeJit on a pretend CUDA device 0, stream 1234."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     fn = _FakeJit()
-    launcher = _launch.Launcher(fn)
+    return fn, _launch.Launcher(fn)
+
+
+def test_a_signature_binds_once_then_launches_through_the_compiled_kernel(fake_launcher):
+    fn, launcher = fake_launcher
     x = torch.empty(64)
     launcher[(3,)](x, 9, BLOCK=16)
     launcher[(4, 2)](x, 9, BLOCK=16)             # the same key: the compiled kernel, the keyword tail in order
@@ -99,12 +105,8 @@ def test_a_signature_binds_once_then_launches_through_the_compiled_kernel(monkey
     assert fn.log[1][1] == (4, 2, 1, 1234, "fn", "meta", None, None, None, x, 9, 16, 7)
 
 
-def test_constants_made_once_key_like_keywords(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    fn = _FakeJit()
-    launcher = _launch.Launcher(fn)
+def test_constants_made_once_key_like_keywords(fake_launcher):
+    fn, launcher = fake_launcher
     x = torch.empty(64)
     c16, c32 = _launch.Constants(BLOCK=16), _launch.Constants(BLOCK=32)
     assert c16 == {"BLOCK": 16} and hash(c16) == hash(_launch.Constants(BLOCK=16))
