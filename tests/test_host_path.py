@@ -135,3 +135,30 @@ def test_a_checked_signature_still_checks_values_and_new_kinds(monkeypatch):
         fused_experts(x, w13, w2, tw, ids.long(), backend="triton")
     with pytest.raises(TypeError, match="config"):                      # a bad option has no signature
         fused_experts(x, w13, w2, tw, ids, backend="triton", config={"block_m": 16})
+
+
+def test_a_signature_keys_options_by_type_and_value_and_skips_tensor_options(monkeypatch):
+    # a review's cases: an option given as a tensor is read on every call (no signature); True is not 1; -0.0 is
+    # not 0.0 (the same bits as a call checked in full)
+    from moekit.routing import topk
+    logits = torch.randn(T, E)
+    renormalized = route(logits, K, "softmax_topk", renormalize=torch.tensor(True), impl="triton")[0]
+    plain = route(logits, K, "softmax_topk", renormalize=torch.tensor(False), impl="triton")[0]
+    assert torch.allclose(renormalized.sum(-1), torch.ones(T)) and not torch.allclose(plain.sum(-1), torch.ones(T))
+    w = torch.randn(E, H)
+    fused_router(torch.randn(T, H), w, top_k=K, method="softmax_topk", impl="fused")
+    with pytest.raises(ValueError, match="num_groups must be a positive int"):
+        fused_router(torch.randn(T, H), w, top_k=K, method="softmax_topk", impl="fused", num_groups=True)
+    scores = torch.randn(T, E)
+    for impl in ("triton", "torch"):
+        monkeypatch.setattr(topk, "_CHECKED_ROUTES", CheckedCalls())
+        fresh = route(scores, K, "sigmoid_grouped", scaling=-0.0, impl=impl)[0]       # checked in full
+        route(scores, K, "sigmoid_grouped", scaling=0.0, impl=impl)
+        again = route(scores, K, "sigmoid_grouped", scaling=-0.0, impl=impl)[0]       # after 0.0's signature
+        assert torch.equal(again.signbit(), fresh.signbit())
+
+
+def test_backends_assigned_directly_change_the_registry_version(monkeypatch):
+    before = backends.registry_version()
+    monkeypatch.setattr(backends, "BACKENDS", tuple(reversed(backends.BACKENDS)))
+    assert backends.registry_version() != before

@@ -19,8 +19,7 @@ from .formats import TYPES, to_parts
 
 def _meta(a):
     """A tensor by its shape, strides, dtype and device; a quantized weight by its format and parts; None as itself;
-    anything else (options, a frozen config) by its type and value: top_k=True is not top_k=1 (the checks refuse
-    the first)."""
+    anything else (which the checks refuse) by its type and value."""
     if a is None:
         return None
     if isinstance(a, torch.Tensor):
@@ -32,6 +31,20 @@ def _meta(a):
 
 
 _QUANTIZED = tuple(TYPES.values())
+_PLAIN = (str, int, bool, torch.dtype)
+
+
+def _option(v):
+    if v is None:
+        return None
+    t = type(v)
+    if t in _PLAIN:
+        return (t, v)
+    if t is float:
+        return (t, v.hex())
+    if getattr(t, "__dataclass_params__", None) is not None and t.__dataclass_params__.frozen:
+        return (t, v)  # a frozen config: compared field by field
+    raise TypeError(f"no signature for an option of type {t.__name__}")
 
 
 class CheckedCalls:
@@ -42,14 +55,16 @@ class CheckedCalls:
         self._limit = limit
 
     @staticmethod
-    def signature(*args) -> tuple | None:
-        """The signature of a call with these arguments (tensors, quantized weights, None, plain or hashable
-        options), or None where it has none: while torch.compile traces, or an argument of a type the checks
-        would refuse (they then say why)."""
+    def signature(tensors: tuple, options: tuple = ()) -> tuple | None:
+        """The signature of a call: its tensor arguments (tensors, quantized weights or None) by shape, strides,
+        dtype and device; its options by type and value (a float by its bits: -0.0 is not 0.0). None where it has
+        none: while torch.compile traces, an option that is no plain value (a tensor where a number goes: its value
+        would need a read), or an argument the checks would refuse (they then say why)."""
         if torch.compiler.is_compiling():
             return None
         try:
-            key = (*map(_meta, args), gate.generation(), _invariant.enabled(), _triton.interpreting())
+            key = (*map(_meta, tensors), *map(_option, options), gate.generation(), _invariant.enabled(),
+                   _triton.interpreting())
             hash(key)
         except TypeError:
             return None

@@ -16,6 +16,6 @@ _OFF = (None, b"", b"0", "", "0")
 def flag(name: str):
     """``flag(NAME)() -> bool``: whether the variable is set to anything but "" or "0", at the time of the call."""
     if _BYTES_KEYS:
-        key, data = os.fsencode(name), _DATA
-        return lambda: data.get(key) not in _OFF
+        key = os.fsencode(name)
+        return lambda: os.environ._data.get(key) not in _OFF  # (os.environ read each time: it may be replaced)
     return lambda: os.environ.get(name) not in _OFF

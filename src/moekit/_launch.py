@@ -71,7 +71,9 @@ def _key_function(types: tuple):
         elif t.__name__ == "TensorDescriptor" and hasattr(t, "from_tensor"):
             # Triton types a host TMA descriptor by its element type and box (tensordesc<bf16[64, 128]>); the
             # launcher encodes base, shape and strides on every launch
-            parts.append(f"('tensordesc', a{i}.base.dtype, tuple(a{i}.block_shape), getattr(a{i}, 'padding', None))")
+            # (a Gluon descriptor's shared-memory layout too: another layout is another specialization)
+            parts.append(f"('tensordesc', a{i}.base.dtype, tuple(a{i}.block_shape), getattr(a{i}, 'padding', None), "
+                         f"getattr(a{i}, 'layout', None))")
         else:
             raise _Unkeyed(t.__name__)
     lines = ["def key(args):"]
@@ -125,7 +127,7 @@ class Launcher:
     Runtime arguments go positionally, constexprs and options (``num_warps``...) by keyword, as the
     signature keys them."""
 
-    MAX_SIGNATURES = 512  # a process that cycles through more (odd strides, say) pays Triton's path again
+    MAX_SIGNATURES = 512  # past this many (ints are keyed by value: token counts), the older half is dropped
 
     def __init__(self, fn):
         self.fn = fn
@@ -148,8 +150,7 @@ class Launcher:
         if not self._bindable or _hooks_set(self._runtime):
             return self.fn[grid](*args, **kwargs)
         types = tuple(map(type, args))
-        # a bound kernel means CUDA is up: the device without torch.cuda.current_device's initialization check
-        device = torch._C._cuda_getDevice() if self._bound else torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()  # what torch.cuda.current_device returns, without its Python wrapper
         try:
             key = (device, types, _key_function(types)(args),
                    kwargs if type(kwargs) is Constants else tuple(kwargs.items()))
@@ -164,8 +165,9 @@ class Launcher:
                 signature(args, kwargs)  # keywords of other types (a runtime tensor by keyword) are not bound
             except _Unkeyed:
                 return kernel
-            if len(self._bound) >= self.MAX_SIGNATURES:
-                self._bound.clear()
+            if len(self._bound) >= self.MAX_SIGNATURES:  # the older half goes (dicts keep insertion order)
+                for old in list(self._bound)[:self.MAX_SIGNATURES // 2]:
+                    del self._bound[old]
             self._bound[key] = _Bound(kernel, self._tail(len(args), kwargs))
             return kernel
         g0 = grid[0]

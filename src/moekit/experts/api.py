@@ -267,8 +267,8 @@ def fused_experts(
     """
     key = None
     if lora is None and lora_ids is None:
-        key = _call_key("fused", x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, out, backend,
-                        config, act_quant, activation)
+        key = _call_key((x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, out),
+                        ("fused", backend, config, act_quant, activation))
         chosen = _VALIDATED.get(key)
         if chosen is not None:  # the checks of this signature passed before: only those that read values remain
             if expert_map is not None:
@@ -307,8 +307,8 @@ def fused_experts(
 _VALIDATED = CheckedCalls()
 
 
-def _call_key(op: str, *args) -> tuple | None:
-    return CheckedCalls.signature(op, *args, backends.registry_version())
+def _call_key(tensors: tuple, options: tuple) -> tuple | None:
+    return CheckedCalls.signature(tensors, (*options, backends.registry_version()))
 
 
 def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
@@ -363,8 +363,8 @@ def batched_experts(
     """
     key = None
     if lora is None and lora_ids is None:
-        key = _call_key("batched", x, expert_num_tokens, w13, w2, w13_bias, w2_bias, out, backend, config, act_quant,
-                        activation)
+        key = _call_key((x, expert_num_tokens, w13, w2, w13_bias, w2_bias, out),
+                        ("batched", backend, config, act_quant, activation))
         chosen = _VALIDATED.get(key)
         if chosen is not None:  # checked before (see fused_experts)
             out = _fresh_or_disjoint(out, x, w13, w2)

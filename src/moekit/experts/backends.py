@@ -135,12 +135,15 @@ BACKENDS: tuple[Backend, ...] = BUILTIN
 """Priority order: the first candidate that supports a call serves it."""
 
 
-_REGISTRY_VERSION = [0]
+_REGISTRY = [0, None]  # [version, the candidates it numbers (held: its id is never reused while it is current)]
 
 
-def registry_version() -> tuple:
-    """Changes whenever the candidates do (register, unregister): decisions cached per call depend on them."""
-    return (_REGISTRY_VERSION[0], id(BACKENDS))
+def registry_version() -> int:
+    """Changes whenever the candidates do (register, unregister, or BACKENDS assigned): decisions cached per call
+    depend on them."""
+    if _REGISTRY[1] is not BACKENDS:
+        _REGISTRY[:] = [_REGISTRY[0] + 1, BACKENDS]
+    return _REGISTRY[0]
 
 
 def register(backend: Backend, *, first: bool = True) -> None:
@@ -150,13 +153,11 @@ def register(backend: Backend, *, first: bool = True) -> None:
     if backend.name in names():
         raise ValueError(f"a backend named {backend.name!r} exists already")
     BACKENDS = (backend,) + BACKENDS if first else BACKENDS + (backend,)
-    _REGISTRY_VERSION[0] += 1
 
 
 def unregister(name: str) -> None:
     global BACKENDS
     BACKENDS = tuple(b for b in BACKENDS if b.name != name)
-    _REGISTRY_VERSION[0] += 1
 
 
 def names() -> tuple[str, ...]:

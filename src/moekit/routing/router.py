@@ -114,7 +114,7 @@ def router_gemm(
     """
     key = None
     if lora is None:
-        key = CheckedCalls.signature(x, weight, bias, out, out_dtype, tier)
+        key = CheckedCalls.signature((x, weight, bias, out), (out_dtype, tier))
         checked = _CHECKED_GEMMS.get(key)
         if checked is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
             run, plan = checked
@@ -264,8 +264,8 @@ def fused_router(
     key = None
     if lora is None and replay_ids is None and record_ids is None:
         corr = routing_kwargs.get("correction_bias")
-        key = CheckedCalls.signature(x, weight, bias, corr, top_k, method, impl,
-                                     *[(k, v) for k, v in routing_kwargs.items() if k != "correction_bias"])
+        key = CheckedCalls.signature((x, weight, bias, corr), (top_k, method, impl, *[
+            part for k, v in routing_kwargs.items() if k != "correction_bias" for part in (k, v)]))
         plan = _CHECKED_ROUTERS.get(key)
         if plan is not None:  # checked and decided before (see router_gemm)
             opts, fused, launch = plan

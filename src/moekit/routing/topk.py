@@ -98,8 +98,8 @@ def route(
     """
     key = None
     if replay_ids is None and record_ids is None:
-        key = CheckedCalls.signature(logits, top_k, method, renormalize, correction_bias, num_groups, topk_groups,
-                                     scaling, impl)
+        key = CheckedCalls.signature((logits, correction_bias),
+                                     (top_k, method, renormalize, num_groups, topk_groups, scaling, impl))
         plan = _CHECKED_ROUTES.get(key)
         if plan is not None:  # this signature's checks passed and its implementation was chosen (moekit._calls)
             return _route_run(logits, plan[0], correction_bias, plan[1])
