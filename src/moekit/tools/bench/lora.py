@@ -226,6 +226,44 @@ def markdown(records: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kernel_profile(args, calls: int = 10) -> str:
+    """Device time per kernel (torch.profiler, mean over ``calls``) of fused_experts without and with
+    ``args.adapters[0]`` adapters of rank ``args.rank``, per preset and token count: where LoRA's extra time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ... import FusedMoE
+
+    lines = []
+    for name in args.presets:
+        spec = presets.get(name)
+        torch.manual_seed(0)
+        layer = FusedMoE(spec, dtype=torch.bfloat16, device="cuda")
+        n = args.adapters[0]
+        lora = random_lora(spec, n, args.rank)
+        for T in args.tokens:
+            x = torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                tw, tid = layer.route(x)
+            ids = lora_ids(T, n)
+            kw = dict(activation=spec.activation, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+            cases = {"base": lambda: fused_experts(x, layer.w13, layer.w2, tw, tid, **kw),
+                     f"+{n} adapter(s)": lambda: fused_experts(x, layer.w13, layer.w2, tw, tid, lora=lora,
+                                                               lora_ids=ids, **kw)}
+            for label, fn in cases.items():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(calls):
+                        fn()
+                    torch.cuda.synchronize()
+                for ev in prof.key_averages():
+                    if ev.device_time_total > 0:
+                        lines.append(f"{name} T={T} {label}: {ev.device_time_total / calls:8.1f} us  "
+                                     f"x{ev.count // calls}  {ev.key[:80]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", "--presets", dest="presets", nargs="+", default=PRESETS, choices=presets.names())
@@ -233,11 +271,16 @@ def main(argv=None) -> None:
     p.add_argument("--adapters", nargs="+", type=int, default=ADAPTERS)
     p.add_argument("--rank", type=int, default=RANK)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--profile", action="store_true",
+                   help="print the device time per kernel with and without adapters (first --adapters value) and stop")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (its timings are CUDA-graph replays)")
     if any(t < 1 for t in args.tokens) or any(n < 1 for n in args.adapters) or args.rank < 1:
         p.error("token counts, adapter counts and the rank must be >= 1")
+    if args.profile:
+        print(kernel_profile(args))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
     try:
