@@ -36,3 +36,12 @@ def _seed(request):
     # per process): a failure seen once can be replayed.
     # MOEKIT_TEST_SEED=N draws other data everywhere (hunting rare failures; replay with the same N).
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_call_decisions():
+    # Decisions kept per call signature (moekit._calls) would outlive a test that changes what they read (a module
+    # constant, a patched chooser): every test starts without them.
+    from moekit._calls import CheckedCalls
+
+    CheckedCalls.forget_all()

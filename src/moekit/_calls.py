@@ -11,6 +11,8 @@ checked on every call by the ops themselves.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import _invariant, _triton, gate
@@ -50,9 +52,19 @@ def _option(v):
 class CheckedCalls:
     """``signature -> decision`` of one op's eager calls (bounded: forgotten all at once past ``limit``)."""
 
+    _ALL: "weakref.WeakSet[CheckedCalls]" = weakref.WeakSet()
+
     def __init__(self, limit: int = 4096):
         self._entries: dict = {}
         self._limit = limit
+        CheckedCalls._ALL.add(self)
+
+    @classmethod
+    def forget_all(cls) -> None:
+        """Forget every op's decisions (tests that change what a decision reads, e.g. a module constant, start
+        from here)."""
+        for calls in list(cls._ALL):
+            calls.clear()
 
     @staticmethod
     def signature(tensors: tuple, options: tuple = ()) -> tuple | None:

@@ -308,6 +308,8 @@ _VALIDATED = CheckedCalls()
 
 
 def _call_key(tensors: tuple, options: tuple) -> tuple | None:
+    if torch.compiler.is_compiling():  # (before registry_version, which writes a global: a graph break)
+        return None
     return CheckedCalls.signature(tensors, (*options, backends.registry_version()))
 
 

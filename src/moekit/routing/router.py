@@ -115,19 +115,15 @@ def router_gemm(
     key = None
     if lora is None:
         key = CheckedCalls.signature((x, weight, bias, out), (out_dtype, tier))
-        checked = _CHECKED_GEMMS.get(key)
-        if checked is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
-            run, plan = checked
+        run = _CHECKED_GEMMS.get(key)
+        if run is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
             x2 = x.reshape(-1, weight.shape[1])
             if out is not None:
                 check_disjoint("out", out, {"x": x, "weight": weight, "bias": bias})
                 out2 = out.view(-1, weight.shape[0])
             else:
                 out2 = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=weight.device)
-            if plan is not None:  # the Triton tier, its launch shape kept with the signature
-                _triton_backend().launch_router(x2, weight, None if bias is None else bias.contiguous(), None,
-                                                out2=out2, plan=plan)
-            elif x2.shape[0]:
+            if x2.shape[0]:
                 _RUNNERS[run](_GemmArgs(x2, weight, None if bias is None else bias.contiguous(), None), out2)
             return out if out is not None else out2.view(*x.shape[:-1], weight.shape[0])
     args = _validate_gemm(x, weight, bias, lora)
@@ -146,16 +142,12 @@ def router_gemm(
     if torch.compiler.is_compiling():
         torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
     else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
-        run = _gemm(args, out2, tier)
-        if key is not None:
-            plan = (_triton_backend().router_plan(args.x, weight, args.bias, None)
-                    if run == "triton" and args.x.shape[0] else None)
-            _CHECKED_GEMMS.put(key, (run, plan))
+        _CHECKED_GEMMS.put(key, _gemm(args, out2, tier))
     return out if out is not None else out2.view(out_shape)
 
 
-# A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> (tier, the
-# Triton tier's launch shape or None).
+# A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> tier. (The
+# launch shape stays triton_backend's own cache: it follows module constants that tests change and clear.)
 _CHECKED_GEMMS = CheckedCalls()
 
 
@@ -268,9 +260,9 @@ def fused_router(
             part for k, v in routing_kwargs.items() if k != "correction_bias" for part in (k, v)]))
         plan = _CHECKED_ROUTERS.get(key)
         if plan is not None:  # checked and decided before (see router_gemm)
-            opts, fused, launch = plan
+            opts, fused = plan
             args = _GemmArgs(x.reshape(-1, weight.shape[1]), weight, None if bias is None else bias.contiguous(), None)
-            return _fused_router_run(args, opts, None if corr is None else corr.contiguous(), fused, launch)
+            return _fused_router_run(args, opts, None if corr is None else corr.contiguous(), fused)
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
@@ -293,15 +285,11 @@ def fused_router(
     else:  # eager: straight to the implementation (the op is for torch.compile)
         fused = _fused_router_choice(args, opts, corr_bias, impl)
         routes = _fused_router_run(args, opts, corr_bias, fused)
-        if key is not None:
-            launch = (_triton_backend().router_plan(args.x, weight, args.bias, None, opts, corr_bias)
-                      if fused and args.x.shape[0] else None)
-            _CHECKED_ROUTERS.put(key, (opts, fused, launch))
+        _CHECKED_ROUTERS.put(key, (opts, fused))
     return record(routes, record_ids)
 
 
-# fused_router: signature -> (routing options, whether the fused kernel serves, its launch shape or None)
-_CHECKED_ROUTERS = CheckedCalls()
+_CHECKED_ROUTERS = CheckedCalls()  # fused_router: signature -> (routing options, whether the fused kernel serves)
 
 
 @torch.library.custom_op("moekit::fused_router", mutates_args=())
@@ -328,8 +316,7 @@ def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl:
     return fused
 
 
-def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool, plan=None):
-    """``plan``: the fused kernel's launch shape (triton_backend.router_plan), kept with the call's signature."""
+def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool):
     weight, top_k = args.weight, opts.top_k
     num_tokens = args.x.shape[0]
     if not fused:
@@ -341,7 +328,7 @@ def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: b
         from . import triton_backend
 
         triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, routing=opts, corr_bias=corr_bias,
-                                     topk_weights=topk_weights, topk_ids=topk_ids, plan=plan)
+                                     topk_weights=topk_weights, topk_ids=topk_ids)
     return topk_weights, topk_ids
 
 

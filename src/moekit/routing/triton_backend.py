@@ -82,23 +82,13 @@ def _router_plan(num_tokens: int, hidden: int, num_experts: int, rank: int, rout
                        num_tokens * total_rows)
 
 
-def router_plan(x, weight, bias, lora, routing: RoutingOptions | None = None, corr_bias=None) -> _RouterPlan:
-    """The launch shape of :func:`launch_router` for these arguments (a function of their shapes and kinds, and of
-    the batch-invariant switch: callers may keep it per call signature)."""
-    rank = lora.a.shape[0] if lora is not None else 0
-    return _router_plan(x.shape[0], x.shape[1], weight.shape[0], rank, routing, bias is not None,
-                        corr_bias is not None, x.dtype == torch.float32, _triton.num_sms(x.device),
-                        _invariant.enabled())
-
-
 def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
-                  topk_weights=None, topk_ids=None, plan: _RouterPlan | None = None) -> None:
-    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``. ``plan``:
-    :func:`router_plan` of these arguments, made earlier."""
+                  topk_weights=None, topk_ids=None) -> None:
+    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``."""
     num_tokens, hidden = x.shape
     rank = lora.a.shape[0] if lora is not None else 0
-    if plan is None:
-        plan = router_plan(x, weight, bias, lora, routing, corr_bias)
+    plan = _router_plan(num_tokens, hidden, weight.shape[0], rank, routing, bias is not None, corr_bias is not None,
+                        x.dtype == torch.float32, _triton.num_sms(x.device), _invariant.enabled())
     if plan.workspace:
         ws, counters = torch.empty(plan.workspace, dtype=torch.float32, device=x.device), _triton.counters(x.device)
     else:
