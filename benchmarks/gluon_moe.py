@@ -529,8 +529,7 @@ def time_full(configs: list[Config], tokens, dev, gen, log, budget) -> list[dict
 def profile(configs: list[Config], tokens, dev, gen, log) -> list[dict]:
     """Device time per kernel (torch.profiler, mean of 5 calls after warm-up) of each config's pipeline and of
     moekit.fused_experts on the same MXFP4 weights: which step the time goes to."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from moekit.tools.bench.timing import kernel_times_us
 
     layer = Layer(EXPERTS, "swiglu_oai", dev, gen)
     records, calls = [], 5
@@ -541,17 +540,8 @@ def profile(configs: list[Config], tokens, dev, gen, log) -> list[dict]:
         rows += [(f"Gluon {c.label()}", lambda c=c: fused_experts(c, x, layer.p13, layer.p2, tw, ti, "swiglu_oai"))
                  for c in configs]
         for name, fn in rows:
-            fn()
-            torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    fn()
-                torch.cuda.synchronize()
-            for ev in prof.key_averages():
-                us = ev.device_time_total / calls
-                if us > 0:
-                    records.append({"kind": "profile", "T": t, "implementation": name, "kernel": ev.key[:90],
-                                    "us": us})
+            records += [{"kind": "profile", "T": t, "implementation": name, "kernel": kernel[:90], "us": us}
+                        for kernel, us, _ in kernel_times_us(fn, calls)]
             log(f"profiled T={t} {name}")
     return records
 

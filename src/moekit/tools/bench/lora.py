@@ -27,7 +27,7 @@ from ... import presets
 from ...experts import ExpertsLoRA, fused_experts
 from ...metrics import rel_errors
 from .experts import Layer, _gen, module_available, reseed, routes, time_impl
-from .timing import environment
+from .timing import environment, kernel_times_us
 
 PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b"]
 TOKENS = [1, 16, 256, 4096]
@@ -229,8 +229,6 @@ def markdown(records: list[dict], env: dict) -> str:
 def kernel_profile(args, calls: int = 10) -> str:
     """Device time per kernel (torch.profiler, mean over ``calls``) of fused_experts without and with
     ``args.adapters[0]`` adapters of rank ``args.rank``, per preset and token count: where LoRA's extra time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     from ... import FusedMoE
 
     lines = []
@@ -250,17 +248,8 @@ def kernel_profile(args, calls: int = 10) -> str:
                      f"+{n} adapter(s)": lambda: fused_experts(x, layer.w13, layer.w2, tw, tid, lora=lora,
                                                                lora_ids=ids, **kw)}
             for label, fn in cases.items():
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(calls):
-                        fn()
-                    torch.cuda.synchronize()
-                for ev in prof.key_averages():
-                    if ev.device_time_total > 0:
-                        lines.append(f"{name} T={T} {label}: {ev.device_time_total / calls:8.1f} us  "
-                                     f"x{ev.count // calls}  {ev.key[:80]}")
+                lines += [f"{name} T={T} {label}: {us:8.1f} us  x{count}  {kernel[:80]}"
+                          for kernel, us, count in kernel_times_us(fn, calls)]
     return "\n".join(lines)
 
 

@@ -61,6 +61,22 @@ def eager_time_us(fns: Sequence[Callable[[], object]], *, reps: int = 20, warmup
     return statistics.median(times) / len(fns)
 
 
+def kernel_times_us(fn: Callable[[], object], calls: int = 10, warmup: int = 3) -> list[tuple[str, float, int]]:
+    """(kernel name, device microseconds per call, launches per call) of each kernel ``fn`` runs (torch.profiler,
+    mean over ``calls`` after ``warmup``): where a call's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [(ev.key, ev.device_time_total / calls, ev.count // calls) for ev in prof.key_averages()
+            if ev.device_time_total > 0]
+
+
 def environment() -> dict:
     """GPU, versions and date for result files."""
     import datetime
