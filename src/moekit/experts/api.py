@@ -266,36 +266,29 @@ def fused_experts(
         [T, H] in x's dtype.
     """
     key = None
-    if lora is None and lora_ids is None:
+    if lora is None and lora_ids is None:  # (calls with adapters are checked in full: their ids may be read)
         key = _call_key((x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, out),
                         ("fused", backend, config, act_quant, activation))
-        chosen = _VALIDATED.get(key)
-        if chosen is not None:  # the checks of this signature passed before: only those that read values remain
-            if expert_map is not None:
-                check_expert_map_values(expert_map, w13.shape[0])
-                if gate.active():
-                    check_ids_within_map(topk_ids, expert_map)
-            out = _fresh_or_disjoint(out, x, w13, w2, topk_weights=topk_weights)
-            _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
-            chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias,
-                         expert_map, config, act_quant)
-            return out
-    check_tensor("x", x, ndim=2, dtypes=WEIGHT_DTYPES)
-    E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=x.device)
-    if topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, k], got {tuple(topk_weights.shape)} "
-                         f"and {tuple(topk_ids.shape)}")
-    if expert_map is not None:
-        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
-        check_expert_map_values(expert_map, E)
-        if gate.active():
-            check_ids_within_map(topk_ids, expert_map)
-    check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
-    out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
-    chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None)
-    _VALIDATED.put(key, chosen)
+    chosen = _VALIDATED.get(key)
+    if chosen is not None:  # the checks of this signature passed before: only those that read values remain
+        if expert_map is not None:
+            _check_map_values(expert_map, w13.shape[0], topk_ids)
+        out = _fresh_or_disjoint(out, x, w13, w2, topk_weights=topk_weights)
+    else:
+        check_tensor("x", x, ndim=2, dtypes=WEIGHT_DTYPES)
+        E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
+        check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
+        check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=x.device)
+        if topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, k], got "
+                             f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+        if expert_map is not None:
+            check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
+            _check_map_values(expert_map, E, topk_ids)
+        check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
+        out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
+        chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None)
+        _VALIDATED.put(key, chosen)
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
     chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map,
                  config, act_quant, **_lora_args(lora, lora_ids))
@@ -311,6 +304,14 @@ def _call_key(tensors: tuple, options: tuple) -> tuple | None:
     if torch.compiler.is_compiling():  # (before registry_version, which writes a global: a graph break)
         return None
     return CheckedCalls.signature(tensors, (*options, backends.registry_version()))
+
+
+def _check_map_values(expert_map: torch.Tensor, num_local: int, topk_ids: torch.Tensor) -> None:
+    """The checks that read an expert map's values (and, with the gate on, the ids against its length): on every
+    call, checked signature or not."""
+    check_expert_map_values(expert_map, num_local)
+    if gate.active():
+        check_ids_within_map(topk_ids, expert_map)
 
 
 def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
@@ -367,13 +368,25 @@ def batched_experts(
     if lora is None and lora_ids is None:
         key = _call_key((x, expert_num_tokens, w13, w2, w13_bias, w2_bias, out),
                         ("batched", backend, config, act_quant, activation))
-        chosen = _VALIDATED.get(key)
-        if chosen is not None:  # checked before (see fused_experts)
-            out = _fresh_or_disjoint(out, x, w13, w2)
-            _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
-            chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config,
-                           act_quant)
-            return out
+    chosen = _VALIDATED.get(key)
+    if chosen is not None:  # checked before (see fused_experts)
+        out = _fresh_or_disjoint(out, x, w13, w2)
+    else:
+        check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
+        E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
+        if x.shape[0] != E:
+            raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
+        check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
+        check_shape("expert_num_tokens", expert_num_tokens, (E,))
+        check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
+        out = _options_and_out(x, w13, w2, act_quant, config, out)
+        chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation,
+                                lora=lora is not None)
+        _VALIDATED.put(key, chosen)
+    _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
+    chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant,
+                   **_lora_args(lora, lora_ids))
+    return out
     check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
     E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
     if x.shape[0] != E:

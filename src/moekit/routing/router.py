@@ -210,14 +210,10 @@ def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
         out2.addmm_(xa.to(out2.dtype), args.lora.b.to(out2.dtype).T, alpha=args.lora.scale)
 
 
-def _triton_backend():
+def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
     from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
 
-    return triton_backend
-
-
-def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
-    _triton_backend().launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
+    triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
 
 
 _RUNNERS = {"torch": _run_torch, "cublas": _run_cublas, "triton": _run_triton}
