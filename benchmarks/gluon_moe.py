@@ -122,13 +122,14 @@ class RowClasses:
         """The alignment's block rows."""
         return self.stride
 
-    @property
-    def variants(self) -> tuple[Config, ...]:
-        return tuple(t.cfg for t in self.tiles)
-
     def label(self) -> str:
         return "classes " + " | ".join(f"({t.lo},{t.hi}] +{t.offset} BM{t.cfg.bm}" for t in self.tiles) + \
             f" [{self.tiles[0].cfg.gemm1.label()} ...] group {self.group_m}"
+
+
+def tiles_of(cfg: Config | RowClasses) -> tuple[Tile, ...]:
+    """The launches per GEMM of a config: its row classes' tiles, or one tile of BM rows serving every block."""
+    return cfg.tiles if isinstance(cfg, RowClasses) else (Tile(cfg, 0, 0, cfg.bm),)
 
 
 def row_classes() -> RowClasses:
@@ -214,9 +215,9 @@ def unprepare_stack(p: PreparedStack, interleaved: bool = False) -> tuple[mxfp4.
 
 def check_shapes(cfg: Config | RowClasses, w13: PreparedStack, w2: PreparedStack) -> None:
     """ValueError unless the kernels can run ``cfg`` on these stacks."""
-    for c in getattr(cfg, "variants", (cfg,)):
-        w4.check_config(c.gemm1, w13.n, w13.k)
-        w4.check_config(c.gemm2, w2.n, w2.k)
+    for t in tiles_of(cfg):
+        w4.check_config(t.cfg.gemm1, w13.n, w13.k)
+        w4.check_config(t.cfg.gemm2, w2.n, w2.k)
     if w13.experts != w2.experts or w13.n != 2 * w2.k or w13.k != w2.n:
         raise ValueError(f"w13 [{w13.experts}, {w13.n}, {w13.k}] and w2 [{w2.experts}, {w2.n}, {w2.k}] are not one "
                          "MLP's stacks")
@@ -302,17 +303,13 @@ def fused_experts(cfg: Config | RowClasses, x: torch.Tensor, w13: PreparedStack,
     y = torch.empty(num_pairs, w2.n, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     blocks = (block_expert, sorted_pairs, weights, num_pairs)
-    if isinstance(cfg, RowClasses):  # GEMM1 for every tile, then GEMM2 (h complete)
-        rows = _block_rows(sorted_pairs, num_pairs, cfg.bm)
-        for t in cfg.tiles:
-            gemm(t.cfg.gemm1, xg, w13, h, *blocks, kern.ACT.value, activation, cfg.group_m, row_stride=cfg.bm,
-                 block_rows=rows, rows_class=(t.lo, t.hi, t.offset))
-        for t in cfg.tiles:
-            gemm(t.cfg.gemm2, h, w2, y, *blocks, kern.SCATTER.value, activation, cfg.group_m, row_stride=cfg.bm,
-                 block_rows=rows, rows_class=(t.lo, t.hi, t.offset))
-    else:
-        gemm(cfg.gemm1, xg, w13, h, *blocks, kern.ACT.value, activation, cfg.group_m)
-        gemm(cfg.gemm2, h, w2, y, *blocks, kern.SCATTER.value, activation, cfg.group_m)
+    rows = _block_rows(sorted_pairs, num_pairs, cfg.bm) if isinstance(cfg, RowClasses) else None
+    for t in tiles_of(cfg):  # GEMM1 for every tile, then GEMM2 (h complete)
+        gemm(t.cfg.gemm1, xg, w13, h, *blocks, kern.ACT.value, activation, cfg.group_m, row_stride=cfg.bm,
+             block_rows=rows, rows_class=(t.lo, t.hi, t.offset))
+    for t in tiles_of(cfg):
+        gemm(t.cfg.gemm2, h, w2, y, *blocks, kern.SCATTER.value, activation, cfg.group_m, row_stride=cfg.bm,
+             block_rows=rows, rows_class=(t.lo, t.hi, t.offset))
     tb._combine(y, pair_expert, out, top_k)
     return out
 
@@ -346,7 +343,7 @@ def emulate(cfg: Config | RowClasses, x: torch.Tensor, w13: PreparedStack, w2: P
     y = torch.full((num_pairs, w2.n), float("nan"), dtype=x.dtype)
     weights = topk_weights.reshape(-1).float()
     stride = cfg.bm
-    tiles = cfg.tiles if isinstance(cfg, RowClasses) else (Tile(cfg, 0, 0, stride),)
+    tiles = tiles_of(cfg)
     rows = _block_rows(sorted_pairs, num_pairs, stride).tolist()
     for b, e in enumerate(block_expert.tolist()):
         for t in tiles:  # the kernels' tiles of the block's class of rows (one tile of BM rows without classes)
@@ -374,11 +371,8 @@ def emulate(cfg: Config | RowClasses, x: torch.Tensor, w13: PreparedStack, w2: P
 def launches() -> list[tuple[Config | RowClasses, Config, bool]]:
     """(candidate, the Config of one launch per GEMM, row classes) of every kernel build the candidates make (a
     config two tiles share builds once)."""
-    out = []
-    for cfg in candidates():
-        for v in dict.fromkeys(getattr(cfg, "variants", (cfg,))):
-            out.append((cfg, v, isinstance(cfg, RowClasses)))
-    return out
+    return [(cfg, v, isinstance(cfg, RowClasses)) for cfg in candidates()
+            for v in dict.fromkeys(t.cfg for t in tiles_of(cfg))]
 
 
 def compile_only() -> int:
