@@ -387,17 +387,3 @@ def batched_experts(
     chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant,
                    **_lora_args(lora, lora_ids))
     return out
-    check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
-    E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
-    if x.shape[0] != E:
-        raise ValueError(f"x must be [E={E}, M, H] (E from w13), got {tuple(x.shape)}")
-    check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
-    check_shape("expert_num_tokens", expert_num_tokens, (E,))
-    check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
-    out = _options_and_out(x, w13, w2, act_quant, config, out)
-    chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, lora=lora is not None)
-    _VALIDATED.put(key, chosen)
-    _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
-    chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant,
-                   **_lora_args(lora, lora_ids))
-    return out
