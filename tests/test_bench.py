@@ -159,3 +159,18 @@ def test_sglang_peer_matches_float64_in_the_interpreter(activation):
     y = peer.fused_experts(x, w13, w2, weights, ids, activation=activation, w13_bias=b13, w2_bias=b2)
     ref = reference.fused_experts(x, w13, w2, weights, ids, activation=activation, w13_bias=b13, w2_bias=b2)
     assert rel_errors(y, ref)[1] < 2e-3
+
+
+def test_eager_table_marks_host_budgets_met_and_missed():
+    from moekit.tools.bench import eager
+
+    env = {"gpu": "test GPU", "date": "2026-12-06", "torch": "t", "triton": "tr"}
+    records = [{"op": "route", "preset": "p", "T": 1, "eager_us": 30.0, "host_us": 14.0, "graph_us": 5.0, "kernels": 1},
+               {"op": "GateLinear", "preset": "p", "T": 1, "eager_us": 30.0, "host_us": 16.0, "graph_us": 5.0,
+                "kernels": 1},
+               {"op": "torch_chain", "preset": "p", "T": 1, "eager_us": 60.0, "host_us": 55.0, "graph_us": None,
+                "kernels": 7, "note": "no graph: RuntimeError"}]
+    rows = [line for line in eager.markdown(records, env, {}).splitlines() if line.startswith("| ") and "---" not in line]
+    assert "| 15 (met) |" in rows[1]  # route's budget is 15 us of host time: 14 meets it
+    assert "| 15 (**missed**) |" in rows[2]  # GateLinear's is 15 too: 16 misses it
+    assert "| - | no graph: RuntimeError | - | 7 |" in rows[3]  # peers have no budget; an uncapturable call says why
