@@ -312,6 +312,8 @@ def lora_variants():
 
     gemv = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(8, 512, 8, 1), mode="gemv")
     per_pair = ExpertsConfig(16, GemmConfig(64, 128, 4, 3), GemmConfig(64, 128, 4, 3), mode="per_pair")
+    # the tuned H200 shape of qwen3-30b-a3b's decode: GEMV2 with 4 slots per step, PDL
+    decode_pdl = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(4, 256, 4, 1, slots=4), mode="gemv", pdl=True)
     for name in ("qwen3-30b-a3b", "gpt-oss-120b"):
         spec = presets.get(name)
         E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
@@ -326,6 +328,15 @@ def lora_variants():
                 lambda x=x, ids=ids, lids=lids, w13=w13, w2=w2, ad=ad, cfg=cfg, s=spec: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg,
                     lora=ad, lora_ids=lids)
+        # contiguous stacks: the decode terms run inside the GEMVs (experts/lora.py decode_terms)
+        dense = ExpertsLoRA(*(torch.empty(4, E, *t.shape[2:], dtype=torch.bfloat16)
+                              for t in (ad.w13_a, ad.w13_b, ad.w2_a, ad.w2_b)), scaling=[1.0] * 4)
+        for T, cfg in ((1, gemv), (4, decode_pdl)):
+            x, ids = torch.empty(T, H, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.int32)
+            yield f"lora {name} T={T} decode terms in the GEMVs", \
+                lambda x=x, ids=ids, w13=w13, w2=w2, dense=dense, cfg=cfg, s=spec: fused_experts(
+                    x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg,
+                    lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
         xb = torch.empty(E, 64, H, dtype=torch.bfloat16)
         yield f"lora batched {name} M=64", lambda xb=xb, w13=w13, w2=w2, ad=ad, s=spec: batched_experts(
             xb, torch.zeros(xb.shape[0], dtype=torch.int32), w13, w2, activation=s.activation, backend="triton",

@@ -101,6 +101,32 @@ def test_fused_experts_with_mixed_adapters(backend, dtype, T, E, H, I, k, act, n
         assert (base - ref).norm() > 0.1 * ref.norm()
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["terms_in_the_gemvs", "separate_kernels"])
+@pytest.mark.parametrize("which", [("w13", "w2"), ("w13",), ("w2",)])
+def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which):
+    """At decode the adapters' terms run inside GEMV1 / GEMV2 (one shrink launch of their own at most) when the
+    stacks are contiguous and their tiles fit; other stacks take the separate shrink/expand kernels."""
+    from moekit.experts import lora as expert_lora
+
+    fused = []
+    real = expert_lora.decode_terms
+    monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
+    T, E, H, I, k, n = 5, 7, 40, 24, 3, 2
+    w13, w2 = _weights(E, H, I, torch.float32)
+    lora = _lora(n, E, H, I, 8, torch.float32, which=which)
+    if not contiguous:  # the same values, strided: B's rank axis not innermost
+        lora = ExpertsLoRA(*(None if t is None else t.transpose(2, 3).contiguous().transpose(2, 3)
+                             for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)), scaling=lora.scaling)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    lids = _lora_ids(T, n)
+    got = fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", backend="triton", config=GEMV, lora=lora,
+                        lora_ids=lids, out=_poisoned((T, H), torch.float32))
+    assert [t is not None for t in fused] == [contiguous]
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", lora=lora, lora_ids=lids)
+    check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
+
+
 def test_rank_past_64_runs_in_sub_blocks_of_the_aligned_rows():
     """r = 70 pads to 128: the block kernel then takes 32 of each 64-row block per program."""
     T, E, H, I, k, n, r = 20, 3, 40, 24, 2, 2, 70

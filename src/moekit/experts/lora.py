@@ -292,15 +292,8 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         if groups == 0:
             return
         emap = rows.expert_map if rows.expert_map is not None else rows.ids
-        block_k = max(16, min(128, 4096 // r_pad))
-        split_k, splits = _pair_splits(k, block_k)
-        parts = torch.empty(pairs, splits, r_pad, dtype=torch.float32, device=v.device)
         has_map = rows.expert_map is not None
-        kernels.shrink[(pairs, splits)](
-            v, v.stride(-2), v.stride(-1), *scales, a, *a.stride(), lora_ids, rows.ids, emap, parts,
-            rows.top_k, rows.num_global, a.shape[1], lora.num_adapters, k, r, split_k,
-            STAGE=stage, HAS_MAP=has_map, HAS_SCALES=v_scales is not None, BLOCK_K=block_k, R_PAD=r_pad,
-            num_warps=4)
+        parts, splits = _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows)
         slots_pad = _triton.next_pow2(slots)
         chunk = max(1, min(slots_pad, EXPAND_TILE // (16 * r_pad)))  # at least 16 columns per program
         block_n = max(16, min(256, EXPAND_TILE // (chunk * r_pad)))
@@ -342,3 +335,75 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         STAGE=stage, ROWS=mode, HAS_SCALES=v_scales is not None, DOT_PRECISION=precision,
         BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // columns)), BLOCK_K=64,
         R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad, num_warps=4)
+
+
+def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_dependents: bool = False):
+    """The decode modes' shrink: (fp32 partial sums [pairs, splits, R_PAD] of A[a, e] v per K split, splits).
+    ``launch_dependents``: the next grid (GEMV1 with decode terms) may start as this one starts."""
+    kernels = _kernels()
+    r, k = a.shape[2], a.shape[3]
+    r_pad = _r_pad(r)
+    pairs = rows.ids.numel()
+    block_k = max(16, min(128, 4096 // r_pad))
+    split_k, splits = _pair_splits(k, block_k)
+    parts = torch.empty(pairs, splits, r_pad, dtype=torch.float32, device=v.device)
+    scales = (v_scales, v_scales.stride(0)) if v_scales is not None else (v, 0)
+    emap = rows.expert_map if rows.expert_map is not None else rows.ids
+    kernels.shrink[(pairs, splits)](
+        v, v.stride(-2), v.stride(-1), *scales, a, *a.stride(), lora_ids, rows.ids, emap, parts,
+        rows.top_k, rows.num_global, a.shape[1], lora.num_adapters, k, r, split_k,
+        STAGE=stage, HAS_MAP=rows.expert_map is not None, HAS_SCALES=v_scales is not None, BLOCK_K=block_k,
+        R_PAD=r_pad, LAUNCH_DEPENDENTS=launch_dependents, num_warps=4)
+    return parts, splits
+
+
+# ------------------------------------------------------------------------------ decode terms inside the GEMVs
+DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program (4 warps); past it, the kernels above
+
+
+@dataclass(frozen=True)
+class DecodeTerms:
+    """The adapters' part of a GEMV1 / GEMV2 launch (kernels/moe_gemv.py) when the decode modes' terms run inside
+    them (:func:`decode_terms`): positional arguments and constexprs (launch options included) of each."""
+
+    gemv1_args: tuple
+    gemv1_constants: dict
+    gemv2_args: tuple
+    gemv2_constants: dict
+
+
+def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, hidden: int, gemv1_block_n: int,
+                 gemv1_slots: int, gemv2_block_n: int, pdl: bool) -> DecodeTerms | None:
+    """Run the adapters of a decode call (GEMV1 + GEMV2 on x [T, H] in its dtype) inside the two GEMVs: launches
+    W13's shrink (when the adapters touch w13) and returns what the GEMV launches add. None where the terms'
+    tiles would not fit a program's registers or a stack is not contiguous: the separate kernels serve that call.
+    ``pdl``: GEMV1 may start as the shrink's programmatic dependent (its K loop overlaps the shrink)."""
+    stacks = [t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None]
+    if not all(t.is_contiguous() for t in stacks):
+        return None
+    r1 = lora.w13_a.shape[2] if lora.w13_a is not None else 0
+    r2 = lora.w2_a.shape[2] if lora.w2_a is not None else 0
+    r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
+    blocks = _triton.cdiv(inter, gemv1_block_n)
+    blocks_pad = _triton.next_pow2(blocks)
+    tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
+             gemv1_slots * gemv1_block_n * r2_pad if r2 else 0,
+             blocks_pad * r2_pad if r2 else 0, gemv2_block_n * r2_pad if r2 else 0]
+    if max(tiles) > DECODE_TILE:
+        return None
+    parts1 = parts2 = x
+    splits = 1
+    if r1:
+        parts1, splits = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows, launch_dependents=pdl)
+    if r2:
+        parts2 = torch.empty(rows.ids.numel(), blocks, r2_pad, dtype=torch.float32, device=x.device)
+    b13 = lora.w13_b if r1 else x
+    a2, b2 = (lora.w2_a, lora.w2_b) if r2 else (x, x)
+    n = lora.num_adapters
+    return DecodeTerms(
+        (parts1, b13, a2, parts2, lora.scaling, lora_ids, n, r1, r2),
+        dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
+             LORA_R2_PAD=r2_pad, **({"launch_pdl": True} if pdl and r1 else {})),
+        (parts2, b2, lora.scaling, lora_ids, n, r2, blocks),
+        dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad),
+    )

@@ -393,14 +393,15 @@ def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
 
 
 def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
-           pdl: bool = False, delta=None):
-    """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py)."""
+           pdl: bool = False, delta=None, terms: expert_lora.DecodeTerms | None = None):
+    """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py); or ``terms``:
+    the adapters' decode terms run inside (gemv1_slots / decode_fusable say when)."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     if _row_scaled(cfg, w, x.dtype):
         return _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
                            up_off)
-    slots = _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
+    slots = gemv1_slots(cfg, top_k)
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
     packed = cfg.packed is not False and _fp16x2_operands(w.format, x.dtype)
     if packed:
@@ -415,12 +416,18 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         h, h.stride(0), *_scale_args(delta, h),
         ids, expert_map if expert_map is not None else ids,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
+        *(terms.gemv1_args if terms else (x, x, x, x, x, x, 0, 0, 0)),
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         HAS_DELTA=delta is not None, FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n,
         BLOCK_K=w.gemv_block_k(cfg.block_k),
-        HALVES_ASM=_PTX, PDL=pdl, SLOTS=slots, PACKED=packed,
+        HALVES_ASM=_PTX, PDL=pdl, SLOTS=slots, PACKED=packed, **(terms.gemv1_constants if terms else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def gemv1_slots(cfg: GemmConfig, top_k: int) -> int:
+    """Pairs per GEMV1 program."""
+    return _gemv_slots(cfg, top_k, 1) or 1  # GEMM2's 0 (a loop per slot) is one pair per program here
 
 
 GEMV_ROW_XBLOCK = 1024  # activations per step of a row-scaled kernel's largest-|x| scan
@@ -491,8 +498,8 @@ def gemv2_packed(cfg: GemmConfig, weight_format: str, h_dtype: torch.dtype, top_
 
 
 def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
-                  pdl: bool = False):
-    """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent."""
+                  pdl: bool = False, terms: expert_lora.DecodeTerms | None = None):
+    """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent. ``terms``: as :func:`gemv1`'s."""
     hidden, inter = w.shape[1], w.shape[2]
     row_scaled = _row_scaled(cfg, w, h.dtype)
     slots = 0 if row_scaled else _gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0)
@@ -509,9 +516,11 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         weights, ids, expert_map if expert_map is not None else ids,
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
+        *(terms.gemv2_args if terms else (h, h, h, h, 0, 0, 0)),
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=_PTX,
         SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK, launch_pdl=pdl,
+        **(terms.gemv2_constants if terms else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -611,13 +620,25 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     if config.per_pair:
         # Decode: GEMM1 per pair straight from the ids, GEMM2 per token summing its slots.
         h, hs = activation_buffers(num_pairs, two_i // 2, dtype, x.device, fp8)
+        pairs = terms = delta = None
         if lora is not None:
             pairs = expert_lora.Rows("pairs", num_pairs, top_k, ids=ids, expert_map=expert_map, num_global=num_global)
+        gemv = config.gemv and not fp8
+        pdl = gemv and config.pdl and _triton.dependent_launches(x.device)
+        if lora is not None and gemv and not config.split_slots and not _row_scaled(config.gemm1, w13, dtype):
+            # the adapters' terms inside the two GEMVs: one launch of their own at most
+            terms = expert_lora.decode_terms(x, lora, lora_ids, pairs, two_i // 2, hidden, config.gemm1.block_n,
+                                             gemv1_slots(config.gemm1, top_k), config.gemm2.block_n,
+                                             _triton.dependent_launches(x.device))
+        if terms is not None:
+            gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl,
+                  terms=terms)
+            gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl,
+                         terms=terms)
+            return
+        if lora is not None:
             delta = expert_lora.w13_delta(x, xs, lora, lora_ids, pairs)
-        else:
-            delta = None
-        if config.gemv and not fp8:
-            pdl = config.pdl and _triton.dependent_launches(x.device)
+        if gemv:
             gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl, delta)
             if not config.split_slots:
                 gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl)

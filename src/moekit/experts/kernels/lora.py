@@ -17,6 +17,7 @@ slots are combined. Adapter ids outside [0, adapters) contribute nothing, like -
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .align import _local_ids
 from .moe_gemm import ALIGNED, BATCHED, FP8_GROUP, _pair_expert, _paired_columns
@@ -200,9 +201,12 @@ def lora_shrink_kernel(
     top_k, num_global, num_local, num_adapters, K, R, k_per_split,
     STAGE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SCALES: tl.constexpr,
     BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # GEMV1 with decode terms starts as this grid's programmatic dependent
 ):
     """Program (pair, K split): the shrink of one pair over k_per_split of K, on the CUDA cores. Splitting K keeps
     each program's chain of dependent loads short: at one token the pairs alone are a handful of programs."""
+    if LAUNCH_DEPENDENTS:  # GEMV1 streams its weights meanwhile; it waits for this grid before reading the sums
+        gdc_launch_dependents()
     pair = tl.program_id(0)
     split = tl.program_id(1)
     token = pair // top_k
@@ -281,3 +285,79 @@ def lora_expand_kernel(
     elif any_live > 0:
         y = tl.load(ptrs, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(ptrs, (y + total).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ------------------------------------------------------------------- the decode modes' terms inside the GEMVs
+# At a few tokens each extra launch costs as much as the adapters' arithmetic: with ``fused`` decode LoRA
+# (experts/lora.py, DecodeLoRA) only W13's shrink runs as a kernel of its own, launched before GEMV1, which starts
+# as its programmatic dependent and waits for it after its own K loop. GEMV1 adds W13's term to its sums
+# (w13_decode_terms), then writes each pair's shrink of W2 over its block of h columns (w2_decode_parts); GEMV2
+# sums those blocks in block order and adds W2's term to its slots' weighted sum (w2_decode_term). The adapter
+# stacks are contiguous there, so their strides follow from the shapes.
+
+
+@triton.jit
+def w13_decode_terms(parts_ptr, b_ptr, scaling_ptr, adapter, live, pair, e64, gate_rows, up_rows, ok, num_local,
+                     two_i, R, SPLITS: tl.constexpr, R_PAD: tl.constexpr):
+    """(gate, up) terms [SLOTS, BLOCK_N] in fp32 of the pairs ``pair`` [SLOTS] (adapter ``adapter``, expert
+    ``e64``; ``live``: both valid): lora_shrink_kernel's split partial sums [pairs, SPLITS, R_PAD] summed in split
+    order and scaled (as lora_expand_kernel does), times B13's rows ``gate_rows`` / ``up_rows`` [BLOCK_N]. B13:
+    contiguous [adapters, E, 2I, R]."""
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    rows = pair.to(tl.int64)[:, None] * (SPLITS * R_PAD) + offs_r[None, :]
+    s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
+    for i in tl.static_range(SPLITS):
+        s += tl.load(parts_ptr + rows + i * R_PAD, mask=live[:, None], other=0.0)
+    a64 = tl.where(live, adapter, 0).to(tl.int64)
+    s *= tl.load(scaling_ptr + a64, mask=live, other=0.0)[:, None]
+    base = b_ptr + ((a64 * num_local + e64) * two_i) * R  # [SLOTS]: B13[a, e]
+    m = (ok & live[:, None])[:, :, None] & r_ok[None, None, :]
+    cols = offs_r[None, None, :]
+    bg = tl.load(base[:, None, None] + gate_rows[None, :, None] * R + cols, mask=m, other=0.0).to(tl.float32)
+    bu = tl.load(base[:, None, None] + up_rows[None, :, None] * R + cols, mask=m, other=0.0).to(tl.float32)
+    return tl.sum(bg * s[:, None, :], axis=2), tl.sum(bu * s[:, None, :], axis=2)
+
+
+@triton.jit
+def w2_decode_parts(a_ptr, parts_ptr, adapter, live, pair, e64, h, offs_n, ok, block, num_blocks, num_local, inter,
+                    R, R_PAD: tl.constexpr):
+    """Write the pairs' shrink of W2 over this block of h's columns: parts [pairs, num_blocks, R_PAD] at
+    ``block``, sum over n of A2[a, e][:, n] * h[:, n] with ``h`` [SLOTS, BLOCK_N] (fp32 of the values as stored)
+    at columns ``offs_n``. Only live pairs are written (GEMV2 reads only those). A2: contiguous [adapters, E, R, I]."""
+    offs_r = tl.arange(0, R_PAD)
+    a64 = tl.where(live, adapter, 0).to(tl.int64)
+    base = a_ptr + ((a64 * num_local + e64) * R) * inter  # [SLOTS]: A2[a, e]
+    m = (ok & live[:, None])[:, None, :] & (offs_r < R)[None, :, None]
+    w = tl.load(base[:, None, None] + offs_r[None, :, None] * inter + offs_n[None, None, :], mask=m,
+                other=0.0).to(tl.float32)
+    part = tl.sum(w * h[:, None, :], axis=2)
+    tl.store(parts_ptr + (pair.to(tl.int64)[:, None] * num_blocks + block) * R_PAD + offs_r[None, :], part,
+             mask=live[:, None])
+
+
+@triton.jit
+def w2_decode_term(parts_ptr, b_ptr, scaling_ptr, adapter_ptr, weights_ptr, ids_ptr, expert_map_ptr, t, top_k,
+                   num_global, num_local, num_adapters, offs_n, n_ok, N, R, num_blocks, HAS_MAP: tl.constexpr,
+                   R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+    """Token t's W2 term on columns ``offs_n`` [BLOCK_N] in fp32: per slot in order, its pair's parts summed over
+    GEMV1's column blocks (w2_decode_parts), scaled, times B2's rows, times the router weight. B2: contiguous
+    [adapters, E, H, R]."""
+    term = tl.zeros([offs_n.shape[0]], dtype=tl.float32)
+    a = tl.load(adapter_ptr + t)
+    if (a >= 0) & (a < num_adapters):
+        offs_r = tl.arange(0, R_PAD)
+        r_ok = offs_r < R
+        offs_b = tl.arange(0, BLOCKS_PAD)
+        scale = tl.load(scaling_ptr + a)
+        for j in range(0, top_k):  # slots in order
+            pair = t * top_k + j
+            e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+            if e >= 0:
+                rows = (pair.to(tl.int64) * num_blocks + offs_b[:, None]) * R_PAD + offs_r[None, :]
+                s = tl.sum(tl.load(parts_ptr + rows, mask=(offs_b < num_blocks)[:, None], other=0.0), axis=0) * scale
+                base = b_ptr + ((a.to(tl.int64) * num_local + e) * N) * R
+                b = tl.load(base + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                            other=0.0).to(tl.float32)
+                term += tl.load(weights_ptr + pair) * tl.sum(b * s[None, :], axis=1)
+    return term

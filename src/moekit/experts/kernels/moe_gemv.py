@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .lora import w2_decode_parts, w2_decode_term, w13_decode_terms
 from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert, _slot_operands
 
 FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14 of their value
@@ -368,12 +369,21 @@ def gemv1_act_kernel(
     ids_ptr, expert_map_ptr,  # int32 [T*k]; int32 [num_global] (HAS_MAP)
     top_k, num_global, num_local, I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
+    # decode LoRA (kernels/lora.py): W13's shrink partials [T*k, LORA_SPLITS, R1_PAD] fp32, B13 [adapters, E, 2I,
+    # r1], A2 [adapters, E, r2, I] (contiguous), W2's shrink partials out [T*k, I blocks, R2_PAD] fp32, scaling fp32
+    # [adapters], adapter ids int32 [T]
+    lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_scaling_ptr, lora_ids_ptr,
+    lora_adapters, lora_r1, lora_r2,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
     SLOTS: tl.constexpr = 1,  # pairs per program: slots [g * SLOTS, (g + 1) * SLOTS) of one token
     PACKED: tl.constexpr = False,  # 4-bit: products as fp16x2 FMAs on the prepared activations
     HAS_DELTA: tl.constexpr = False,  # LoRA on w13 (kernels/lora.py): its term per pair, added like the bias
+    LORA_W13: tl.constexpr = False,  # W13's term from the shrink's partials (kernels/lora.py, decode terms)
+    LORA_W2: tl.constexpr = False,  # W2's shrink over this program's h columns, for GEMV2
+    LORA_WAIT: tl.constexpr = False,  # launched as the W13 shrink's programmatic dependent: wait before its partials
+    LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -430,9 +440,22 @@ def gemv1_act_kernel(
             d_rows = delta_ptr + pair.to(tl.int64)[:, None] * stride_dm
             gate += tl.load(d_rows + gate_rows[None, :], mask=ok, other=0.0).to(tl.float32)
             up += tl.load(d_rows + up_rows[None, :], mask=ok, other=0.0).to(tl.float32)
-        act = _activate(gate, up, ACTIVATION)
-        tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], act.to(h_ptr.dtype.element_ty),
-                 mask=ok)
+        if LORA_W13 or LORA_W2:
+            adapter = tl.load(lora_ids_ptr + t)
+            lora_live = live & (adapter >= 0) & (adapter < lora_adapters)
+        if LORA_W13:
+            if LORA_WAIT:  # the shrink's partials: written by the grid this one was launched after
+                gdc_wait()
+            gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_b_ptr, lora_scaling_ptr, adapter, lora_live,
+                                                  pair, e64, gate_rows, up_rows, ok, num_local, 2 * I, lora_r1,
+                                                  LORA_SPLITS, LORA_R1_PAD)
+            gate += gate_term
+            up += up_term
+        act = _activate(gate, up, ACTIVATION).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], act, mask=ok)
+        if LORA_W2:  # on h as stored, as GEMV2 reads it
+            w2_decode_parts(lora_a2_ptr, lora_parts2_ptr, adapter, lora_live, pair, e64, act.to(tl.float32), offs_n,
+                            ok, tl.program_id(0) % num_n, num_n, num_local, I, lora_r2, LORA_R2_PAD)
 
 
 @triton.jit
@@ -540,6 +563,9 @@ def gemv2_tokens_kernel(
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
+    # decode LoRA (kernels/lora.py): W2's shrink partials [T*k, lora_blocks, R2_PAD] fp32 from GEMV1, B2
+    # [adapters, E, H, r2] (contiguous), scaling fp32 [adapters], adapter ids int32 [T]
+    lora_parts2_ptr, lora_b2_ptr, lora_scaling_ptr, lora_ids_ptr, lora_adapters, lora_r2, lora_blocks,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     SLOTS: tl.constexpr = 1,  # one loop over (group of SLOTS slots, K chunk); 0: a loop per slot
@@ -547,6 +573,8 @@ def gemv2_tokens_kernel(
     PACKED: tl.constexpr = False,  # 4-bit, a loop per slot: fp16x2 products on h prepared by scaled_fp16.py
     ROW_SCALED: tl.constexpr = False,  # 4-bit, a loop per slot: fp16x2 products, each h row scaled here
     XBLOCK: tl.constexpr = 1024,  # ROW_SCALED: h values per step of a row's largest-|h| scan
+    LORA_W2: tl.constexpr = False,  # W2's term added to the token's weighted sum (kernels/lora.py, decode terms)
+    LORA_R2_PAD: tl.constexpr = 16, LORA_BLOCKS_PAD: tl.constexpr = 1,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -595,4 +623,8 @@ def gemv2_tokens_kernel(
                     y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok,
                                  other=0.0).to(tl.float32)
                 total += tl.load(weights_ptr + pair) * y
+    if LORA_W2:  # GEMV1's partials: read after the wait for its grid (PDL) or its end
+        total += w2_decode_term(lora_parts2_ptr, lora_b2_ptr, lora_scaling_ptr, lora_ids_ptr, weights_ptr, ids_ptr,
+                                expert_map_ptr, t, top_k, num_global, num_local, lora_adapters, offs_n, n_ok, N,
+                                lora_r2, lora_blocks, HAS_MAP, LORA_R2_PAD, LORA_BLOCKS_PAD)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
