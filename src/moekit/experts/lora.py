@@ -373,11 +373,13 @@ class DecodeTerms:
 
 
 def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, hidden: int, gemv1_block_n: int,
-                 gemv1_slots: int, gemv2_block_n: int, pdl: bool) -> DecodeTerms | None:
+                 gemv1_slots: int, gemv2_block_n: int, pdl: bool, fence: bool) -> DecodeTerms | None:
     """Run the adapters of a decode call (GEMV1 + GEMV2 on x [T, H] in its dtype) inside the two GEMVs: launches
     W13's shrink (when the adapters touch w13) and returns what the GEMV launches add. None where the terms'
-    tiles would not fit a program's registers or a stack is not contiguous: the separate kernels serve that call.
-    ``pdl``: GEMV1 may start as the shrink's programmatic dependent (its K loop overlaps the shrink)."""
+    tiles would not fit a program's registers, a stack is not contiguous or GEMV1's program groups outnumber the
+    arrival counters: the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's programmatic
+    dependent (its K loop overlaps the shrink); ``fence``: the kernels are built for the GPU (the counters' memory
+    fence is PTX)."""
     stacks = [t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None]
     if not all(t.is_contiguous() for t in stacks):
         return None
@@ -386,24 +388,29 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, hidden:
     r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
     blocks = _triton.cdiv(inter, gemv1_block_n)
     blocks_pad = _triton.next_pow2(blocks)
+    top_k = rows.top_k
+    k_pad = _triton.next_pow2(top_k)
+    groups = rows.ids.numel() // top_k * _triton.cdiv(top_k, gemv1_slots)
     tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
-             gemv1_slots * gemv1_block_n * r2_pad if r2 else 0,
-             blocks_pad * r2_pad if r2 else 0, gemv2_block_n * r2_pad if r2 else 0]
-    if max(tiles) > DECODE_TILE:
+             gemv1_slots * max(gemv1_block_n, blocks_pad) * r2_pad if r2 else 0,
+             k_pad * gemv2_block_n * r2_pad if r2 else 0]
+    if max(tiles) > DECODE_TILE or (r2 and groups > _triton.NUM_COUNTERS):
         return None
-    parts1 = parts2 = x
+    parts1 = parts2 = counters = x
     splits = 1
     if r1:
         parts1, splits = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows, launch_dependents=pdl)
-    if r2:
-        parts2 = torch.empty(rows.ids.numel(), blocks, r2_pad, dtype=torch.float32, device=x.device)
+    if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program)
+        parts2 = torch.empty(rows.ids.numel(), blocks + 1, r2_pad, dtype=torch.float32, device=x.device)
+        counters = _triton.counters(x.device)
     b13 = lora.w13_b if r1 else x
     a2, b2 = (lora.w2_a, lora.w2_b) if r2 else (x, x)
     n = lora.num_adapters
     return DecodeTerms(
-        (parts1, b13, a2, parts2, lora.scaling, lora_ids, n, r1, r2),
+        (parts1, b13, a2, parts2, counters, lora.scaling, lora_ids, n, r1, r2),
         dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
-             LORA_R2_PAD=r2_pad, **({"launch_pdl": True} if pdl and r1 else {})),
-        (parts2, b2, lora.scaling, lora_ids, n, r2, blocks),
-        dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad),
+             LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence,
+             **({"launch_pdl": True} if pdl and r1 else {})),
+        (parts2, b2, lora_ids, n, r2, blocks),
+        dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad),
     )

@@ -416,7 +416,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         h, h.stride(0), *_scale_args(delta, h),
         ids, expert_map if expert_map is not None else ids,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
-        *(terms.gemv1_args if terms else (x, x, x, x, x, x, 0, 0, 0)),
+        *(terms.gemv1_args if terms else (x, x, x, x, x, x, x, 0, 0, 0)),
         HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         HAS_DELTA=delta is not None, FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n,
         BLOCK_K=w.gemv_block_k(cfg.block_k),
@@ -516,7 +516,7 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         weights, ids, expert_map if expert_map is not None else ids,
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
-        *(terms.gemv2_args if terms else (h, h, h, h, 0, 0, 0)),
+        *(terms.gemv2_args if terms else (h, h, h, 0, 0, 0)),
         HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
         BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=_PTX,
         SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK, launch_pdl=pdl,
@@ -629,7 +629,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
             # the adapters' terms inside the two GEMVs: one launch of their own at most
             terms = expert_lora.decode_terms(x, lora, lora_ids, pairs, two_i // 2, hidden, config.gemm1.block_n,
                                              gemv1_slots(config.gemm1, top_k), config.gemm2.block_n,
-                                             _triton.dependent_launches(x.device))
+                                             _triton.dependent_launches(x.device), gemv1_act_kernel.compiled)
         if terms is not None:
             gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl,
                   terms=terms)

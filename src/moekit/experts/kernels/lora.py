@@ -320,11 +320,22 @@ def w13_decode_terms(parts_ptr, b_ptr, scaling_ptr, adapter, live, pair, e64, ga
 
 
 @triton.jit
-def w2_decode_parts(a_ptr, parts_ptr, adapter, live, pair, e64, h, offs_n, ok, block, num_blocks, num_local, inter,
-                    R, R_PAD: tl.constexpr):
-    """Write the pairs' shrink of W2 over this block of h's columns: parts [pairs, num_blocks, R_PAD] at
-    ``block``, sum over n of A2[a, e][:, n] * h[:, n] with ``h`` [SLOTS, BLOCK_N] (fp32 of the values as stored)
-    at columns ``offs_n``. Only live pairs are written (GEMV2 reads only those). A2: contiguous [adapters, E, R, I]."""
+def _release_fence(like):
+    # Every thread publishes its partial-sum stores before the arrival counter is bumped.
+    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [like], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def w2_decode_parts(a_ptr, parts_ptr, cnt_ptr, scaling_ptr, adapter, live, pair, e64, h, offs_n, ok, group, block,
+                    num_blocks, num_local, inter, R, R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+                    FENCE: tl.constexpr):
+    """W2's shrink of the pairs ``pair`` [SLOTS] (of one GEMV1 program group: the same pairs, every block of h's
+    columns) on ``h`` [SLOTS, BLOCK_N] (fp32 of the values as stored) at columns ``offs_n``: each program writes
+    its block's sums of A2[a, e][:, n] * h[:, n] into parts [pairs, num_blocks + 1, R_PAD]; the group's last
+    program to arrive (counter ``group``) adds the blocks in block order, scales them, and writes the pair's
+    shrink at block index num_blocks, for GEMV2. Live pairs only (GEMV2 reads only those). A2: contiguous
+    [adapters, E, R, I]."""
     offs_r = tl.arange(0, R_PAD)
     a64 = tl.where(live, adapter, 0).to(tl.int64)
     base = a_ptr + ((a64 * num_local + e64) * R) * inter  # [SLOTS]: A2[a, e]
@@ -332,32 +343,40 @@ def w2_decode_parts(a_ptr, parts_ptr, adapter, live, pair, e64, h, offs_n, ok, b
     w = tl.load(base[:, None, None] + offs_r[None, :, None] * inter + offs_n[None, None, :], mask=m,
                 other=0.0).to(tl.float32)
     part = tl.sum(w * h[:, None, :], axis=2)
-    tl.store(parts_ptr + (pair.to(tl.int64)[:, None] * num_blocks + block) * R_PAD + offs_r[None, :], part,
-             mask=live[:, None])
+    rows = pair.to(tl.int64)[:, None] * (num_blocks + 1)
+    tl.store(parts_ptr + (rows + block) * R_PAD + offs_r[None, :], part, mask=live[:, None])
+    if tl.max(live.to(tl.int32), axis=0) > 0:  # the same for every program of the group
+        if FENCE:
+            _release_fence(offs_n)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_blocks - 1:
+            offs_b = tl.arange(0, BLOCKS_PAD)
+            sums = tl.load(parts_ptr + ((rows[:, :, None] + offs_b[None, :, None]) * R_PAD + offs_r[None, None, :]),
+                           mask=live[:, None, None] & (offs_b < num_blocks)[None, :, None], other=0.0)
+            shrink = tl.sum(sums, axis=1) * tl.load(scaling_ptr + a64, mask=live, other=0.0)[:, None]
+            tl.store(parts_ptr + (rows + num_blocks) * R_PAD + offs_r[None, :], shrink, mask=live[:, None])
+            tl.atomic_xchg(cnt_ptr + group, 0)  # zero again for the next launch on this stream
 
 
 @triton.jit
-def w2_decode_term(parts_ptr, b_ptr, scaling_ptr, adapter_ptr, weights_ptr, ids_ptr, expert_map_ptr, t, top_k,
-                   num_global, num_local, num_adapters, offs_n, n_ok, N, R, num_blocks, HAS_MAP: tl.constexpr,
-                   R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr):
-    """Token t's W2 term on columns ``offs_n`` [BLOCK_N] in fp32: per slot in order, its pair's parts summed over
-    GEMV1's column blocks (w2_decode_parts), scaled, times B2's rows, times the router weight. B2: contiguous
+def w2_decode_term(parts_ptr, b_ptr, adapter_ptr, weights_ptr, ids_ptr, expert_map_ptr, t, top_k, num_global,
+                   num_local, num_adapters, offs_n, n_ok, N, R, num_blocks, HAS_MAP: tl.constexpr,
+                   R_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """Token t's W2 term on columns ``offs_n`` [BLOCK_N] in fp32: its slots' scaled shrinks (w2_decode_parts, at
+    block index num_blocks) times B2's rows, times the router weights, summed over the slots. B2: contiguous
     [adapters, E, H, R]."""
-    term = tl.zeros([offs_n.shape[0]], dtype=tl.float32)
     a = tl.load(adapter_ptr + t)
-    if (a >= 0) & (a < num_adapters):
-        offs_r = tl.arange(0, R_PAD)
-        r_ok = offs_r < R
-        offs_b = tl.arange(0, BLOCKS_PAD)
-        scale = tl.load(scaling_ptr + a)
-        for j in range(0, top_k):  # slots in order
-            pair = t * top_k + j
-            e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
-            if e >= 0:
-                rows = (pair.to(tl.int64) * num_blocks + offs_b[:, None]) * R_PAD + offs_r[None, :]
-                s = tl.sum(tl.load(parts_ptr + rows, mask=(offs_b < num_blocks)[:, None], other=0.0), axis=0) * scale
-                base = b_ptr + ((a.to(tl.int64) * num_local + e) * N) * R
-                b = tl.load(base + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                            other=0.0).to(tl.float32)
-                term += tl.load(weights_ptr + pair) * tl.sum(b * s[None, :], axis=1)
-    return term
+    slots = tl.arange(0, K_PAD)
+    pair = t * top_k + slots
+    e, ok = _local_ids(ids_ptr, expert_map_ptr, pair, t * top_k + top_k, num_global, num_local, HAS_MAP)
+    ok = ok & (a >= 0) & (a < num_adapters)
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    s = tl.load(parts_ptr + (pair.to(tl.int64)[:, None] * (num_blocks + 1) + num_blocks) * R_PAD + offs_r[None, :],
+                mask=ok[:, None], other=0.0)
+    base = b_ptr + ((tl.where(ok, a, 0).to(tl.int64) * num_local + tl.where(ok, e, 0)) * N) * R  # [K_PAD]
+    b = tl.load(base[:, None, None] + offs_n[None, :, None] * R + offs_r[None, None, :],
+                mask=ok[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :], other=0.0).to(tl.float32)
+    per_slot = tl.sum(b * s[:, None, :], axis=2) * tl.load(weights_ptr + pair, mask=ok, other=0.0)[:, None]
+    return tl.sum(per_slot, axis=0)

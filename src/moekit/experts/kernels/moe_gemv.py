@@ -370,9 +370,9 @@ def gemv1_act_kernel(
     top_k, num_global, num_local, I, K,
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
     # decode LoRA (kernels/lora.py): W13's shrink partials [T*k, LORA_SPLITS, R1_PAD] fp32, B13 [adapters, E, 2I,
-    # r1], A2 [adapters, E, r2, I] (contiguous), W2's shrink partials out [T*k, I blocks, R2_PAD] fp32, scaling fp32
-    # [adapters], adapter ids int32 [T]
-    lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_scaling_ptr, lora_ids_ptr,
+    # r1], A2 [adapters, E, r2, I] (contiguous), W2's shrinks out [T*k, I blocks + 1, R2_PAD] fp32, arrival
+    # counters (one per program group), scaling fp32 [adapters], adapter ids int32 [T]
+    lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, lora_ids_ptr,
     lora_adapters, lora_r1, lora_r2,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
@@ -384,6 +384,7 @@ def gemv1_act_kernel(
     LORA_W2: tl.constexpr = False,  # W2's shrink over this program's h columns, for GEMV2
     LORA_WAIT: tl.constexpr = False,  # launched as the W13 shrink's programmatic dependent: wait before its partials
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
+    LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -454,8 +455,9 @@ def gemv1_act_kernel(
         act = _activate(gate, up, ACTIVATION).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], act, mask=ok)
         if LORA_W2:  # on h as stored, as GEMV2 reads it
-            w2_decode_parts(lora_a2_ptr, lora_parts2_ptr, adapter, lora_live, pair, e64, act.to(tl.float32), offs_n,
-                            ok, tl.program_id(0) % num_n, num_n, num_local, I, lora_r2, LORA_R2_PAD)
+            w2_decode_parts(lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, adapter, lora_live, pair,
+                            e64, act.to(tl.float32), offs_n, ok, tl.program_id(0) // num_n, tl.program_id(0) % num_n,
+                            num_n, num_local, I, lora_r2, LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE)
 
 
 @triton.jit
@@ -563,9 +565,9 @@ def gemv2_tokens_kernel(
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
-    # decode LoRA (kernels/lora.py): W2's shrink partials [T*k, lora_blocks, R2_PAD] fp32 from GEMV1, B2
-    # [adapters, E, H, r2] (contiguous), scaling fp32 [adapters], adapter ids int32 [T]
-    lora_parts2_ptr, lora_b2_ptr, lora_scaling_ptr, lora_ids_ptr, lora_adapters, lora_r2, lora_blocks,
+    # decode LoRA (kernels/lora.py): W2's shrinks [T*k, lora_blocks + 1, R2_PAD] fp32 from GEMV1, B2
+    # [adapters, E, H, r2] (contiguous), adapter ids int32 [T]
+    lora_parts2_ptr, lora_b2_ptr, lora_ids_ptr, lora_adapters, lora_r2, lora_blocks,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     SLOTS: tl.constexpr = 1,  # one loop over (group of SLOTS slots, K chunk); 0: a loop per slot
@@ -574,7 +576,7 @@ def gemv2_tokens_kernel(
     ROW_SCALED: tl.constexpr = False,  # 4-bit, a loop per slot: fp16x2 products, each h row scaled here
     XBLOCK: tl.constexpr = 1024,  # ROW_SCALED: h values per step of a row's largest-|h| scan
     LORA_W2: tl.constexpr = False,  # W2's term added to the token's weighted sum (kernels/lora.py, decode terms)
-    LORA_R2_PAD: tl.constexpr = 16, LORA_BLOCKS_PAD: tl.constexpr = 1,
+    LORA_R2_PAD: tl.constexpr = 16, LORA_K_PAD: tl.constexpr = 1,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -624,7 +626,7 @@ def gemv2_tokens_kernel(
                                  other=0.0).to(tl.float32)
                 total += tl.load(weights_ptr + pair) * y
     if LORA_W2:  # GEMV1's partials: read after the wait for its grid (PDL) or its end
-        total += w2_decode_term(lora_parts2_ptr, lora_b2_ptr, lora_scaling_ptr, lora_ids_ptr, weights_ptr, ids_ptr,
-                                expert_map_ptr, t, top_k, num_global, num_local, lora_adapters, offs_n, n_ok, N,
-                                lora_r2, lora_blocks, HAS_MAP, LORA_R2_PAD, LORA_BLOCKS_PAD)
+        total += w2_decode_term(lora_parts2_ptr, lora_b2_ptr, lora_ids_ptr, weights_ptr, ids_ptr, expert_map_ptr, t,
+                                top_k, num_global, num_local, lora_adapters, offs_n, n_ok, N, lora_r2, lora_blocks,
+                                HAS_MAP, LORA_R2_PAD, LORA_K_PAD)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
