@@ -297,26 +297,33 @@ def lora_expand_kernel(
 
 
 @triton.jit
-def w13_decode_terms(parts_ptr, b_ptr, scaling_ptr, adapter, live, pair, e64, gate_rows, up_rows, ok, num_local,
-                     two_i, R, SPLITS: tl.constexpr, R_PAD: tl.constexpr):
-    """(gate, up) terms [SLOTS, BLOCK_N] in fp32 of the pairs ``pair`` [SLOTS] (adapter ``adapter``, expert
-    ``e64``; ``live``: both valid): lora_shrink_kernel's split partial sums [pairs, SPLITS, R_PAD] summed in split
-    order and scaled (as lora_expand_kernel does), times B13's rows ``gate_rows`` / ``up_rows`` [BLOCK_N]. B13:
+def w13_decode_rows(b_ptr, adapter, live, e64, gate_rows, up_rows, ok, num_local, two_i, R, R_PAD: tl.constexpr):
+    """B13's rows of the pairs' gate and up columns ``gate_rows`` / ``up_rows`` [BLOCK_N], as loaded ([SLOTS,
+    BLOCK_N, R_PAD] each): issued before GEMV1's K loop, so that its epilogue waits only for the shrink. B13:
     contiguous [adapters, E, 2I, R]."""
     offs_r = tl.arange(0, R_PAD)
-    r_ok = offs_r < R
+    a64 = tl.where(live, adapter, 0).to(tl.int64)
+    base = b_ptr + ((a64 * num_local + e64) * two_i) * R  # [SLOTS]: B13[a, e]
+    m = (ok & live[:, None])[:, :, None] & (offs_r < R)[None, None, :]
+    cols = offs_r[None, None, :]
+    bg = tl.load(base[:, None, None] + gate_rows[None, :, None] * R + cols, mask=m, other=0.0)
+    bu = tl.load(base[:, None, None] + up_rows[None, :, None] * R + cols, mask=m, other=0.0)
+    return bg, bu
+
+
+@triton.jit
+def w13_decode_terms(parts_ptr, scaling_ptr, adapter, live, pair, bg, bu, SPLITS: tl.constexpr,
+                     R_PAD: tl.constexpr):
+    """(gate, up) terms [SLOTS, BLOCK_N] in fp32 of the pairs ``pair`` [SLOTS] (``live``: expert and adapter
+    valid): lora_shrink_kernel's split partial sums [pairs, SPLITS, R_PAD] summed in split order and scaled (as
+    lora_expand_kernel does), times B13's rows ``bg`` / ``bu`` (w13_decode_rows)."""
+    offs_r = tl.arange(0, R_PAD)
     rows = pair.to(tl.int64)[:, None] * (SPLITS * R_PAD) + offs_r[None, :]
     s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
     for i in tl.static_range(SPLITS):
         s += tl.load(parts_ptr + rows + i * R_PAD, mask=live[:, None], other=0.0)
-    a64 = tl.where(live, adapter, 0).to(tl.int64)
-    s *= tl.load(scaling_ptr + a64, mask=live, other=0.0)[:, None]
-    base = b_ptr + ((a64 * num_local + e64) * two_i) * R  # [SLOTS]: B13[a, e]
-    m = (ok & live[:, None])[:, :, None] & r_ok[None, None, :]
-    cols = offs_r[None, None, :]
-    bg = tl.load(base[:, None, None] + gate_rows[None, :, None] * R + cols, mask=m, other=0.0).to(tl.float32)
-    bu = tl.load(base[:, None, None] + up_rows[None, :, None] * R + cols, mask=m, other=0.0).to(tl.float32)
-    return tl.sum(bg * s[:, None, :], axis=2), tl.sum(bu * s[:, None, :], axis=2)
+    s *= tl.load(scaling_ptr + tl.where(live, adapter, 0), mask=live, other=0.0)[:, None]
+    return (tl.sum(bg.to(tl.float32) * s[:, None, :], axis=2), tl.sum(bu.to(tl.float32) * s[:, None, :], axis=2))
 
 
 @triton.jit
@@ -327,22 +334,26 @@ def _release_fence(like):
 
 
 @triton.jit
-def w2_decode_parts(a_ptr, parts_ptr, cnt_ptr, scaling_ptr, adapter, live, pair, e64, h, offs_n, ok, group, block,
-                    num_blocks, num_local, inter, R, R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
-                    FENCE: tl.constexpr):
-    """W2's shrink of the pairs ``pair`` [SLOTS] (of one GEMV1 program group: the same pairs, every block of h's
-    columns) on ``h`` [SLOTS, BLOCK_N] (fp32 of the values as stored) at columns ``offs_n``: each program writes
-    its block's sums of A2[a, e][:, n] * h[:, n] into parts [pairs, num_blocks + 1, R_PAD]; the group's last
-    program to arrive (counter ``group``) adds the blocks in block order, scales them, and writes the pair's
-    shrink at block index num_blocks, for GEMV2. Live pairs only (GEMV2 reads only those). A2: contiguous
-    [adapters, E, R, I]."""
+def w2_decode_cols(a_ptr, adapter, live, e64, offs_n, ok, num_local, inter, R, R_PAD: tl.constexpr):
+    """A2's columns ``offs_n`` [BLOCK_N] of the pairs, as loaded ([SLOTS, R_PAD, BLOCK_N]): issued before GEMV1's K
+    loop. A2: contiguous [adapters, E, R, I]."""
     offs_r = tl.arange(0, R_PAD)
     a64 = tl.where(live, adapter, 0).to(tl.int64)
     base = a_ptr + ((a64 * num_local + e64) * R) * inter  # [SLOTS]: A2[a, e]
     m = (ok & live[:, None])[:, None, :] & (offs_r < R)[None, :, None]
-    w = tl.load(base[:, None, None] + offs_r[None, :, None] * inter + offs_n[None, None, :], mask=m,
-                other=0.0).to(tl.float32)
-    part = tl.sum(w * h[:, None, :], axis=2)
+    return tl.load(base[:, None, None] + offs_r[None, :, None] * inter + offs_n[None, None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def w2_decode_parts(a_cols, parts_ptr, cnt_ptr, scaling_ptr, adapter, live, pair, h, offs_n, group, block,
+                    num_blocks, R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, FENCE: tl.constexpr):
+    """W2's shrink of the pairs ``pair`` [SLOTS] (of one GEMV1 program group: the same pairs, every block of h's
+    columns) on ``h`` [SLOTS, BLOCK_N] (fp32 of the values as stored) with A2's columns ``a_cols``
+    (w2_decode_cols): each program writes its block's sums into parts [pairs, num_blocks + 1, R_PAD]; the group's
+    last program to arrive (counter ``group``) adds the blocks in block order, scales them, and writes the pair's
+    shrink at block index num_blocks, for GEMV2. Live pairs only (GEMV2 reads only those)."""
+    offs_r = tl.arange(0, R_PAD)
+    part = tl.sum(a_cols.to(tl.float32) * h[:, None, :], axis=2)
     rows = pair.to(tl.int64)[:, None] * (num_blocks + 1)
     tl.store(parts_ptr + (rows + block) * R_PAD + offs_r[None, :], part, mask=live[:, None])
     if tl.max(live.to(tl.int32), axis=0) > 0:  # the same for every program of the group
@@ -354,29 +365,35 @@ def w2_decode_parts(a_ptr, parts_ptr, cnt_ptr, scaling_ptr, adapter, live, pair,
             offs_b = tl.arange(0, BLOCKS_PAD)
             sums = tl.load(parts_ptr + ((rows[:, :, None] + offs_b[None, :, None]) * R_PAD + offs_r[None, None, :]),
                            mask=live[:, None, None] & (offs_b < num_blocks)[None, :, None], other=0.0)
+            a64 = tl.where(live, adapter, 0).to(tl.int64)
             shrink = tl.sum(sums, axis=1) * tl.load(scaling_ptr + a64, mask=live, other=0.0)[:, None]
             tl.store(parts_ptr + (rows + num_blocks) * R_PAD + offs_r[None, :], shrink, mask=live[:, None])
             tl.atomic_xchg(cnt_ptr + group, 0)  # zero again for the next launch on this stream
 
 
 @triton.jit
-def w2_decode_term(parts_ptr, b_ptr, adapter_ptr, weights_ptr, ids_ptr, expert_map_ptr, t, top_k, num_global,
-                   num_local, num_adapters, offs_n, n_ok, N, R, num_blocks, HAS_MAP: tl.constexpr,
-                   R_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    """Token t's W2 term on columns ``offs_n`` [BLOCK_N] in fp32: its slots' scaled shrinks (w2_decode_parts, at
-    block index num_blocks) times B2's rows, times the router weights, summed over the slots. B2: contiguous
-    [adapters, E, H, R]."""
+def w2_decode_rows(b_ptr, adapter_ptr, ids_ptr, expert_map_ptr, t, top_k, num_global, num_local, num_adapters,
+                   offs_n, n_ok, N, R, HAS_MAP: tl.constexpr, R_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """(B2's rows ``offs_n`` of token t's slots as loaded [K_PAD, BLOCK_N, R_PAD], the slots' pairs [K_PAD], which
+    are live). B2: contiguous [adapters, E, H, R]."""
     a = tl.load(adapter_ptr + t)
-    slots = tl.arange(0, K_PAD)
-    pair = t * top_k + slots
+    pair = t * top_k + tl.arange(0, K_PAD)
     e, ok = _local_ids(ids_ptr, expert_map_ptr, pair, t * top_k + top_k, num_global, num_local, HAS_MAP)
     ok = ok & (a >= 0) & (a < num_adapters)
     offs_r = tl.arange(0, R_PAD)
-    r_ok = offs_r < R
-    s = tl.load(parts_ptr + (pair.to(tl.int64)[:, None] * (num_blocks + 1) + num_blocks) * R_PAD + offs_r[None, :],
-                mask=ok[:, None], other=0.0)
     base = b_ptr + ((tl.where(ok, a, 0).to(tl.int64) * num_local + tl.where(ok, e, 0)) * N) * R  # [K_PAD]
     b = tl.load(base[:, None, None] + offs_n[None, :, None] * R + offs_r[None, None, :],
-                mask=ok[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :], other=0.0).to(tl.float32)
-    per_slot = tl.sum(b * s[:, None, :], axis=2) * tl.load(weights_ptr + pair, mask=ok, other=0.0)[:, None]
+                mask=ok[:, None, None] & n_ok[None, :, None] & (offs_r < R)[None, None, :], other=0.0)
+    return b, pair, ok
+
+
+@triton.jit
+def w2_decode_term(parts_ptr, b_rows, pair, ok, weights_ptr, num_blocks, R_PAD: tl.constexpr):
+    """A token's W2 term [BLOCK_N] in fp32: its slots' scaled shrinks (w2_decode_parts, at block index
+    num_blocks) times B2's rows ``b_rows`` (w2_decode_rows), times the router weights, summed over the slots."""
+    offs_r = tl.arange(0, R_PAD)
+    s = tl.load(parts_ptr + (pair.to(tl.int64)[:, None] * (num_blocks + 1) + num_blocks) * R_PAD + offs_r[None, :],
+                mask=ok[:, None], other=0.0)
+    per_slot = tl.sum(b_rows.to(tl.float32) * s[:, None, :], axis=2) * tl.load(weights_ptr + pair, mask=ok,
+                                                                               other=0.0)[:, None]
     return tl.sum(per_slot, axis=0)

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .lora import w2_decode_parts, w2_decode_term, w13_decode_terms
+from .lora import (w2_decode_cols, w2_decode_parts, w2_decode_rows, w2_decode_term, w13_decode_rows,
+                   w13_decode_terms)
 from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert, _slot_operands
 
 FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14 of their value
@@ -408,6 +409,15 @@ def gemv1_act_kernel(
         sg_rows = e64[:, None] * stride_se + gate_rows[None, :] * stride_sn
         su_rows = e64[:, None] * stride_se + up_rows[None, :] * stride_sn
         x_row = x_ptr + t.to(tl.int64) * stride_xm
+        if LORA_W13 or LORA_W2:  # the adapters' weights load now: the epilogue then waits only for the shrink
+            adapter = tl.load(lora_ids_ptr + t)
+            lora_live = live & (adapter >= 0) & (adapter < lora_adapters)
+        if LORA_W13:
+            lora_bg, lora_bu = w13_decode_rows(lora_b_ptr, adapter, lora_live, e64, gate_rows, up_rows, ok, num_local,
+                                               2 * I, lora_r1, LORA_R1_PAD)
+        if LORA_W2:
+            lora_a2 = w2_decode_cols(lora_a2_ptr, adapter, lora_live, e64, offs_n, ok, num_local, I, lora_r2,
+                                     LORA_R2_PAD)
         ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
         acc_gate = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
         acc_up = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
@@ -441,23 +451,19 @@ def gemv1_act_kernel(
             d_rows = delta_ptr + pair.to(tl.int64)[:, None] * stride_dm
             gate += tl.load(d_rows + gate_rows[None, :], mask=ok, other=0.0).to(tl.float32)
             up += tl.load(d_rows + up_rows[None, :], mask=ok, other=0.0).to(tl.float32)
-        if LORA_W13 or LORA_W2:
-            adapter = tl.load(lora_ids_ptr + t)
-            lora_live = live & (adapter >= 0) & (adapter < lora_adapters)
         if LORA_W13:
             if LORA_WAIT:  # the shrink's partials: written by the grid this one was launched after
                 gdc_wait()
-            gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_b_ptr, lora_scaling_ptr, adapter, lora_live,
-                                                  pair, e64, gate_rows, up_rows, ok, num_local, 2 * I, lora_r1,
-                                                  LORA_SPLITS, LORA_R1_PAD)
+            gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair,
+                                                  lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
             gate += gate_term
             up += up_term
         act = _activate(gate, up, ACTIVATION).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], act, mask=ok)
         if LORA_W2:  # on h as stored, as GEMV2 reads it
-            w2_decode_parts(lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, adapter, lora_live, pair,
-                            e64, act.to(tl.float32), offs_n, ok, tl.program_id(0) // num_n, tl.program_id(0) % num_n,
-                            num_n, num_local, I, lora_r2, LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE)
+            w2_decode_parts(lora_a2, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, adapter, lora_live, pair,
+                            act.to(tl.float32), offs_n, tl.program_id(0) // num_n, tl.program_id(0) % num_n, num_n,
+                            LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE)
 
 
 @triton.jit
@@ -626,7 +632,9 @@ def gemv2_tokens_kernel(
                                  other=0.0).to(tl.float32)
                 total += tl.load(weights_ptr + pair) * y
     if LORA_W2:  # GEMV1's partials: read after the wait for its grid (PDL) or its end
-        total += w2_decode_term(lora_parts2_ptr, lora_b2_ptr, lora_ids_ptr, weights_ptr, ids_ptr, expert_map_ptr, t,
-                                top_k, num_global, num_local, lora_adapters, offs_n, n_ok, N, lora_r2, lora_blocks,
-                                HAS_MAP, LORA_R2_PAD, LORA_K_PAD)
+        # every slot's B2 rows and shrink in one round of loads (held through the K loop they cost occupancy)
+        lora_b2, lora_pair, lora_ok = w2_decode_rows(lora_b2_ptr, lora_ids_ptr, ids_ptr, expert_map_ptr, t, top_k,
+                                                     num_global, num_local, lora_adapters, offs_n, n_ok, N, lora_r2,
+                                                     HAS_MAP, LORA_R2_PAD, LORA_K_PAD)
+        total += w2_decode_term(lora_parts2_ptr, lora_b2, lora_pair, lora_ok, weights_ptr, lora_blocks, LORA_R2_PAD)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)

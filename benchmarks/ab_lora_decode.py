@@ -1,0 +1,100 @@
+"""Decode LoRA: the adapters' terms inside the two GEMVs against the separate shrink/expand kernels (GPU).
+
+fused_experts at T = 1 and 4 on the H200-tuned decode configurations (experts/tuned_configs.json, forced, so that
+another GPU runs the same kernels), rank-16 adapters (one, and four mixed), CUDA-graph replay of 8 calls over 2
+layers. "in the GEMVs": contiguous stacks (experts/lora.py decode_terms: one shrink launch, GEMV1 as its
+programmatic dependent, W2's shrink reduced in GEMV1 and its term added in GEMV2); "separate": the same values in
+strided stacks, which take the shrink/expand kernels (four more launches). Prints a markdown table; --out also
+writes it, with the per-kernel device time of the fused call at T=1.
+
+    python benchmarks/ab_lora_decode.py --out benchmarks/results/archive
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+from moekit import FusedMoE, fused_experts, presets
+from moekit.experts import ExpertsConfig, ExpertsLoRA
+from moekit.metrics import rel_errors
+from moekit.tools.bench.lora import lora_ids, random_lora
+from moekit.tools.bench.timing import environment, graph_time_us, kernel_times_us
+
+TABLE_KEY = "NVIDIA H200|triton-3.6.0|bfloat16"
+TABLE = Path(__file__).resolve().parents[1] / "src/moekit/experts/tuned_configs.json"
+
+
+def strided(lora: ExpertsLoRA) -> ExpertsLoRA:
+    """The same adapters with the rank axis of every stack not innermost (not contiguous)."""
+    return ExpertsLoRA(*(t.transpose(2, 3).contiguous().transpose(2, 3) for t in (lora.w13_a, lora.w13_b, lora.w2_a,
+                                                                                   lora.w2_b)), scaling=lora.scaling)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-120b"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    table = json.loads(TABLE.read_text())[TABLE_KEY]
+    env = environment()
+    lines = [f"# Decode LoRA: terms in the GEMVs against separate kernels ({env['gpu']}, {env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}; bf16, rank 16, H200-tuned decode configs, CUDA-graph "
+             "replay (us per call).", "",
+             "| preset | adapters | T | base us | in the GEMVs us | overhead | separate us | overhead | "
+             "max rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+    profiles = []
+    torch.manual_seed(0)
+    for name in args.presets:
+        spec = presets.get(name)
+        shape = f"E{spec.num_experts}_N{2 * spec.intermediate_size}_K{spec.hidden_size}"
+        layers = [FusedMoE(spec, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        for n in (1, 4):
+            lora = random_lora(spec, n, 16)
+            variants = {"fused": lora, "separate": strided(lora)}
+            for T in args.tokens:
+                cfg = ExpertsConfig.from_dict(table[shape][str(T)])
+                cases = []
+                for i in range(8):
+                    layer = layers[i % 2]
+                    x = torch.randn(T, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+                    with torch.no_grad():
+                        tw, tid = layer.route(x)
+                    cases.append((layer, x, tw, tid, lora_ids(T, n)))
+
+                def call(case, adapters):
+                    layer, x, tw, tid, ids = case
+                    kw = dict(activation=spec.activation, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias, config=cfg)
+                    if adapters is None:
+                        return lambda: fused_experts(x, layer.w13, layer.w2, tw, tid, **kw)
+                    return lambda: fused_experts(x, layer.w13, layer.w2, tw, tid, lora=adapters, lora_ids=ids, **kw)
+
+                with torch.no_grad():
+                    base = graph_time_us([call(c, None) for c in cases], replays=50)
+                    us = {k: graph_time_us([call(c, v) for c in cases], replays=50) for k, v in variants.items()}
+                    diff = rel_errors(call(cases[0], lora)().float(), call(cases[0], variants["separate"])().float())[0]
+                    if T == 1 and n == 1:
+                        profiles += [f"{name} T=1: {k} {t:.1f} us x{c}" for k, t, c in
+                                     kernel_times_us(call(cases[0], lora))]
+                lines.append(f"| {name} | {n} | {T} | {base:.1f} | {us['fused']:.1f} | {us['fused'] / base - 1:+.0%} | "
+                             f"{us['separate']:.1f} | {us['separate'] / base - 1:+.0%} | {diff:.1e} |")
+                print(lines[-1], flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    md = "\n".join(lines + ["", "Device time per kernel of the call with terms in the GEMVs (eager, torch.profiler; "
+                                "GEMV2 starts early under PDL, so its time includes its wait):", ""]
+                   + [f"- {line}" for line in profiles]) + "\n"
+    print(md)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        gpu = env["gpu"].split()[1].lower() if len(env["gpu"].split()) > 1 else "gpu"
+        (args.out / f"ab_lora_decode_{gpu}_{datetime.date.today().isoformat()}.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()
