@@ -127,6 +127,28 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
 
 
+def test_the_w13_shrink_is_the_launch_right_before_gemv1(monkeypatch):
+    """GEMV1 starts as the shrink's programmatic dependent and reads its other inputs before it waits: every launch
+    that prepares them (fp16 pairs of x for 4-bit weights) must come before the shrink."""
+    from moekit._launch import Launcher
+
+    order = []
+    real = Launcher.launch
+    monkeypatch.setattr(Launcher, "launch", lambda self, *a: order.append(self.__name__) or real(self, *a))
+    E, H, I, k, T = 5, 64, 32, 2, 3
+    w13, w2 = _weights(E, H, I, torch.float32)
+    q13, q2 = quantize_experts(w13, "mxfp4"), quantize_experts(w2, "mxfp4")
+    lora = _lora(2, E, H, I, 4, torch.float16)
+    x = torch.randn(T, H).half()
+    tw, tid = _routes(T, E, k)
+    lids = _lora_ids(T, 2)
+    got = fused_experts(x, q13, q2, tw, tid, backend="triton", config=GEMV, lora=lora, lora_ids=lids)
+    assert "scaled_fp16_kernel" in order  # the packed 4-bit decode: x prepared by a launch of its own
+    assert order.index("gemv1_act_kernel") == order.index("lora_shrink_kernel") + 1, order
+    ref = reference.fused_experts(x, dequantize(q13).half(), dequantize(q2).half(), tw, tid, lora=lora, lora_ids=lids)
+    check_close("mxfp4 decode terms", got, ref, _tol(torch.float16))
+
+
 def test_rank_past_64_runs_in_sub_blocks_of_the_aligned_rows():
     """r = 70 pads to 128: the block kernel then takes 32 of each 64-row block per program."""
     T, E, H, I, k, n, r = 20, 3, 40, 24, 2, 2, 70

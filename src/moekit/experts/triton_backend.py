@@ -399,6 +399,8 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     if _row_scaled(cfg, w, x.dtype):
+        if terms is not None:
+            raise ValueError("gemv1: the decode terms run in gemv1_act_kernel only, not the row-scaled kernel")
         return _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
                            up_off)
     slots = gemv1_slots(cfg, top_k)
@@ -409,9 +411,12 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         x_args = (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
     else:
         x_args = (x, x.stride(0), x.stride(1), x, 0)
+    w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
+    if terms is not None:
+        terms.launch_shrink()
     return gemv1_act_kernel[(programs,)](
         *x_args,
-        *w.gemv_args(),
+        *w_args,
         *_bias_args(b13, x),
         h, h.stride(0), *_scale_args(delta, h),
         ids, expert_map if expert_map is not None else ids,
