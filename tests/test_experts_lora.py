@@ -469,6 +469,50 @@ def test_gpu_quantized_bases(fmt, act_quant, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,fmt", [("qwen3-30b-a3b", None), ("gpt-oss-120b", None), ("gpt-oss-120b", "mxfp4"),
+                                      ("qwen3-30b-a3b", "nvfp4")])
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(name, fmt, T):
+    """The H200 table's decode configs forced on any GPU (elsewhere T=1 may take the per-pair tensor cores): the
+    adapters' terms inside GEMV1/GEMV2, their shrink as GEMV1's programmatic parent, eager and in a CUDA graph."""
+    import json
+    from pathlib import Path
+
+    import moekit.experts
+    from moekit import presets
+
+    spec = presets.get(name)
+    E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
+    table = json.loads(Path(moekit.experts.__file__).with_name("tuned_configs.json").read_text())
+    key = "NVIDIA H200|triton-3.6.0|bfloat16" + (f"|{fmt}" if fmt else "")
+    entry = table[key][f"E{E}_N{2 * I}_K{H}"][str(T)]
+    cfg = ExpertsConfig.from_dict(entry)
+    if not cfg.gemv:
+        pytest.skip(f"the table's {name} {fmt or 'bf16'} T={T} config is not the CUDA-core decode")
+    w13, w2 = _weights(E, H, I, torch.bfloat16, "cuda")
+    if fmt:
+        w13, w2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    lora = _lora(4, E, H, I, 16, torch.bfloat16, "cuda")
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    tw, tid = _routes(T, E, k, "cuda")
+    lids = _lora_ids(T, 4, "cuda")
+    out = _poisoned((T, H), torch.bfloat16, "cuda")
+    kw = dict(activation=spec.activation, config=cfg, lora=lora, lora_ids=lids, out=out)
+    fused_experts(x, w13, w2, tw, tid, **kw)
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, lora=lora, lora_ids=lids)
+    check_close(f"{name} {fmt or 'bf16'} T={T} eager", out, ref, EXPERTS_TOL[torch.bfloat16])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_experts(x, w13, w2, tw, tid, **kw)
+    lids.copy_(_lora_ids(T, 4, "cuda"))
+    out.fill_(float("nan"))
+    for _ in range(3):  # the arrival counters are zero again after every replay
+        graph.replay()
+    ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, lora=lora, lora_ids=lids)
+    check_close(f"{name} {fmt or 'bf16'} T={T} replayed", out, ref, EXPERTS_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 16, 256])
 def test_gpu_lora_replays_in_a_cuda_graph_with_new_adapter_ids(T):
     from moekit import presets
