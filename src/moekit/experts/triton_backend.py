@@ -395,7 +395,7 @@ def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
 def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
            pdl: bool = False, delta=None, terms: expert_lora.DecodeTerms | None = None):
     """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py); or ``terms``:
-    the adapters' decode terms run inside (gemv1_slots / decode_fusable say when)."""
+    the adapters' decode terms run inside (experts/lora.py decode_terms; GEMV1 launches their shrink)."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     if _row_scaled(cfg, w, x.dtype):
