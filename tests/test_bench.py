@@ -123,7 +123,7 @@ def test_markdown_numbers_long_notes_and_lists_the_sglang_configs():
             "CUDA (T = 16). combine Triton.") in md
 
 
-@pytest.mark.skipif(not HAS_SGLANG, reason="needs an installed sglang (pip install --no-deps sglang)")
+@pytest.mark.skipif(not HAS_SGLANG, reason=f"needs an installed sglang ({sglang_peer.INSTALL})")
 def test_sglang_config_lookup_runs_for_a_named_device():
     # the engine's own lookup, on the CPU: its tuned file for the device where one exists, its default otherwise
     h200 = sglang_peer.Sglang("NVIDIA H200")
@@ -142,7 +142,7 @@ def test_sglang_config_lookup_runs_for_a_named_device():
     assert other.plan(1, 128, 2 * 768, 2048, 8)["config"]["BLOCK_SIZE_M"] == 16
 
 
-@pytest.mark.skipif(not HAS_SGLANG, reason="needs an installed sglang (pip install --no-deps sglang)")
+@pytest.mark.skipif(not HAS_SGLANG, reason=f"needs an installed sglang ({sglang_peer.INSTALL})")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about the interpreter (the GPU run is the benchmark)")
 @pytest.mark.parametrize("activation", ["silu_and_mul", "swiglu_oai"])
 def test_sglang_peer_matches_float64_in_the_interpreter(activation):

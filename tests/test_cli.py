@@ -70,6 +70,13 @@ def test_verify_prints_its_table_before_the_json_can_fail(tmp_path, capsys, monk
     assert captured.err.startswith(f"moekit verify: error: could not write --json {report}")
 
 
+def test_verify_table_keeps_the_bracketed_names_of_its_rows(capsys):
+    # fused_experts[mxfp4] and fused_experts[lora] are different rows: rich markup must not eat the brackets
+    code = main(["verify", "--preset", "gpt-oss-20b", "--tokens", "1", "--backend", "torch"])
+    out = capsys.readouterr().out
+    assert code == 0 and "fused_experts[mxfp4]" in out and "fused_experts[lora]" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about the CPU interpreter")
 def test_verify_bf16_on_cpu_skips_interpreted_kernels(capsys):
     assert main(["verify", "--preset", "qwen3-30b-a3b", "--tokens", "33", "--dtype", "bfloat16"]) == 0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -40,6 +41,10 @@ def cmd_presets(args) -> int:
                       s.activation, "yes" if s.router_bias else "", groups)
     _console().print(table)
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _console():
@@ -148,10 +153,11 @@ def _verify(args) -> int:
     for col in ("op", "impl", "preset", "T", "max err", "rms rel", "top-k agree", "status"):
         table.add_column(col)
     for r in results:
-        status = "[green]PASS[/]" if r.ok else f"[red]FAILED[/] {r.detail}"
-        table.add_row(r.op, r.impl, r.preset, str(r.tokens), f"{r.max_rel:.1e}",
-                      f"{r.rms_rel:.1e}" if r.op not in ("fused_router", "route") else "",
-                      f"{r.agree:.3f}" if r.op in ("route", "fused_router") else "", status)
+        # names such as fused_experts[mxfp4] are text, not rich markup (which would drop the bracket)
+        status = "[green]PASS[/]" if r.ok else f"[red]FAILED[/] {escape(r.detail)}"
+        routes = r.op.split("[")[0] in ("route", "fused_router")
+        table.add_row(escape(r.op), escape(r.impl), escape(r.preset), str(r.tokens), f"{r.max_rel:.1e}",
+                      "" if routes else f"{r.rms_rel:.1e}", f"{r.agree:.3f}" if routes else "", status)
     console.print(table)
     failed = [r for r in results if not r.ok]
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
@@ -173,8 +179,8 @@ def _run_groups(groups, names, tokens, console, run):
         for group in groups:
             started = time.time()
             if not console.is_terminal:
-                print(f"checking {group}: {per_group} cases ({len(names)} presets x {len(tokens)} token counts)",
-                      flush=True)
+                print(f"checking {group}: {per_group} cases ({_count(len(names), 'preset')} x "
+                      f"{_count(len(tokens), 'token count')})", flush=True)
             bar.update(task, description=f"{group}")
 
             def on_case(name, T, group=group):
