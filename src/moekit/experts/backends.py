@@ -215,8 +215,8 @@ def explain(call: ExpertsCall, backend: str = "auto") -> str:
     act = str(call.act_dtype).removeprefix("torch.") + (f" rounded to {call.act_quant}" if call.act_quant else "")
     lines = [f"experts call: {call.weight_format} weights, {act} activations{', LoRA' if call.lora else ''}, "
              f"{call.device}, T={call.num_tokens}, backend={backend!r}"
-             + (", batch-invariant mode (aligned kernels, one K step per shape at every T)" if _invariant.enabled()
-                else "")]
+             + (", batch-invariant mode (triton: aligned kernels, one K step per shape at every T; torch: matmuls "
+                f"of {_invariant.ROWS_PER_MATMUL} rows)" if _invariant.enabled() else "")]
     taken = False
     for b in BACKENDS:
         if taken:
