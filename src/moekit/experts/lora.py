@@ -293,7 +293,8 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
             return
         emap = rows.expert_map if rows.expert_map is not None else rows.ids
         has_map = rows.expert_map is not None
-        parts, splits, _ = _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows)
+        parts, splits, shrink = _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows)
+        shrink()
         slots_pad = _triton.next_pow2(slots)
         chunk = max(1, min(slots_pad, EXPAND_TILE // (16 * r_pad)))  # at least 16 columns per program
         block_n = max(16, min(256, EXPAND_TILE // (chunk * r_pad)))
@@ -337,11 +338,10 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad, num_warps=4)
 
 
-def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_dependents: bool = False,
-                 deferred: bool = False):
-    """The decode modes' shrink: (fp32 partial sums [pairs, splits, R_PAD] of A[a, e] v per K split, splits, the
-    launch). ``launch_dependents``: the next grid (GEMV1 with decode terms) may start as this one starts;
-    ``deferred``: the launch is left to the caller (the third element), else done here."""
+def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_dependents: bool = False):
+    """The decode modes' shrink: (its output, fp32 partial sums [pairs, splits, R_PAD] of A[a, e] v per K split,
+    splits, its launch, for the caller to make). ``launch_dependents``: the next grid (GEMV1 with decode terms) may
+    start as this one starts."""
     kernels = _kernels()
     r, k = a.shape[2], a.shape[3]
     r_pad = _r_pad(r)
@@ -359,8 +359,6 @@ def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_depen
             STAGE=stage, HAS_MAP=rows.expert_map is not None, HAS_SCALES=v_scales is not None, BLOCK_K=block_k,
             R_PAD=r_pad, LAUNCH_DEPENDENTS=launch_dependents, num_warps=4)
 
-    if not deferred:
-        launch()
     return parts, splits, launch
 
 
@@ -380,13 +378,13 @@ class DecodeTerms:
     launch_shrink: Callable[[], None]  # W13's shrink: GEMV1 launches it right before itself (after its preparation)
 
 
-def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, hidden: int, gemv1_block_n: int,
-                 gemv1_slots: int, gemv2_block_n: int, pdl: bool, fence: bool) -> DecodeTerms | None:
+def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_block_n: int, gemv1_slots: int,
+                 gemv2_block_n: int, pdl: bool, fence: bool) -> DecodeTerms | None:
     """Run the adapters of a decode call (GEMV1 + GEMV2 on x [T, H] in its dtype) inside the two GEMVs: what the
     GEMV launches add, W13's shrink (when the adapters touch w13) among it, for GEMV1 to launch right before itself
-    (as its programmatic dependent GEMV1 reads only what launches before the shrink wrote, until it waits). None where the terms'
-    tiles would not fit a program's registers, a stack is not contiguous or GEMV1's program groups outnumber the
-    arrival counters: the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's programmatic
+    (as the shrink's programmatic dependent GEMV1 reads, until it waits, only what earlier launches wrote). None
+    where the terms' tiles would not fit a program's registers, a stack is not contiguous or GEMV1's program groups
+    outnumber the arrival counters: the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's programmatic
     dependent (its K loop overlaps the shrink; a link of its own, whatever the config says of GEMV2's); ``fence``:
     the kernels are built for the GPU (the counters' memory fence is PTX)."""
     stacks = [t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None]
@@ -409,7 +407,7 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, hidden:
     splits, launch_shrink = 1, _nothing
     if r1:
         parts1, splits, launch_shrink = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows,
-                                                     launch_dependents=pdl, deferred=True)
+                                                     launch_dependents=pdl)
     if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program)
         parts2 = torch.empty(rows.ids.numel(), blocks + 1, r2_pad, dtype=torch.float32, device=x.device)
         counters = _triton.counters(x.device)

@@ -629,12 +629,13 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         if lora is not None:
             pairs = expert_lora.Rows("pairs", num_pairs, top_k, ids=ids, expert_map=expert_map, num_global=num_global)
         gemv = config.gemv and not fp8
-        pdl = gemv and config.pdl and _triton.dependent_launches(x.device)
+        dependent = _triton.dependent_launches(x.device)
+        pdl = gemv and config.pdl and dependent
         if lora is not None and gemv and not config.split_slots and not _row_scaled(config.gemm1, w13, dtype):
             # the adapters' terms inside the two GEMVs: one launch of their own at most
-            terms = expert_lora.decode_terms(x, lora, lora_ids, pairs, two_i // 2, hidden, config.gemm1.block_n,
-                                             gemv1_slots(config.gemm1, top_k), config.gemm2.block_n,
-                                             _triton.dependent_launches(x.device), gemv1_act_kernel.compiled)
+            terms = expert_lora.decode_terms(x, lora, lora_ids, pairs, two_i // 2, config.gemm1.block_n,
+                                             gemv1_slots(config.gemm1, top_k), config.gemm2.block_n, dependent,
+                                             gemv1_act_kernel.compiled)
         if terms is not None:
             gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl,
                   terms=terms)

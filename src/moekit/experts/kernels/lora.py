@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from ...routing.kernels.router import _gpu_release_fence
 from .align import _local_ids
 from .moe_gemm import ALIGNED, BATCHED, FP8_GROUP, _pair_expert, _paired_columns
 
@@ -288,12 +289,12 @@ def lora_expand_kernel(
 
 
 # ------------------------------------------------------------------- the decode modes' terms inside the GEMVs
-# At a few tokens each extra launch costs as much as the adapters' arithmetic: with ``fused`` decode LoRA
-# (experts/lora.py, DecodeLoRA) only W13's shrink runs as a kernel of its own, launched before GEMV1, which starts
-# as its programmatic dependent and waits for it after its own K loop. GEMV1 adds W13's term to its sums
-# (w13_decode_terms), then writes each pair's shrink of W2 over its block of h columns (w2_decode_parts); GEMV2
-# sums those blocks in block order and adds W2's term to its slots' weighted sum (w2_decode_term). The adapter
-# stacks are contiguous there, so their strides follow from the shapes.
+# At a few tokens each extra launch costs as much as the adapters' arithmetic: with the decode terms
+# (experts/lora.py, decode_terms) only W13's shrink runs as a kernel of its own, launched right before GEMV1, which
+# starts as its programmatic dependent and waits for it after its own K loop. GEMV1 adds W13's term to its sums
+# (w13_decode_terms), then writes each pair's shrink of W2 over its block of h columns, and the last program of
+# the pair's group adds the blocks in block order (w2_decode_parts); GEMV2 adds W2's term to its slots' weighted
+# sum (w2_decode_term). The adapter stacks are contiguous there, so their strides follow from the shapes.
 
 
 @triton.jit
@@ -327,13 +328,6 @@ def w13_decode_terms(parts_ptr, scaling_ptr, adapter, live, pair, bg, bu, SPLITS
 
 
 @triton.jit
-def _release_fence(like):
-    # Every thread publishes its partial-sum stores before the arrival counter is bumped.
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [like], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def w2_decode_cols(a_ptr, adapter, live, e64, offs_n, ok, num_local, inter, R, R_PAD: tl.constexpr):
     """A2's columns ``offs_n`` [BLOCK_N] of the pairs, as loaded ([SLOTS, R_PAD, BLOCK_N]): issued before GEMV1's K
     loop. A2: contiguous [adapters, E, R, I]."""
@@ -358,7 +352,7 @@ def w2_decode_parts(a_cols, parts_ptr, cnt_ptr, scaling_ptr, adapter, live, pair
     tl.store(parts_ptr + (rows + block) * R_PAD + offs_r[None, :], part, mask=live[:, None])
     if tl.max(live.to(tl.int32), axis=0) > 0:  # the same for every program of the group
         if FENCE:
-            _release_fence(offs_n)
+            _gpu_release_fence(offs_n)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
         if arrived == num_blocks - 1:
