@@ -1,10 +1,11 @@
 """Batch-invariant fused_router in one launch? The fused kernel against router_gemm + the routing kernel (GPU).
 
 In batch-invariant mode fused_router runs router_gemm and the routing kernel at every T (routing/tiers.py
-fused_applies): 11.5 against 7.2 us at qwen3-30b-a3b T=1 on an H100 (2026-12-06), the routing kernel's launch being
-the difference. The one-launch kernel under the mode already takes the mode's GEMM (the same K splits and steps) and
-routes one token per finishing step (FIN_T=1), but serves T <= 128 only; the routing kernel routes
-routing_block_tokens(E) tokens per program. This measures, in the mode:
+fused_applies): 11.5 against 7.2 us at qwen3-30b-a3b T=1 on an H100
+(benchmarks/results/archive/invariant_route_h100_2026-12-06.md), the routing kernel's launch being the difference.
+The one-launch kernel under the mode already takes the mode's GEMM (the same K splits and steps) and routes one
+token per finishing step (FIN_T=1), but serves T <= 128 only; the routing kernel routes routing_block_tokens(E)
+tokens per program. This measures, in the mode:
 
   unfused            as shipped: router_gemm + the routing kernel at every T
   fused <= 128       the fused kernel up to T=128, unfused above

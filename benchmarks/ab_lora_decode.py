@@ -5,7 +5,7 @@ another GPU runs the same kernels), rank-16 adapters (one, and four mixed), CUDA
 layers. "in the GEMVs": contiguous stacks (experts/lora.py decode_terms: one shrink launch, GEMV1 as its
 programmatic dependent, W2's shrink reduced in GEMV1 and its term added in GEMV2); "separate": the same values in
 strided stacks, which take the shrink/expand kernels (four more launches). Prints a markdown table; --out also
-writes it, with the per-kernel device time of the fused call at T=1.
+writes it (markdown and JSON), with the per-kernel device time of the fused call at T=1.
 
     python benchmarks/ab_lora_decode.py --out benchmarks/results/archive
 """
@@ -48,7 +48,7 @@ def main() -> None:
              "replay (us per call).", "",
              "| preset | adapters | T | base us | in the GEMVs us | overhead | separate us | overhead | "
              "max rel diff |", "|---|---|---|---|---|---|---|---|---|"]
-    profiles = []
+    profiles, records = [], []
     torch.manual_seed(0)
     for name in args.presets:
         spec = presets.get(name)
@@ -81,6 +81,8 @@ def main() -> None:
                     if T == 1 and n == 1:
                         profiles += [f"{name} T=1: {k} {t:.1f} us x{c}" for k, t, c in
                                      kernel_times_us(call(cases[0], lora))]
+                records.append({"preset": name, "adapters": n, "T": T, "base_us": base, "in_gemvs_us": us["fused"],
+                                "separate_us": us["separate"], "max_rel_diff": diff})
                 lines.append(f"| {name} | {n} | {T} | {base:.1f} | {us['fused']:.1f} | {us['fused'] / base - 1:+.0%} | "
                              f"{us['separate']:.1f} | {us['separate'] / base - 1:+.0%} | {diff:.1e} |")
                 print(lines[-1], flush=True)
@@ -93,7 +95,10 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         gpu = env["gpu"].split()[1].lower() if len(env["gpu"].split()) > 1 else "gpu"
-        (args.out / f"ab_lora_decode_{gpu}_{datetime.date.today().isoformat()}.md").write_text(md)
+        stem = args.out / f"ab_lora_decode_{gpu}_{datetime.date.today().isoformat()}"
+        stem.with_suffix(".md").write_text(md)
+        stem.with_suffix(".json").write_text(json.dumps({"env": env, "records": records, "kernels": profiles},
+                                                        indent=1))
 
 
 if __name__ == "__main__":
