@@ -1,13 +1,13 @@
 """Batch-invariant fused_router in one launch? The fused kernel against router_gemm + the routing kernel (GPU).
 
-In batch-invariant mode fused_router runs router_gemm and the routing kernel at every T (routing/tiers.py
-fused_applies): 11.5 against 7.2 us at qwen3-30b-a3b T=1 on an H100
-(benchmarks/results/archive/invariant_route_h100_2026-12-06.md), the routing kernel's launch being the difference.
-The one-launch kernel under the mode already takes the mode's GEMM (the same K splits and steps) and routes one
-token per finishing step (FIN_T=1), but serves T <= 128 only; the routing kernel routes routing_block_tokens(E)
-tokens per program. This measures, in the mode:
+In batch-invariant mode fused_router ran router_gemm and the routing kernel at every T: 11.5 against 7.2 us at
+qwen3-30b-a3b T=1 on an H100 (benchmarks/results/archive/invariant_route_h100_2026-12-06.md), the routing kernel's
+launch being the difference. The one-launch kernel under the mode takes the mode's GEMM (the same K splits and
+steps) and routes one token per finishing step (FIN_T=1), but serves T <= 128 only; the routing kernel routes
+routing_block_tokens(E) tokens per program. This measures, in the mode:
 
-  unfused            as shipped: router_gemm + the routing kernel at every T
+  unfused            router_gemm + the routing kernel at every T
+  auto               as shipped (routing/tiers.py fused_applies: the fused kernel up to INVARIANT_FUSED_MAX_TOKENS)
   fused <= 128       the fused kernel up to T=128, unfused above
   fused <= 128, 1/p  the same with the routing kernel at one token per program (the fused kernel's tile)
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 from pathlib import Path
 
 import torch
@@ -74,8 +75,9 @@ def main() -> None:
     lines = [f"# Batch-invariant fused_router: one launch or two ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}; bf16 x and router weights. bitwise: a probe token's "
              f"routes alone and in batches of {', '.join(map(str, _invariant.SIZES))} at three positions.", ""]
-    variants = {"unfused": (None, None), "fused <= 128": (tiers.FUSED_MAX_TOKENS, None),
+    variants = {"unfused": (None, None), "auto": ("auto", None), "fused <= 128": (tiers.FUSED_MAX_TOKENS, None),
                 "fused <= 128, 1/p": (tiers.FUSED_MAX_TOKENS, 1)}
+    records = []
     rows = ["| preset | variant | bitwise | " + " | ".join(f"T={t} us" for t in TIMED_T) + " |",
             "|---|---|---|" + "---|" * len(TIMED_T)]
     for name in args.presets:
@@ -92,11 +94,15 @@ def main() -> None:
             default = [graph_time_us([lambda x=torch.randn(T, H, device=dev).bfloat16(): call(x, "auto")] * 8)
                        for T in TIMED_T]
             rows.append(f"| {name} | default mode (auto) | - | " + " | ".join(f"{t:.1f}" for t in default) + " |")
+            records.append({"preset": name, "variant": "default mode (auto)", "bitwise": None,
+                            "us": dict(zip(map(str, TIMED_T), default))})
         with _invariant.batch_invariant(True):
             for label, (limit, per_program) in variants.items():
                 with routing_tokens_per_program(per_program):
                     def run(inputs, limit=limit):
                         x = inputs["x"]
+                        if limit == "auto":
+                            return call(x, "auto")
                         return call(x, "fused" if limit is not None and x.shape[0] <= limit else "unfused")
                     CheckedCalls.forget_all()  # decisions taken under another routing tile
                     mismatch = _invariant.token_mismatch(run, probe, others)
@@ -105,11 +111,16 @@ def main() -> None:
                 rows.append(f"| {name} | {label} | {'yes' if mismatch is None else mismatch} | "
                             + " | ".join(f"{t:.1f}" for t in times) + " |")
                 print(rows[-1], flush=True)
+                records.append({"preset": name, "variant": label, "bitwise": mismatch is None,
+                                "mismatch": None if mismatch is None else str(mismatch),
+                                "us": dict(zip(map(str, TIMED_T), times))})
     md = "\n".join(lines + rows) + "\n"
     print(md)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"ab_invariant_router_{datetime.date.today().isoformat()}.md").write_text(md)
+        stem = args.out / f"ab_invariant_router_{datetime.date.today().isoformat()}"
+        stem.with_suffix(".md").write_text(md)
+        stem.with_suffix(".json").write_text(json.dumps({"env": env, "records": records}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

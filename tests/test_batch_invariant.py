@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moekit
-from moekit import _invariant, backends, fused_experts, gate, presets
+from moekit import _invariant, _triton, backends, fused_experts, gate, presets
 from moekit.experts import ExpertsConfig, GemmConfig
 from moekit.experts import configs as C
 from moekit.experts import gate_case
@@ -120,7 +120,11 @@ def test_the_switch_changes_the_cached_decisions_at_the_next_call():
     call = backends.ExpertsCall("dense", torch.float16, dev, 4)
     assert "batch-invariant" in backends.explain(call)
     assert "batch-invariant" in tiers.explain(4, 2880, 128, dev)
-    assert not tiers.fused_applies(1, torch.device("cuda"), 2880, 128)
+    # the one-launch kernel in the mode's order up to INVARIANT_FUSED_MAX_TOKENS (the same bits as the two launches)
+    cuda = torch.device("cuda")
+    small_t = tiers.INVARIANT_FUSED_MAX_TOKENS
+    assert tiers.fused_applies(small_t, cuda, 2880, 128) == _triton.triton_importable()
+    assert not tiers.fused_applies(small_t + 1, cuda, 2880, 128)
 
 
 def test_what_cannot_be_invariant_is_refused_naming_the_switch():

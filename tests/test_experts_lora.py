@@ -275,7 +275,45 @@ def test_tokens_without_an_adapter_get_the_base_result_bit_for_bit(mode):
     assert torch.equal(got, base)
 
 
-def test_w2_term_reads_h_in_the_word_decoded_column_order():
+@pytest.mark.parametrize("share", [0.0, 1e9], ids=["added_after_gemm2", "gemm2_delta"])
+@pytest.mark.parametrize("fmt", ["standard", "batched"])
+def test_both_forms_of_the_w2_term(monkeypatch, share, fmt):
+    """The aligned and batched paths add the w2 term to GEMM2's output after it, or hand it to GEMM2 as an fp32 delta
+    added before the router weight (experts/lora.py w2_term_as_delta: while the delta's traffic is small against
+    GEMM2's weights); both against float64, with every adapter, none and an empty expert."""
+    from moekit.experts import lora as expert_lora
+
+    monkeypatch.setattr(expert_lora, "DELTA_TRAFFIC_SHARE", share)
+    chose = []
+    real = expert_lora.w2_term_as_delta
+    monkeypatch.setattr(expert_lora, "w2_term_as_delta", lambda *a: chose.append(real(*a)) or chose[-1])
+    E, H, I, k, n = 5, 33, 19, 3, 3
+    w13, w2 = _weights(E, H, I, torch.float16)
+    lora = _lora(n, E, H, I, 6, torch.float16)
+    if fmt == "standard":
+        T = 9
+        x = torch.randn(T, H).half()
+        tw, tid = _routes(T, E, k)
+        lids = _lora_ids(T, n)
+        got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=ALIGNED_32, lora=lora, lora_ids=lids,
+                            out=_poisoned((T, H), torch.float16))
+        ref = reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids)
+        valid = slice(None)
+    else:
+        M = 6
+        x = torch.randn(E, M, H).half()
+        counts = torch.tensor([6, 0, 2, 5, 1], dtype=torch.int32)
+        valid = torch.arange(M)[None, :] < counts[:, None].long()
+        lids = torch.randint(-1, n, (E, M), dtype=torch.int32)
+        got = batched_experts(x, counts, w13, w2, backend="triton", lora=lora, lora_ids=lids,
+                              out=_poisoned((E, M, H), torch.float16))
+        ref = reference.batched_experts(x, counts, w13, w2, lora=lora, lora_ids=lids)
+    assert chose == [share > 0]
+    check_close(f"{fmt}, w2 term {'as delta' if share else 'added'}", got[valid], ref[valid], _tol(torch.float16))
+
+
+@pytest.mark.parametrize("form", ["added", "delta"])
+def test_w2_term_reads_h_in_the_word_decoded_column_order(form):
     """On the GPU, bf16 activations before a 4-bit GEMM2 leave GEMM1's output in the word-decoded tiles' column order
     (triton_backend.paired_k): the w2 term then reads A's columns in that order (here forced in the interpreter)."""
     from moekit.experts import lora as lora_host
@@ -288,10 +326,15 @@ def test_w2_term_reads_h_in_the_word_decoded_column_order():
     rows = lora_host.Rows("aligned", block_expert.numel() * bm, k, bm, T * k, block_expert, sorted_pairs)
     h = torch.randn(rows.count, I)
     lids = _lora_ids(T, n)
-    natural, paired = torch.zeros(T * k, H), torch.zeros(T * k, H)
-    lora_host.w2_add(h, None, lora, lids, rows, natural, tw.reshape(-1).contiguous())
-    lora_host.w2_add(paired_k(h), None, lora, lids, rows, paired, tw.reshape(-1).contiguous(), h_paired=True)
-    assert natural.abs().sum() > 0
+    if form == "delta":
+        like = torch.empty(T * k, H)  # GEMM2's per-pair output: the delta's layout
+        natural = lora_host.w2_delta(h, None, lora, lids, rows, like)
+        paired = lora_host.w2_delta(paired_k(h), None, lora, lids, rows, like, h_paired=True)
+    else:
+        natural, paired = torch.zeros(T * k, H), torch.zeros(T * k, H)
+        lora_host.w2_add(h, None, lora, lids, rows, natural, tw.reshape(-1).contiguous())
+        lora_host.w2_add(paired_k(h), None, lora, lids, rows, paired, tw.reshape(-1).contiguous(), h_paired=True)
+    assert natural.abs().sum() > 0 and not natural.isnan().any()
     check_close("paired h", paired, natural, FP32_REORDERED)
 
 

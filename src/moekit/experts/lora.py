@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import _triton, gate
+from .. import _invariant, _triton, gate
 from .._checks import check_tensor
 from .._launch import Launcher
 
@@ -253,15 +253,34 @@ def _pair_splits(k: int, block_k: int) -> tuple[int, int]:
 
 
 def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor,
-              rows: Rows) -> torch.Tensor | None:
+              rows: Rows, dependents: bool = False) -> torch.Tensor | None:
     """GEMM1's delta rows [rows.count, 2I] in x's dtype (the LoRA term on w13 of each of h's rows, zero without an
     adapter; padding rows unwritten), or None when the adapters leave w13 alone. ``x``: the GEMM input ([T, H],
-    or [E, M, H] batched; E4M3 codes with ``x_scales`` [rows of x, H/128] under FP8 activations)."""
+    or [E, M, H] batched; E4M3 codes with ``x_scales`` [rows of x, H/128] under FP8 activations). ``dependents``
+    (aligned and batched rows): the next launch (GEMM1, waiting before it reads the delta) may start as this one
+    starts."""
     if lora.w13_a is None:
         return None
     dtype = lora.dtype if x_scales is not None else x.dtype
     delta = torch.empty(rows.count, lora.w13_b.shape[2], dtype=dtype, device=x.device)
-    _launch(1, x, x_scales, lora.w13_a, lora.w13_b, lora, lora_ids, delta, None, rows)
+    _launch(1, x, x_scales, lora.w13_a, lora.w13_b, lora, lora_ids, delta, None, rows, dependents=dependents)
+    return delta
+
+
+def w2_delta(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor, rows: Rows,
+             like: torch.Tensor, h_paired: bool = False, dependents: bool = False) -> torch.Tensor | None:
+    """GEMM2's delta (aligned or batched rows): the LoRA term on w2 of each of GEMM2's output rows, unweighted, zero
+    without an adapter, in a new fp32 tensor of ``like``'s shape (GEMM2's output: [pairs, H] aligned, [E, M, H]
+    batched, contiguous); GEMM2 adds it to its sums before the router weight and rounds once. (In the activations'
+    dtype the term would be rounded twice, the second time at the output's magnitude: rank-16 terms as large as the
+    base output then missed the bf16 experts' RMS budget, 5.2e-3 against 5e-3.) None when the adapters leave w2
+    alone. ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8 activations; ``h_paired``: columns in the
+    word-decoded 4-bit GEMM2's order, as GEMM1 wrote them); ``dependents``: as :func:`w13_delta`."""
+    if lora.w2_a is None:
+        return None
+    delta = torch.empty(like.shape, dtype=torch.float32, device=h.device)
+    _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, delta, None, rows, v_paired=h_paired, store=True,
+            dependents=dependents)
     return delta
 
 
@@ -276,8 +295,21 @@ def w2_add(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lo
         _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, y, weights, rows, per_token, h_paired)
 
 
+DELTA_TRAFFIC_SHARE = 0.1  # GEMM2's fp32 delta: its round trip within this share of GEMM2's weight bytes
+
+
+def w2_term_as_delta(lora: ExpertsLoRA, out_elements: int, w2_bytes: int) -> bool:
+    """Whether the aligned and batched paths run the LoRA term on w2 as GEMM2's fp32 delta (:func:`w2_delta`: its
+    kernel beside GEMM2's K loop) rather than add it to GEMM2's output after GEMM2 (:func:`w2_add`). The delta
+    writes and reads 8 bytes per output element (``out_elements``): worth it while that stays a small share of the
+    weight bytes GEMM2 streams (``w2_bytes``), i.e. at decode and small batches, where the LoRA kernel's latency
+    is what it hides. The two forms round differently: batch-invariant mode takes the added form at every T."""
+    return (lora.w2_a is not None and not _invariant.enabled()
+            and 8 * out_elements <= DELTA_TRAFFIC_SHARE * w2_bytes)
+
+
 def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, per_token: bool = False,
-            v_paired: bool = False) -> None:
+            v_paired: bool = False, store: bool = False, dependents: bool = False) -> None:
     kernels = _kernels()
     n_out, r = b.shape[2], a.shape[2]
     k = a.shape[3]
@@ -335,7 +367,8 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         *row_args, rows.top_k, rows.rows_per_expert, lora.num_adapters, n_out, k, r,
         STAGE=stage, ROWS=mode, HAS_SCALES=v_scales is not None, DOT_PRECISION=precision,
         BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // columns)), BLOCK_K=64,
-        R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad, num_warps=4)
+        R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad, W2_DELTA=stage == 2 and store,
+        LAUNCH_DEPENDENTS=dependents, num_warps=4)
 
 
 def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_dependents: bool = False):

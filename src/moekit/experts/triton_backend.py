@@ -102,6 +102,11 @@ class WeightOperand:
         return FORMAT_IDS[name]
 
     @property
+    def bytes(self) -> int:
+        """Bytes of the stack's values as the GEMMs stream them (every expert's, a broadcast stack's included)."""
+        return self.data.numel() * self.data.element_size()
+
+    @property
     def config_format(self) -> str:
         """The format as the config table and heuristic name it: "w4a8" for MXFP4 with FP8 activations."""
         return expert_configs.config_family(self.format, "fp8_group" if self.fp8_act else None)
@@ -307,10 +312,12 @@ def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
 
 
 def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, cfg: GemmConfig, block_m, num_pairs,
-           top_k, rows_per_expert, num_global=0, x_scales=None, h_scales=None, h_paired=False, delta=None):
+           top_k, rows_per_expert, num_global=0, x_scales=None, h_scales=None, h_paired=False, delta=None,
+           delta_wait=False):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
     ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2).
-    ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py)."""
+    ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py);
+    ``delta_wait``: launched as the delta kernel's programmatic dependent (it waits for it before the epilogue)."""
     words = _w4_words(w, x3.dtype)
     if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
         x3 = paired_k(x3)
@@ -335,7 +342,7 @@ def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, 
         inter, hidden, step, up_off,
         HAS_BIAS=b13 is not None, ROWS=rows.mode, HAS_MAP=rows.expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id, HAS_DELTA=delta is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
+        **_delta_wait(delta_wait), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale,
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, rows.mode, block_m),
         SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps,
@@ -344,8 +351,9 @@ def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, 
 
 
 def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_blocks, cfg: GemmConfig, block_m,
-           num_pairs, rows_per_expert, h_scales=None):
-    """Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens)."""
+           num_pairs, rows_per_expert, h_scales=None, delta=None, delta_wait=False):
+    """Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens). ``delta`` (y's layout): added to the
+    sums before the router weight (LoRA on w2, experts/lora.py w2_delta); ``delta_wait``: as :func:`gemm1`'s."""
     if rows.mode == ROWS_PER_PAIR:
         raise ValueError("gemm2: per-pair rows run gemm2_tokens")
     cfg = w.config(cfg)
@@ -359,16 +367,23 @@ def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_bl
         *_bias_args(b2, h),
         weights,
         y, *y_strides,
+        delta if delta is not None else y,
         *rows.pointers(per_pair=False),
         num_pairs, rows_per_expert, num_m_blocks,
         hidden, inter,
         HAS_BIAS=b2 is not None, ROWS=rows.mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
+        HAS_DELTA=delta is not None, **_delta_wait(delta_wait),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
         HALVES_ASM=_PTX, W_TILE_SCALE=_tile_scale(w, cfg.block_n),
         EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, rows.mode, block_m),
         SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=_w4_words(w, h.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def _delta_wait(wait: bool) -> dict:
+    """A GEMM's constexprs and launch option as the LoRA delta kernel's programmatic dependent (none otherwise)."""
+    return {"DELTA_WAIT": True, "launch_pdl": True} if wait else {}
 
 
 def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
@@ -670,16 +685,22 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     h, hs = activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
     y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
     rows = RowMap.aligned(block_expert, sorted_pairs)
+    h_paired = _w4_words(w2, h.dtype)
+    # LoRA: a term as its GEMM's delta comes from a kernel the GEMM starts beside (programmatic dependent launch)
+    aligned = delta = delta2 = None
+    pdl = lora is not None and _triton.dependent_launches(x.device)
+    w2_delta = lora is not None and expert_lora.w2_term_as_delta(lora, y.numel(), w2.bytes)
     if lora is not None:
         aligned = expert_lora.Rows("aligned", blocks * bm, top_k, bm, num_pairs, block_expert, sorted_pairs)
-        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, aligned)
-    else:
-        delta = None
+        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, aligned, dependents=pdl)
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, num_pairs, top_k, 0,
-           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype), delta=delta)
-    gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, num_pairs, 0, hs)
-    if lora is not None:
-        expert_lora.w2_add(h, hs, lora, lora_ids, aligned, y, weights, h_paired=_w4_words(w2, h.dtype))
+           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None)
+    if w2_delta:
+        delta2 = expert_lora.w2_delta(h, hs, lora, lora_ids, aligned, y, h_paired, dependents=pdl)
+    gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, num_pairs, 0, hs,
+          delta=delta2, delta_wait=pdl and delta2 is not None)
+    if lora is not None and not w2_delta:
+        expert_lora.w2_add(h, hs, lora, lora_ids, aligned, y, weights, h_paired=h_paired)
     _combine(y, pair_expert, out, top_k)
 
 
@@ -713,18 +734,22 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
         xq, xs = fp8_groups(x.reshape(num_experts * rows_per_expert, hidden))
         x = xq.view(num_experts, rows_per_expert, hidden)
     rows = RowMap.batched(expert_num_tokens)
+    h_paired = _w4_words(w2, h.dtype)
+    slabs = delta = delta2 = None  # LoRA: as in fused_experts_into
+    pdl = lora is not None and _triton.dependent_launches(x.device)
+    w2_delta = lora is not None and expert_lora.w2_term_as_delta(lora, out.numel(), w2.bytes)
     if lora is not None:
         slabs = expert_lora.Rows("batched", num_experts * rows_per_expert, block_m=bm,
                                  expert_num_tokens=expert_num_tokens, rows_per_expert=rows_per_expert)
-        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, slabs)
-    else:
-        delta = None
+        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, slabs, dependents=pdl)
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, 0, 1, rows_per_expert,
-           x_scales=xs, h_scales=hs, h_paired=_w4_words(w2, h.dtype), delta=delta)
+           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None)
+    if w2_delta:
+        delta2 = expert_lora.w2_delta(h, hs, lora, lora_ids, slabs, out, h_paired, dependents=pdl)
     gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, 0, rows_per_expert,
-           hs)
-    if lora is not None:
-        expert_lora.w2_add(h, hs, lora, lora_ids, slabs, out, None, h_paired=_w4_words(w2, h.dtype))
+           hs, delta=delta2, delta_wait=pdl and delta2 is not None)
+    if lora is not None and not w2_delta:
+        expert_lora.w2_add(h, hs, lora, lora_ids, slabs, out, None, h_paired=h_paired)
 
 
 # torch.compile sees each call as one opaque op with a fake (shape-only) implementation.

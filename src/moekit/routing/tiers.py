@@ -18,6 +18,10 @@ from .. import _invariant, _triton
 
 TIERS = ("triton", "cublas", "torch")
 FUSED_MAX_TOKENS = 128
+# Batch-invariant mode: the one-launch kernel takes the mode's GEMM (its K splits and steps, one token per finishing
+# step), so it gives the bits router_gemm + the routing kernel give. It is the faster of the two up to 64 tokens and
+# slower at 128 (H100, 2026-12-06: benchmarks/results/archive/ab_invariant_router_h100_2026-12-06.md).
+INVARIANT_FUSED_MAX_TOKENS = 64
 """The one-launch fused router kernel serves up to this many tokens."""
 
 GEMV_MAX_TOKENS = 2
@@ -247,8 +251,10 @@ def fused_limit(device: torch.device, hidden: int, num_experts: int) -> tuple[in
 
 def fused_applies(num_tokens: int, device: torch.device, hidden: int, num_experts: int) -> bool:
     """fused_router(impl="auto") uses its single-launch kernel (else it runs router_gemm + route)."""
-    if device.type != "cuda" or not _triton.triton_importable() or _invariant.enabled():
-        return False  # batch-invariant: one path at every T (the fused kernel serves up to FUSED_MAX_TOKENS only)
+    if device.type != "cuda" or not _triton.triton_importable():
+        return False
+    if _invariant.enabled():  # the same bits either way: the faster one by T alone
+        return num_tokens <= INVARIANT_FUSED_MAX_TOKENS
     return num_tokens <= fused_limit(device, hidden, num_experts)[0]
 
 
@@ -261,9 +267,14 @@ def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device
     device = torch.device(device)
     gemm = choose_tier(num_tokens, hidden, num_experts, device)
     if _invariant.enabled():
-        fused = (f"router_gemm ({gemm.tier}) + routing kernel at every T: batch-invariant mode (the one-launch "
-                 f"kernel serves T <= {FUSED_MAX_TOKENS} only)" if device.type == "cuda"
-                 else f"router_gemm ({gemm.tier}) + route on {device.type}")
+        if device.type != "cuda":
+            fused = f"router_gemm ({gemm.tier}) + route on {device.type}"
+        elif fused_applies(num_tokens, device, hidden, num_experts):
+            fused = (f"one Triton launch in the batch-invariant GEMM's order: T={num_tokens} <= "
+                     f"{INVARIANT_FUSED_MAX_TOKENS} (the same bits as router_gemm + the routing kernel, above it)")
+        else:
+            fused = (f"router_gemm ({gemm.tier}) + routing kernel: batch-invariant mode, T={num_tokens} > "
+                     f"{INVARIANT_FUSED_MAX_TOKENS} (the one-launch kernel gives the same bits below it)")
     elif fused_applies(num_tokens, device, hidden, num_experts):
         limit, source = fused_limit(device, hidden, num_experts)
         fused = f"one Triton launch (GEMM + bias + top-k): T={num_tokens} <= {limit} ({source})"

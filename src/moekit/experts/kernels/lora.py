@@ -12,7 +12,10 @@ The shrink (v [rows, K] times A^T: [rows, r] in fp32) and the expand (times B^T:
   summed, the expand, and a token's slots summed (W2).
 STAGE W13 writes the term as GEMM1's ``delta`` rows, which GEMM1 adds before its activation (zero rows where a pair
 has no adapter: GEMM1 reads every live row). STAGE W2 adds the router-weighted term into GEMM2's output, before the
-slots are combined. Adapter ids outside [0, adapters) contribute nothing, like -1.
+slots are combined; or lora_blocks_kernel writes it (W2_DELTA), unweighted, in fp32, as GEMM2's ``delta`` rows in
+its output's layout, which GEMM2 adds to its sums before the router weight. Written as deltas, the terms let each
+GEMM start as the LoRA kernel's programmatic dependent (LAUNCH_DEPENDENTS): its K loop runs beside the LoRA kernel
+and waits for it only before the epilogue. Adapter ids outside [0, adapters) contribute nothing, like -1.
 """
 
 import triton
@@ -24,7 +27,7 @@ from .align import _local_ids
 from .moe_gemm import ALIGNED, BATCHED, FP8_GROUP, _pair_expert, _paired_columns
 
 W13 = tl.constexpr(1)  # input x, output GEMM1's delta rows (stored)
-W2 = tl.constexpr(2)  # input GEMM1's output h, output GEMM2's (added to, router-weighted)
+W2 = tl.constexpr(2)  # input GEMM1's output h, output GEMM2's (added to, router-weighted) or its delta rows (stored)
 
 
 @triton.jit
@@ -55,9 +58,9 @@ def _adapter_base(ptr, a, e64, stride_a, stride_e):
 def _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_ar, stride_ak,
                   b_ptr, stride_ba, stride_be, stride_bn, stride_br, scaling_ptr, out_ptr,
                   e64, adapter, live, valid, v_rows, vs_rows, out_rows, coeff, num_adapters, N, K, R,
-                  STAGE: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   LORA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
-                  V_PAIRED: tl.constexpr, ADAPTERS_PAD: tl.constexpr):
+                  V_PAIRED: tl.constexpr, ADAPTERS_PAD: tl.constexpr, STORE: tl.constexpr):
     """lora_blocks_kernel with every adapter at once: A's rows of all adapters side by side as one [K, adapters * r]
     operand, so the block's rows are read once (not once per adapter present) and the output tile is written once;
     each row then keeps its own adapter's columns (the others are exact zeros in the expand's sums)."""
@@ -90,7 +93,7 @@ def _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_
                     other=0.0)
         d = tl.dot(s, w, input_precision=DOT_PRECISION)
         ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
-        if STAGE == W13:  # every valid row: zeros without an adapter
+        if STORE:  # every valid row: zeros without an adapter
             tl.store(ptrs, d.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
         else:
             ok = live[:, None] & n_ok[None, :]
@@ -107,14 +110,20 @@ def lora_blocks_kernel(
     scaling_ptr,  # fp32 [adapters]
     adapter_ptr,  # int32 adapter ids: aligned, per token [T]; batched, per slab row [E * M]
     out_ptr, stride_oe, stride_om,  # W13: delta [rows, N] (stride_oe unused); W2: y [pairs, H] or batched out [E, M, H]
-    weights_ptr,  # W2, aligned: fp32 router weights [pairs]
+    # (W2_DELTA: GEMM2's fp32 delta in that layout)
+    weights_ptr,  # W2, aligned, added: fp32 router weights [pairs]
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
     num_pairs, top_k, rows_per_expert, num_adapters, N, K, R,
     STAGE: tl.constexpr, ROWS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, LORA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
     V_PAIRED: tl.constexpr = False,  # W2: h's columns in _paired_columns order (GEMM1 wrote them for a 4-bit GEMM2)
     ADAPTERS_PAD: tl.constexpr = 0,  # > 0: every adapter's rank-r columns side by side in one product (_all_adapters)
+    W2_DELTA: tl.constexpr = False,  # W2: store the unweighted term as GEMM2's delta, not add the weighted one to y
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # the GEMM that adds this term starts as this grid's dependent
 ):
+    STORE: tl.constexpr = STAGE == W13 or W2_DELTA
+    if LAUNCH_DEPENDENTS:  # its K loop runs meanwhile; it waits for this grid before reading the term
+        gdc_launch_dependents()
     e, h_rows, pair, valid = _block_rows(tl.program_id(0), block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
                                          num_pairs, rows_per_expert, ROWS, BLOCK_M, LORA_M)
     if e >= 0:
@@ -137,7 +146,7 @@ def lora_blocks_kernel(
         live = valid & (adapter >= 0) & (adapter < num_adapters)
         offs_r = tl.arange(0, R_PAD)
         r_ok = offs_r < R
-        if STAGE == W2 and ROWS == ALIGNED:  # GEMM2 weighted its output rows by the router: so is the term
+        if STAGE == W2 and ROWS == ALIGNED and not W2_DELTA:  # GEMM2 weighted its rows by the router: so is the term
             coeff = tl.load(weights_ptr + pair, mask=live, other=0.0)
         else:
             coeff = tl.full([LORA_M], 1.0, tl.float32)
@@ -145,7 +154,7 @@ def lora_blocks_kernel(
             _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_ar, stride_ak,
                           b_ptr, stride_ba, stride_be, stride_bn, stride_br, scaling_ptr, out_ptr,
                           e64, adapter, live, valid, v_rows, vs_rows, out_rows, coeff, num_adapters, N, K, R,
-                          STAGE, HAS_SCALES, DOT_PRECISION, LORA_M, BLOCK_N, BLOCK_K, R_PAD, V_PAIRED, ADAPTERS_PAD)
+                          HAS_SCALES, DOT_PRECISION, LORA_M, BLOCK_N, BLOCK_K, R_PAD, V_PAIRED, ADAPTERS_PAD, STORE)
         else:
             for a in range(0, num_adapters):
                 mine = live & (adapter == a)
@@ -178,13 +187,13 @@ def lora_blocks_kernel(
                         d = tl.dot(s, w, input_precision=DOT_PRECISION)
                         ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
                         ok = mine[:, None] & n_ok[None, :]
-                        if STAGE == W13:
+                        if STORE:
                             tl.store(ptrs, d.to(out_ptr.dtype.element_ty), mask=ok)
                         else:
                             y = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
                             tl.store(ptrs, (y + d * coeff[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
             none = valid & (live == 0)
-            if STAGE == W13 and tl.max(none.to(tl.int32), axis=0) > 0:
+            if STORE and tl.max(none.to(tl.int32), axis=0) > 0:
                 for n0 in range(0, N, BLOCK_N):
                     offs_n = n0 + tl.arange(0, BLOCK_N)
                     tl.store(out_ptr + out_rows[:, None] + offs_n[None, :],

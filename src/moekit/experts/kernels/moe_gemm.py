@@ -9,6 +9,7 @@ stack of DeepSeek-V3 alone holds 7.5e9 elements.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ...formats import fp8 as fp8_format
 from ...reference import SWIGLU_ALPHA as _SWIGLU_ALPHA, SWIGLU_LIMIT as _SWIGLU_LIMIT
@@ -580,6 +581,7 @@ def _gemm1_rows(
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
     H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order (for a word-decoded GEMM2)
     HAS_DELTA: tl.constexpr = False,  # LoRA on w13 (kernels/lora.py): its term per row, added like the bias
+    DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent: wait before reading it
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, ids_ptr,
@@ -674,6 +676,8 @@ def _gemm1_rows(
             acc_gate += tl.load(b_e + gate_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_up += tl.load(b_e + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_DELTA:
+            if DELTA_WAIT:  # the K loop ran beside the delta kernel; its rows are read after its grid ends
+                gdc_wait()
             d_rows = delta_ptr + h_rows[:, None] * stride_dm
             d_ok = row_ok[:, None] & n_ok[None, :]
             acc_gate += tl.load(d_rows + gate_rows[None, :], mask=d_ok, other=0.0).to(tl.float32)
@@ -717,6 +721,7 @@ def gemm1_act_kernel(
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time
     H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order
     HAS_DELTA: tl.constexpr = False,  # LoRA on w13: delta rows added before the activation
+    DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
@@ -731,7 +736,7 @@ def gemm1_act_kernel(
                     ids_ptr, expert_map_ptr, num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
                     I, K, gate_step, up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M,
                     BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED,
-                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA)
+                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA, DELTA_WAIT)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
@@ -740,7 +745,7 @@ def gemm1_act_kernel(
                     ids_ptr, expert_map_ptr, num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
                     I, K, gate_step, up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M,
                     BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED,
-                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA)
+                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA, DELTA_WAIT)
 
 
 @triton.jit
@@ -755,6 +760,7 @@ def _gemm2_rows(
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
+    delta_ptr,  # HAS_DELTA: LoRA on w2 (kernels/lora.py), y's layout: added to the sums before the router weight
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
     num_pairs, rows_per_expert, num_m_blocks,
     N, K,
@@ -764,6 +770,8 @@ def _gemm2_rows(
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False,
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: each step's scale codes loaded a step ahead (_w4_scales)
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
+    HAS_DELTA: tl.constexpr = False,
+    DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent: wait before reading it
 ):
     """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
@@ -815,8 +823,14 @@ def _gemm2_rows(
         if ROWS == BATCHED:
             y_rows = e.to(tl.int64) * stride_ye + pair.to(tl.int64) * stride_ym
         else:
-            acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
             y_rows = pair.to(tl.int64) * stride_ym
+        if HAS_DELTA:
+            if DELTA_WAIT:  # the K loop ran beside the delta kernel; its rows are read after its grid ends
+                gdc_wait()
+            acc += tl.load(delta_ptr + y_rows[:, None] + offs_n[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                           other=0.0).to(tl.float32)
+        if ROWS != BATCHED:
+            acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
         tl.store(y_ptr + y_rows[:, None] + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
@@ -831,6 +845,7 @@ def gemm2_kernel(
     bias_ptr, stride_be, stride_bn,  # w2_bias [E, H] (HAS_BIAS)
     weights_ptr,  # float32 [num_pairs] router weights (standard format)
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
+    delta_ptr,  # HAS_DELTA: LoRA on w2, y's layout: added to the sums before the router weight
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
     num_pairs, rows_per_expert, num_m_blocks,
     N, K,
@@ -841,6 +856,8 @@ def gemm2_kernel(
     HALF_TAILS: tl.constexpr = False,  # aligned rows: blocks half padding or more compute half the rows
     SCALES_AHEAD: tl.constexpr = False,  # 4-bit: scale codes a step ahead
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time
+    HAS_DELTA: tl.constexpr = False,  # LoRA on w2: delta rows added before the router weight
+    DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     # half tail blocks: as in gemm1_act_kernel
@@ -849,16 +866,18 @@ def gemm2_kernel(
         _gemm2_rows(BLOCK_M // 2, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
-                    stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
-                    num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS)
+                    stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
+                    rows_per_expert, num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
+                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS,
+                    HAS_DELTA, DELTA_WAIT)
     else:
         _gemm2_rows(BLOCK_M, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
-                    stride_ym, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs, rows_per_expert,
-                    num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS)
+                    stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
+                    rows_per_expert, num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
+                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS,
+                    HAS_DELTA, DELTA_WAIT)
 
 
 @triton.jit

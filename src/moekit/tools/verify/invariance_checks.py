@@ -70,7 +70,7 @@ def router_checks(spec: presets.MoESpec, dtype, device, impls: dict[str, list[st
             logit_rows(max(sizes)), sizes)))
     for impl in impls.get("fused_router", []):
         if impl == "fused":
-            continue  # the one-launch kernel serves T <= 128 only: batch-invariant mode runs fused_router unfused
+            continue  # the one-launch kernel serves T <= 128 only; "auto" checks it (up to T=64) against two launches
         rows.append(_checked("fused_router", impl, spec.name, sizes, lambda impl=impl: _invariant.token_mismatch(
             lambda t: fused_router(t["x"], w, b, top_k=spec.top_k, method=spec.routing, impl=impl, **kwargs),
             x_rows(1), x_rows(max(sizes)), sizes)))
