@@ -162,3 +162,62 @@ def test_backends_assigned_directly_change_the_registry_version(monkeypatch):
     before = backends.registry_version()
     monkeypatch.setattr(backends, "BACKENDS", tuple(reversed(backends.BACKENDS)))
     assert backends.registry_version() != before
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3"])
+def test_the_layers_read_their_tensors_without_module_getattr(monkeypatch, preset):
+    """FusedMoE.forward and GateLinear.forward read parameters, buffers and the gate from the module's dicts: a
+    lookup through nn.Module.__getattr__ costs about a microsecond of host time per name, per call (biases,
+    correction bias, expert map and shared expert included: gpt-oss and deepseek-v3 have them)."""
+    from torch import nn
+
+    layer = moekit.FusedMoE.from_preset(preset, dtype=torch.float32, scaled=True)
+    x, gate = torch.randn(3, layer.spec.hidden_size), layer.gate
+    expected = layer(x)
+    looked_up = []
+    real = nn.Module.__getattr__
+    monkeypatch.setattr(nn.Module, "__getattr__", lambda self, name: looked_up.append(name) or real(self, name))
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+        gate(x)
+    assert looked_up == []
+
+
+def test_the_decode_kernels_get_their_constants_made_once(monkeypatch):
+    """GEMV1 and GEMV2 take their constexprs and launch options as one Constants per kind of call (hashed once),
+    made on the first call of that kind: the launcher keys a repeated launch without rebuilding a dozen keywords."""
+    from moekit._launch import Constants, Launcher
+    from moekit.experts import ExpertsConfig, GemmConfig
+    from moekit.experts import triton_backend as tb
+
+    gemv = ExpertsConfig(16, GemmConfig(16, 32, 4, 1), GemmConfig(8, 32, 4, 1), mode="gemv")
+    kinds = {}
+    real = Launcher.launch
+    monkeypatch.setattr(Launcher, "launch", lambda self, grid, args, kwargs: kinds.setdefault(
+        self.__name__, []).append(type(kwargs)) or real(self, grid, args, kwargs))
+    tb._gemv1_constants.cache_clear()
+    tb._gemv2_constants.cache_clear()
+    x, w13, w2, tw, ids = _call()
+    first = fused_experts(x, w13, w2, tw, ids, backend="triton", config=gemv)
+    for _ in range(2):
+        assert torch.equal(fused_experts(x, w13, w2, tw, ids, backend="triton", config=gemv), first)
+    assert kinds["gemv1_act_kernel"] == [Constants] * 3 and kinds["gemv2_tokens_kernel"] == [Constants] * 3
+    assert tb._gemv1_constants.cache_info().misses == 1 and tb._gemv2_constants.cache_info().misses == 1
+
+
+def test_the_host_path_benchmark_runs_and_puts_the_layers_back(tmp_path, monkeypatch):
+    """benchmarks/host_path.py (the host work with kernels taken out) on a few calls: it writes its table and JSON
+    and leaves the stubbed functions as they were."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from moekit import _launch, layer
+
+    before = (layer.fused_router, layer.fused_experts, _launch.Launcher.launch)
+    script = Path(__file__).resolve().parents[1] / "benchmarks/host_path.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--calls", "5", "--label", "test", "--out", str(tmp_path)])
+    runpy.run_path(str(script), run_name="__main__")
+    assert (layer.fused_router, layer.fused_experts, _launch.Launcher.launch) == before
+    written = sorted(p.suffix for p in tmp_path.iterdir())
+    assert written == [".json", ".md"]

@@ -161,8 +161,9 @@ class FusedMoE(nn.Module):
         this module's buffers (built once, again only after the buffers were replaced, e.g. by
         ``.to()``)."""
         if self.weight_format == "dense":
-            return self.w13, self.w2
-        parts = tuple(getattr(self, f"{name}_{field}") for name in ("w13", "w2")
+            params = self._parameters  # (see route: the dicts, not __getattr__)
+            return params["w13"], params["w2"]
+        parts = tuple(self._buffers[f"{name}_{field}"] for name in ("w13", "w2")
                       for field in _QUANTIZED_PARTS[self.weight_format])
         cached = self._quantized
         if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
@@ -207,10 +208,15 @@ class FusedMoE(nn.Module):
         recording as :func:`moekit.route`."""
         spec = self.spec
         kwargs = spec.routing_kwargs()
-        if self.correction_bias is not None:
-            kwargs["correction_bias"] = self.correction_bias
-        return fused_router(x2, self.gate.weight, self.gate.bias, top_k=spec.top_k, method=spec.routing,
-                            lora=self.gate.lora, replay_ids=replay_ids, record_ids=record_ids, **kwargs)
+        # Parameters, buffers and the gate read from the module's own dicts on the per-call path: nn.Module's
+        # __getattr__ costs about a microsecond a name, a dozen names per forward (eager host time)
+        corr = self._parameters.get("correction_bias")
+        if corr is not None:
+            kwargs["correction_bias"] = corr
+        gate = self._modules["gate"]
+        return fused_router(x2, gate._parameters["weight"], gate._parameters.get("bias"), top_k=spec.top_k,
+                            method=spec.routing, lora=gate.lora, replay_ids=replay_ids, record_ids=record_ids,
+                            **kwargs)
 
     def forward(self, x: torch.Tensor, *, replay_ids: torch.Tensor | None = None,
                 record_ids: torch.Tensor | None = None, lora_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,7 +225,9 @@ class FusedMoE(nn.Module):
         weights the routing method gives them from this call's logits (routing replay). ``lora_ids`` (int32,
         x's shape without H, or [T]): each token's adapter of :meth:`load_lora`'s, -1 for none."""
         spec = self.spec
-        self._check_input(x)
+        params = self._parameters  # (see route: the dicts, not __getattr__)
+        expert_map = self._buffers.get("expert_map")
+        self._check_input(x, expert_map)
         x2 = x.reshape(-1, spec.hidden_size)
         weights, ids = self.route(x2, replay_ids=replay_ids, record_ids=record_ids)
         w13, w2 = self.expert_weights()
@@ -234,34 +242,37 @@ class FusedMoE(nn.Module):
         elif lora is not None:  # adapters loaded, none asked for: the base layer
             lora = None
         out = fused_experts(x2, w13, w2, weights, ids, activation=spec.activation,
-                            w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_map=self.expert_map,
+                            w13_bias=params.get("w13_bias"), w2_bias=params.get("w2_bias"), expert_map=expert_map,
                             act_quant=self.act_quant, lora=lora, lora_ids=lora_ids)
-        if self.shared_w13 is not None:
-            out = out + self._shared_expert(x2)
+        shared_w13 = params.get("shared_w13")
+        if shared_w13 is not None:
+            out = out + self._shared_expert(x2, shared_w13, params["shared_w2"])
         return out.view(x.shape)
 
-    def _shared_expert(self, x2: torch.Tensor) -> torch.Tensor:
-        """The shared expert on x2 [T, H] -> [T, H] in x2's dtype. In batch-invariant mode it runs as a one-expert
-        fused_experts call (cuBLAS and CPU BLAS choose their kernels by the token count; the experts' kernels fix
-        their order per shape)."""
+    @staticmethod
+    def _shared_expert(x2: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """The shared expert (w13 [2 * I_shared, H], w2 [H, I_shared]) on x2 [T, H] -> [T, H] in x2's dtype. In
+        batch-invariant mode it runs as a one-expert fused_experts call (cuBLAS and CPU BLAS choose their kernels by
+        the token count; the experts' kernels fix their order per shape)."""
         if _invariant.enabled():
             T = x2.shape[0]
             ones = torch.ones(T, 1, dtype=torch.float32, device=x2.device)
             first = torch.zeros(T, 1, dtype=torch.int32, device=x2.device)
-            return fused_experts(x2, self.shared_w13.unsqueeze(0), self.shared_w2.unsqueeze(0), ones, first)
-        gate, up = F.linear(x2, self.shared_w13).float().chunk(2, dim=-1)
-        return F.linear((F.silu(gate) * up).to(x2.dtype), self.shared_w2)
+            return fused_experts(x2, w13.unsqueeze(0), w2.unsqueeze(0), ones, first)
+        gate, up = F.linear(x2, w13).float().chunk(2, dim=-1)
+        return F.linear((F.silu(gate) * up).to(x2.dtype), w2)
 
-    def _check_input(self, x) -> None:
+    def _check_input(self, x, emap) -> None:
         """x [..., H] of the layer's dtype; an expert_map of one entry per expert of the router (E)."""
         H, E = self.spec.hidden_size, self.spec.num_experts
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[-1] != H:
-            raise ValueError(f"x must have the layer's hidden size H={H} in its last dimension, got shape {tuple(x.shape)}")
-        if x.dtype != self.gate.weight.dtype:
-            raise TypeError(f"x must have the layer's dtype {self.gate.weight.dtype}, got {x.dtype}")
-        emap = self.expert_map
+        shape = x.shape
+        if not shape or shape[-1] != H:
+            raise ValueError(f"x must have the layer's hidden size H={H} in its last dimension, got shape {tuple(shape)}")
+        dtype = self._modules["gate"]._parameters["weight"].dtype
+        if x.dtype != dtype:
+            raise TypeError(f"x must have the layer's dtype {dtype}, got {x.dtype}")
         if emap is not None and (emap.dim() != 1 or emap.shape[0] != E):
             raise ValueError(f"expert_map must have one entry per expert of the router, shape ({E},), "
                              f"got {tuple(emap.shape)}")

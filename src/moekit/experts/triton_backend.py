@@ -25,7 +25,7 @@ from ..formats import format_of, from_parts, to_parts
 from . import configs as expert_configs
 from .configs import ExpertsConfig, GemmConfig
 from . import lora as expert_lora
-from .._launch import Launcher
+from .._launch import Constants, Launcher
 from .kernels import align as align_kernels
 from .kernels import fp8_quant, gemv1_rows, moe_gemm, moe_gemv
 from .kernels import scaled_fp16 as scaled_fp16_kernels
@@ -173,7 +173,7 @@ class WeightOperand:
 
     def gemv_block_k(self, block_k: int) -> int:
         """A 4-bit K chunk holds whole scale groups."""
-        return block_k if self.format == "dense" else max(block_k, FOUR_BIT_MIN_BLOCK_K)
+        return _gemv_block_k(self.format, block_k)
 
     def config(self, cfg: GemmConfig, tiles: int = 1) -> GemmConfig:
         """4-bit tiles hold whole scale groups along K, and their dequantized 16-bit values (``tiles``
@@ -181,6 +181,10 @@ class WeightOperand:
         if self.format == "dense":
             return cfg
         return _format_config(self.format == "fp8" or self.fp8_act, cfg, tiles)
+
+
+def _gemv_block_k(weight_format: str, block_k: int) -> int:
+    return block_k if weight_format == "dense" else max(block_k, FOUR_BIT_MIN_BLOCK_K)
 
 
 @functools.lru_cache(maxsize=1024)  # per config and format kind: a frozen dataclass rebuilt per call costs host time
@@ -418,18 +422,19 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
             raise ValueError("gemv1: the decode terms run in gemv1_act_kernel only, not the row-scaled kernel")
         return _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
                            up_off)
-    slots = gemv1_slots(cfg, top_k)
+    slots, packed, block_k, constants = _gemv1_constants(w.format, x.dtype, cfg, top_k, activation, b13 is not None,
+                                                         expert_map is not None, delta is not None, pdl)
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
-    packed = cfg.packed is not False and _fp16x2_operands(w.format, x.dtype)
     if packed:
-        pairs, exps = scaled_fp16(x, w.gemv_block_k(cfg.block_k))  # whole chunks: the kernel's loads need no mask
+        pairs, exps = scaled_fp16(x, block_k)  # whole chunks: the kernel's loads need no mask
         x_args = (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
     else:
         x_args = (x, x.stride(0), x.stride(1), x, 0)
     w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
     if terms is not None:
         terms.launch_shrink()
-    return gemv1_act_kernel[(programs,)](
+        constants = {**constants, **terms.gemv1_constants}
+    return gemv1_act_kernel.launch((programs,), (
         *x_args,
         *w_args,
         *_bias_args(b13, x),
@@ -437,12 +442,22 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         ids, expert_map if expert_map is not None else ids,
         top_k, num_global, w.shape[0], inter, hidden, step, up_off,
         *(terms.gemv1_args if terms else (x, x, x, x, x, x, x, 0, 0, 0)),
-        HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
-        HAS_DELTA=delta is not None, FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n,
-        BLOCK_K=w.gemv_block_k(cfg.block_k),
-        HALVES_ASM=_PTX, PDL=pdl, SLOTS=slots, PACKED=packed, **(terms.gemv1_constants if terms else {}),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ), constants)
+
+
+# The decode kernels' constexprs and launch options, made once per kind of call and passed to Launcher.launch as
+# they are (a dict of a dozen keywords built and hashed on every launch cost microseconds of eager host time)
+@functools.lru_cache(maxsize=1024)
+def _gemv1_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, top_k: int, activation: str,
+                     has_bias: bool, has_map: bool, has_delta: bool, pdl: bool) -> tuple[int, bool, int, Constants]:
+    """(pairs per program, packed operands, K chunk, constants) of gemv1_act_kernel."""
+    slots = gemv1_slots(cfg, top_k)
+    packed = cfg.packed is not False and _fp16x2_operands(weight_format, dtype)
+    block_k = _gemv_block_k(weight_format, cfg.block_k)
+    return slots, packed, block_k, Constants(
+        HAS_BIAS=has_bias, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation], HAS_DELTA=has_delta,
+        FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n, BLOCK_K=block_k, HALVES_ASM=_PTX, PDL=pdl,
+        SLOTS=slots, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemv1_slots(cfg: GemmConfig, top_k: int) -> int:
@@ -521,15 +536,16 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
                   pdl: bool = False, terms: expert_lora.DecodeTerms | None = None):
     """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent. ``terms``: as :func:`gemv1`'s."""
     hidden, inter = w.shape[1], w.shape[2]
-    row_scaled = _row_scaled(cfg, w, h.dtype)
-    slots = 0 if row_scaled else _gemv_slots(cfg, top_k, 1 if w.format in FLAT_SLOT_FORMATS else 0)
-    packed = not row_scaled and gemv2_packed(cfg, w.format, h.dtype, top_k)
+    packed, block_k, constants = _gemv2_constants(w.format, h.dtype, cfg, top_k, b2 is not None,
+                                                  expert_map is not None, pdl)
     if packed:
-        pairs, exps = scaled_fp16(h, w.gemv_block_k(cfg.block_k))
+        pairs, exps = scaled_fp16(h, block_k)
         h_args = (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))
     else:
         h_args = (h, h.stride(0), h, 0)
-    return gemv2_tokens_kernel[(out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)](
+    if terms is not None:
+        constants = {**constants, **terms.gemv2_constants}
+    return gemv2_tokens_kernel.launch((out.shape[0] * _triton.cdiv(hidden, cfg.block_n),), (
         *h_args,
         *w.gemv_args(),
         *_bias_args(b2, h),
@@ -537,12 +553,21 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
         *(terms.gemv2_args if terms else (h, h, h, 0, 0, 0)),
-        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, FORMAT=FORMAT_IDS[w.format],
-        BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k), HALVES_ASM=_PTX,
-        SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK, launch_pdl=pdl,
-        **(terms.gemv2_constants if terms else {}),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ), constants)
+
+
+@functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
+def _gemv2_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, top_k: int, has_bias: bool,
+                     has_map: bool, pdl: bool) -> tuple[bool, int, Constants]:
+    """(packed operands, K chunk, constants) of gemv2_tokens_kernel."""
+    row_scaled = cfg.row_scaled and _fp16x2_operands(weight_format, dtype)
+    slots = 0 if row_scaled else _gemv_slots(cfg, top_k, 1 if weight_format in FLAT_SLOT_FORMATS else 0)
+    packed = not row_scaled and gemv2_packed(cfg, weight_format, dtype, top_k)
+    block_k = _gemv_block_k(weight_format, cfg.block_k)
+    return packed, block_k, Constants(
+        HAS_BIAS=has_bias, HAS_MAP=has_map, FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        HALVES_ASM=_PTX, SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK,
+        launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int,

@@ -377,7 +377,9 @@ class GateLinear(nn.Module):
         self.lora = lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return router_gemm(x, self.weight, self.bias, out_dtype=self.out_dtype, lora=self.lora, tier=self.tier)
+        params = self._parameters  # the dict, not nn.Module.__getattr__ (about a microsecond a name, per call)
+        return router_gemm(x, params["weight"], params.get("bias"), out_dtype=self.out_dtype, lora=self.lora,
+                           tier=self.tier)
 
     def explain(self, num_tokens: int) -> str:
         """Which tier serves ``num_tokens`` tokens on this module's device, and why."""
