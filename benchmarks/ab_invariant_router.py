@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 from pathlib import Path
 
 import torch
@@ -67,7 +66,7 @@ def main() -> None:
     p.add_argument("--no-timing", dest="timing", action="store_false", help="the bitwise checks only")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    from moekit.tools.bench.timing import environment, graph_time_us
+    from moekit.tools.bench.timing import environment, graph_time_us, write_results
 
     # cpu (TRITON_INTERPRET=1, --no-timing): a smoke run; the unfused path there is torch's, so its bits differ
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,10 +116,7 @@ def main() -> None:
     md = "\n".join(lines + rows) + "\n"
     print(md)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"ab_invariant_router_{datetime.date.today().isoformat()}"
-        stem.with_suffix(".md").write_text(md)
-        stem.with_suffix(".json").write_text(json.dumps({"env": env, "records": records}, indent=1) + "\n")
+        write_results(args.out, f"ab_invariant_router_{datetime.date.today().isoformat()}", env, records, md)
 
 
 if __name__ == "__main__":

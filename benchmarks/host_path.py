@@ -24,6 +24,7 @@ from moekit import _launch, presets
 from moekit import layer as layer_module
 from moekit.experts import ExpertsConfig
 from moekit.experts import triton_backend
+from moekit.tools.bench.timing import write_results
 
 TABLE = Path(__file__).resolve().parents[1] / "src/moekit/experts/tuned_configs.json"
 
@@ -93,10 +94,7 @@ def main() -> None:
                    + [f"| {r['what']} | {r['us']:.1f} |" for r in records]) + "\n"
     print(md)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"host_path{'_' + args.label if args.label else ''}_{env['date']}"
-        stem.with_suffix(".md").write_text(md)
-        stem.with_suffix(".json").write_text(json.dumps({"env": env, "records": records}, indent=1) + "\n")
+        write_results(args.out, f"host_path{'_' + args.label if args.label else ''}_{env['date']}", env, records, md)
 
 
 if __name__ == "__main__":
