@@ -94,12 +94,13 @@ def environment() -> dict:
     }
 
 
-def write_results(out, stem: str, env: dict, records: list, markdown: str) -> None:
-    """``{stem}.md`` (the table) and ``{stem}.json`` (``{"env": ..., "records": [...]}``) under ``out``."""
+def write_results(out, stem: str, env: dict, records: list, markdown: str, **extra) -> None:
+    """``{stem}.md`` (the table) and ``{stem}.json`` (``{"env": ..., "records": [...]}`` and ``extra``'s keys)
+    under ``out``."""
     import json
     from pathlib import Path
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(markdown)
-    (out / f"{stem}.json").write_text(json.dumps({"env": env, "records": records}, indent=1) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"env": env, "records": records, **extra}, indent=1) + "\n")
