@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 from dataclasses import replace
 from pathlib import Path
 
