@@ -3,8 +3,9 @@ kernels taken out, so that changes to it can be measured where the device is not
 benchmark (bench_eager.py) measures whole calls, launches included; this isolates the layers above them:
 
   FusedMoE.forward        the layer's own work, fused_router and fused_experts replaced by stubs
-  fused_experts_into      the Triton backend's host path at qwen3-30b-a3b decode (the H200 table's T=1 config),
-                          Launcher.launch replaced by a stub (what is built for the launch, not the launch)
+  fused_experts_into      the Triton backend's host path at qwen3-30b-a3b T=1 (decode: two GEMVs) and T=16 (the
+                          aligned path: align, two GEMMs, combine) on the H200 table's configs, Launcher.launch
+                          replaced by a stub (what is built for the launches, not the launches)
 
     python benchmarks/host_path.py --out benchmarks/results/archive
 """
@@ -58,15 +59,16 @@ def fused_moe_own(preset: str, calls: int) -> float:
         layer_module.fused_router, layer_module.fused_experts = real
 
 
-def experts_decode_host(calls: int) -> float:
+def experts_host(num_tokens: int, calls: int) -> float:
     spec = presets.get("qwen3-30b-a3b")
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
     table = json.loads(TABLE.read_text())["NVIDIA H200|triton-3.6.0|bfloat16"][f"E{E}_N{2 * I}_K{H}"]
-    config = ExpertsConfig.from_dict(table["1"])
+    config = ExpertsConfig.from_dict(table[str(num_tokens)])
     w13 = torch.empty(1, 2 * I, H, dtype=torch.bfloat16).expand(E, -1, -1)
     w2 = torch.empty(1, H, I, dtype=torch.bfloat16).expand(E, -1, -1)
-    x, tw = torch.randn(1, H).bfloat16(), torch.rand(1, k)
-    ids, out = torch.randint(0, E, (1, k), dtype=torch.int32), torch.empty(1, H, dtype=torch.bfloat16)
+    x, tw = torch.randn(num_tokens, H).bfloat16(), torch.rand(num_tokens, k)
+    ids = torch.randint(0, E, (num_tokens, k), dtype=torch.int32)
+    out = torch.empty(num_tokens, H, dtype=torch.bfloat16)
     real = _launch.Launcher.launch
     _launch.Launcher.launch = lambda self, grid, args, kwargs: None
     try:
@@ -84,8 +86,8 @@ def main() -> None:
     args = p.parse_args()
     records = [{"what": f"FusedMoE.forward own ({name}, ops stubbed)", "us": fused_moe_own(name, args.calls)}
                for name in ("qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3")]
-    records.append({"what": "fused_experts_into, qwen3-30b-a3b T=1 gemv config (launches stubbed)",
-                    "us": experts_decode_host(args.calls)})
+    records += [{"what": f"fused_experts_into, qwen3-30b-a3b T={t} (launches stubbed)", "us": experts_host(t, args.calls)}
+                for t in (1, 16)]
     env = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
            "torch": torch.__version__, "date": datetime.date.today().isoformat(), "label": args.label}
     md = "\n".join([f"# Host work per eager call, kernels taken out ({env['date']}{', ' + args.label if args.label else ''})",

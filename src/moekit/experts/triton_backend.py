@@ -230,9 +230,9 @@ class RowMap(NamedTuple):
     def pointers(self, per_pair: bool = True) -> tuple:
         """The kernel's row pointers (block_expert, sorted_pairs, expert_tokens[, ids, expert_map]); those this
         mode does not read are one of its own int32 tensors (the pruned branches still type their loads)."""
-        given = [t for t in self[1:] if t is not None]
-        names = self._fields[1:] if per_pair else self._fields[1:4]
-        return tuple(given[0] if getattr(self, n) is None else getattr(self, n) for n in names)
+        tensors = self[1:] if per_pair else self[1:4]
+        first = next(t for t in self[1:] if t is not None)
+        return tuple(first if t is None else t for t in tensors)
 
 
 def _scale_args(scales: torch.Tensor | None, fallback: torch.Tensor):
@@ -284,11 +284,11 @@ def _half_tails(cfg: GemmConfig, mode: int, block_m: int) -> bool:
     return cfg.half_tails and mode == ROWS_ALIGNED and block_m >= 32
 
 
-def _scales_ahead(cfg: GemmConfig, w: WeightOperand) -> bool:
+def _scales_ahead(cfg: GemmConfig, weight_format: str) -> bool:
     """GemmConfig.scales_ahead as launched (4-bit weights only)."""
-    if w.format not in ("mxfp4", "nvfp4"):
+    if weight_format not in ("mxfp4", "nvfp4"):
         return False
-    return w.format == "mxfp4" if cfg.scales_ahead is None else cfg.scales_ahead
+    return weight_format == "mxfp4" if cfg.scales_ahead is None else cfg.scales_ahead
 
 
 def _on_words(d: torch.Tensor) -> bool:
@@ -335,7 +335,10 @@ def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, 
         raise ValueError("h_paired: GEMM1's tiles must be gathered row by row (no TMA boxes, paired rows or "
                          "per-tile FP8 scales)")
     d, sd0, sd1, sd2, *scales = w.args()
-    return gemm1_act_kernel[grid](
+    constants = _gemm1_constants(b13 is not None, rows.mode, rows.expert_map is not None, activation, x3.dtype,
+                                 w.format_id, w.format, w.blocked, cfg, block_m, hidden, tile_scale, tma, paired, words,
+                                 h_paired, delta is not None, delta_wait)
+    return gemm1_act_kernel.launch(grid, (
         x3, *_x_strides(x3),
         d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b13, x3),
@@ -344,14 +347,22 @@ def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, 
         *rows.pointers(),
         num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w.shape[0],
         inter, hidden, step, up_off,
-        HAS_BIAS=b13 is not None, ROWS=rows.mode, HAS_MAP=rows.expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
-        DOT_PRECISION=_precision(x3.dtype), FORMAT=w.format_id, HAS_DELTA=delta is not None,
-        **_delta_wait(delta_wait), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
-        HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale,
-        EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired, HALF_TAILS=_half_tails(cfg, rows.mode, block_m),
-        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    ), constants)
+
+
+# The tensor-core GEMMs' constexprs and launch options, made once per kind of call (see _gemv1_constants)
+@functools.lru_cache(maxsize=4096)
+def _gemm1_constants(has_bias: bool, rows_mode: int, has_map: bool, activation: str, dtype: torch.dtype,
+                     format_id: int, weight_format: str, blocked: bool, cfg: GemmConfig, block_m: int, hidden: int,
+                     tile_scale: bool, tma: bool, paired: bool, words: bool, h_paired: bool, has_delta: bool,
+                     delta_wait: bool) -> Constants:
+    return Constants(
+        HAS_BIAS=has_bias, ROWS=rows_mode, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation],
+        DOT_PRECISION=_precision(dtype), FORMAT=format_id, HAS_DELTA=has_delta, **_delta_wait(delta_wait),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=blocked,
+        HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale, EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired,
+        HALF_TAILS=_half_tails(cfg, rows_mode, block_m), SCALES_AHEAD=_scales_ahead(cfg, weight_format),
+        W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_blocks, cfg: GemmConfig, block_m,
@@ -365,7 +376,10 @@ def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_bl
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
     w_desc, tma = _weight_descriptor(w, cfg)
     d, sd0, sd1, sd2, *scales = w.args()
-    return gemm2_kernel[grid](
+    constants = _gemm2_constants(b2 is not None, rows.mode, h.dtype, w.format_id, w.format, w.blocked, cfg, block_m,
+                                 inter, _tile_scale(w, cfg.block_n), tma, _w4_words(w, h.dtype), delta is not None,
+                                 delta_wait)
+    return gemm2_kernel.launch(grid, (
         h, h.stride(0), *_scale_args(h_scales, h),
         d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b2, h),
@@ -375,14 +389,19 @@ def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_bl
         *rows.pointers(per_pair=False),
         num_pairs, rows_per_expert, num_m_blocks,
         hidden, inter,
-        HAS_BIAS=b2 is not None, ROWS=rows.mode, DOT_PRECISION=_precision(h.dtype), FORMAT=w.format_id,
-        HAS_DELTA=delta is not None, **_delta_wait(delta_wait),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=w.blocked,
-        HALVES_ASM=_PTX, W_TILE_SCALE=_tile_scale(w, cfg.block_n),
-        EVEN_K=inter % cfg.block_k == 0, W_TMA=tma, HALF_TAILS=_half_tails(cfg, rows.mode, block_m),
-        SCALES_AHEAD=_scales_ahead(cfg, w), W4_WORDS=_w4_words(w, h.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    ), constants)
+
+
+@functools.lru_cache(maxsize=4096)  # (see _gemm1_constants)
+def _gemm2_constants(has_bias: bool, rows_mode: int, dtype: torch.dtype, format_id: int, weight_format: str,
+                     blocked: bool, cfg: GemmConfig, block_m: int, inter: int, tile_scale: bool, tma: bool, words: bool,
+                     has_delta: bool, delta_wait: bool) -> Constants:
+    return Constants(
+        HAS_BIAS=has_bias, ROWS=rows_mode, DOT_PRECISION=_precision(dtype), FORMAT=format_id, HAS_DELTA=has_delta,
+        **_delta_wait(delta_wait), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        W_BLOCKED=blocked, HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale, EVEN_K=inter % cfg.block_k == 0, W_TMA=tma,
+        HALF_TAILS=_half_tails(cfg, rows_mode, block_m), SCALES_AHEAD=_scales_ahead(cfg, weight_format),
+        W4_WORDS=words, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _delta_wait(wait: bool) -> dict:
