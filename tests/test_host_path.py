@@ -183,26 +183,30 @@ def test_the_layers_read_their_tensors_without_module_getattr(monkeypatch, prese
     assert looked_up == []
 
 
-def test_the_decode_kernels_get_their_constants_made_once(monkeypatch):
-    """GEMV1 and GEMV2 take their constexprs and launch options as one Constants per kind of call (hashed once),
-    made on the first call of that kind: the launcher keys a repeated launch without rebuilding a dozen keywords."""
+@pytest.mark.parametrize("mode", ["gemv", "aligned"])
+def test_the_expert_kernels_get_their_constants_made_once(monkeypatch, mode):
+    """GEMV1/GEMV2 (decode) and GEMM1/GEMM2 (aligned) take their constexprs and launch options as one Constants per
+    kind of call (hashed once), made on the first call of that kind: the launcher keys a repeated launch without
+    rebuilding a dozen keywords."""
     from moekit._launch import Constants, Launcher
     from moekit.experts import ExpertsConfig, GemmConfig
     from moekit.experts import triton_backend as tb
 
-    gemv = ExpertsConfig(16, GemmConfig(16, 32, 4, 1), GemmConfig(8, 32, 4, 1), mode="gemv")
+    config = ExpertsConfig(16, GemmConfig(16, 32, 4, 1), GemmConfig(8, 32, 4, 1), mode=mode)
+    makers = {"gemv": {"gemv1_act_kernel": tb._gemv1_constants, "gemv2_tokens_kernel": tb._gemv2_constants},
+              "aligned": {"gemm1_act_kernel": tb._gemm1_constants, "gemm2_kernel": tb._gemm2_constants}}[mode]
     kinds = {}
     real = Launcher.launch
     monkeypatch.setattr(Launcher, "launch", lambda self, grid, args, kwargs: kinds.setdefault(
         self.__name__, []).append(type(kwargs)) or real(self, grid, args, kwargs))
-    tb._gemv1_constants.cache_clear()
-    tb._gemv2_constants.cache_clear()
+    for make in makers.values():
+        make.cache_clear()
     x, w13, w2, tw, ids = _call()
-    first = fused_experts(x, w13, w2, tw, ids, backend="triton", config=gemv)
+    first = fused_experts(x, w13, w2, tw, ids, backend="triton", config=config)
     for _ in range(2):
-        assert torch.equal(fused_experts(x, w13, w2, tw, ids, backend="triton", config=gemv), first)
-    assert kinds["gemv1_act_kernel"] == [Constants] * 3 and kinds["gemv2_tokens_kernel"] == [Constants] * 3
-    assert tb._gemv1_constants.cache_info().misses == 1 and tb._gemv2_constants.cache_info().misses == 1
+        assert torch.equal(fused_experts(x, w13, w2, tw, ids, backend="triton", config=config), first)
+    for kernel, make in makers.items():
+        assert kinds[kernel] == [Constants] * 3 and make.cache_info().misses == 1
 
 
 def test_the_host_path_benchmark_runs_and_puts_the_layers_back(tmp_path, monkeypatch):
