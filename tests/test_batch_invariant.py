@@ -395,6 +395,54 @@ def test_gpu_router_and_routing_are_batch_invariant(name):
     assert all(r.ok for r in rows), [(r.op, r.impl, r.detail) for r in rows if not r.ok]
 
 
+@pytest.mark.parametrize("method,renormalize,lora,served", [
+    ("softmax_topk", True, False, True),    # sums over the k chosen weights: the same bits shown on every preset
+    ("topk_softmax", False, False, True),
+    ("sigmoid_grouped", True, False, True),
+    ("softmax_topk", False, False, False),  # a softmax over all E: its sum's order follows each tile's layout
+    ("softmax_topk", True, True, False),    # the router LoRA's sum, likewise
+])
+def test_the_mode_takes_the_one_launch_router_only_where_its_bits_were_shown_equal(monkeypatch, method, renormalize,
+                                                                                   lora, served):
+    from moekit.routing import router as router_module
+    from moekit.routing import tiers as router_tiers
+
+    monkeypatch.setattr(router_tiers, "fused_applies", lambda *a: True)     # as on a GPU, below the switch
+    E, H, k = 8, 32, 2
+    x, w = torch.randn(3, H), torch.randn(E, H)
+    adapter = router_module.RouterLoRA(torch.randn(4, H), torch.randn(E, 4), 0.5) if lora else None
+    args = router_module._validate_gemm(x, w, None, adapter)
+    kwargs = {"renormalize": renormalize} if method != "topk_softmax" else {}
+    if method == "sigmoid_grouped":
+        kwargs |= {"num_groups": 2, "topk_groups": 1}
+    opts = router_module.validate_routing(E, x.device, k, method, **kwargs)
+    assert router_module._fused_router_choice(args, opts, None, "auto")                # the default mode: fused
+    _on()
+    assert router_module._fused_router_choice(args, opts, None, "auto") == served
+    assert router_module._fused_router_choice(args, opts, None, "fused")                # asked for by name: served
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renormalize,lora", [(False, False), (True, True)])
+def test_gpu_fused_router_stays_invariant_without_renormalize_and_with_router_lora(renormalize, lora):
+    """The routings the mode keeps on two launches at every T (invariant_fused_serves) give a token the same bits
+    in batches of 1 to 1000 (each side of the one-launch kernel's switch at T=64)."""
+    from moekit.routing.router import RouterLoRA
+
+    _on()
+    E, H = 128, 2048
+    w = (torch.randn(E, H, device="cuda") * H ** -0.5).bfloat16()
+    adapter = RouterLoRA(torch.randn(16, H, device="cuda").bfloat16(), torch.randn(E, 16, device="cuda"), 0.5) \
+        if lora else None
+
+    def run(t):
+        return moekit.fused_router(t["x"], w, top_k=8, method="softmax_topk", renormalize=renormalize, lora=adapter)
+
+    probe = {"x": torch.randn(1, H, device="cuda").bfloat16()}
+    others = {"x": torch.randn(1000, H, device="cuda").bfloat16()}
+    assert _invariant.token_mismatch(run, probe, others) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weights, act_quant", invariance_checks.FORMATS)
 @pytest.mark.parametrize("name", presets.names())

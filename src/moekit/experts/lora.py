@@ -270,15 +270,16 @@ def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA,
 def w2_delta(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor, rows: Rows,
              like: torch.Tensor, h_paired: bool = False, dependents: bool = False) -> torch.Tensor | None:
     """GEMM2's delta (aligned or batched rows): the LoRA term on w2 of each of GEMM2's output rows, unweighted, zero
-    without an adapter, in a new fp32 tensor of ``like``'s shape (GEMM2's output: [pairs, H] aligned, [E, M, H]
-    batched, contiguous); GEMM2 adds it to its sums before the router weight and rounds once. (In the activations'
+    without an adapter, in a new fp32 tensor of ``like``'s shape and strides (GEMM2's output: [pairs, H] aligned,
+    [E, M, H] batched); GEMM2 adds it to its sums before the router weight and rounds once. (In the activations'
     dtype the term would be rounded twice, the second time at the output's magnitude: rank-16 terms as large as the
     base output then missed the bf16 experts' RMS budget, 5.2e-3 against 5e-3.) None when the adapters leave w2
     alone. ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8 activations; ``h_paired``: columns in the
     word-decoded 4-bit GEMM2's order, as GEMM1 wrote them); ``dependents``: as :func:`w13_delta`."""
     if lora.w2_a is None:
         return None
-    delta = torch.empty(like.shape, dtype=torch.float32, device=h.device)
+    delta = torch.empty_strided(like.shape, like.stride(), dtype=torch.float32, device=h.device)  # GEMM2 indexes
+    # it with its output's strides
     _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, delta, None, rows, v_paired=h_paired, store=True,
             dependents=dependents)
     return delta

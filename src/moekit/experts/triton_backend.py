@@ -310,6 +310,13 @@ def paired_k(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2, 4)).transpose(-1, -2).flatten(-3)
 
 
+def x_for_gemm1(x3: torch.Tensor, w: WeightOperand) -> torch.Tensor | None:
+    """The paired_k copy of x that gemm1 reads for word-decoded 4-bit weights, or None (it reads x): made before a
+    LoRA delta kernel, so that GEMM1, that kernel's programmatic dependent, reads before its wait only what
+    launches before the delta kernel wrote."""
+    return paired_k(x3) if _w4_words(w, x3.dtype) else None
+
+
 def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
     """GEMM1's (expert, row, column) strides of x: [T, H] (standard) or [E, M, H] (batched)."""
     return (0, *x3.stride()) if x3.dim() == 2 else x3.stride()
@@ -317,14 +324,18 @@ def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
 
 def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, cfg: GemmConfig, block_m, num_pairs,
            top_k, rows_per_expert, num_global=0, x_scales=None, h_scales=None, h_paired=False, delta=None,
-           delta_wait=False):
+           delta_wait=False, x_paired=None):
     """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
     ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2).
     ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py);
-    ``delta_wait``: launched as the delta kernel's programmatic dependent (it waits for it before the epilogue)."""
+    ``delta_wait``: launched as the delta kernel's programmatic dependent (it waits for it before the epilogue),
+    which must then be the launch right before this one: ``x_paired``, x3's paired_k copy made before the delta
+    kernel, where the word-decoded 4-bit tiles read one (:func:`x_for_gemm1`)."""
     words = _w4_words(w, x3.dtype)
     if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
-        x3 = paired_k(x3)
+        x3 = x_paired if x_paired is not None else paired_k(x3)
+    elif x_paired is not None:
+        raise ValueError("gemm1: x_paired is for word-decoded 4-bit weights only")
     cfg = w.config(cfg, tiles=2)  # gate and up
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
@@ -734,11 +745,14 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     aligned = delta = delta2 = None
     pdl = lora is not None and _triton.dependent_launches(x.device)
     w2_delta = lora is not None and expert_lora.w2_term_as_delta(lora, y.numel(), w2.bytes)
+    x_paired = None
     if lora is not None:
         aligned = expert_lora.Rows("aligned", blocks * bm, top_k, bm, num_pairs, block_expert, sorted_pairs)
+        x_paired = x_for_gemm1(x, w13)
         delta = expert_lora.w13_delta(x, xs, lora, lora_ids, aligned, dependents=pdl)
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, num_pairs, top_k, 0,
-           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None)
+           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None,
+           x_paired=x_paired)
     if w2_delta:
         delta2 = expert_lora.w2_delta(h, hs, lora, lora_ids, aligned, y, h_paired, dependents=pdl)
     gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, num_pairs, 0, hs,
@@ -782,12 +796,15 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
     slabs = delta = delta2 = None  # LoRA: as in fused_experts_into
     pdl = lora is not None and _triton.dependent_launches(x.device)
     w2_delta = lora is not None and expert_lora.w2_term_as_delta(lora, out.numel(), w2.bytes)
+    x_paired = None
     if lora is not None:
         slabs = expert_lora.Rows("batched", num_experts * rows_per_expert, block_m=bm,
                                  expert_num_tokens=expert_num_tokens, rows_per_expert=rows_per_expert)
+        x_paired = x_for_gemm1(x, w13)
         delta = expert_lora.w13_delta(x, xs, lora, lora_ids, slabs, dependents=pdl)
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, 0, 1, rows_per_expert,
-           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None)
+           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None,
+           x_paired=x_paired)
     if w2_delta:
         delta2 = expert_lora.w2_delta(h, hs, lora, lora_ids, slabs, out, h_paired, dependents=pdl)
     gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, 0, rows_per_expert,

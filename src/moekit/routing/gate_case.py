@@ -113,18 +113,29 @@ def fused_refusal(num_tokens: int, weight, bias, corr_bias, lora, opts, fused_ro
     E, H = weight.shape
     T = _regime_tokens(num_tokens)
     rank = 0 if lora is None else lora.a.shape[0]
+    invariant = _invariant.enabled()
     key = ("fused_router:fused", H, E, weight.dtype, bias is not None, corr_bias is not None, rank, opts,
-           weight.device, T)
+           weight.device, *(("batch-invariant",) if invariant else ()), T)  # the mode adds the invariance check
     describe = f"fused router H={H} E={E} {weight.dtype} {opts.method} k={opts.top_k}, T~{T}"
 
     def run():
         gen = torch.Generator().manual_seed(8765)
         x, w, b, lr = _inputs(gen, T, weight, bias, lora)
         corr = None if corr_bias is None else _rand(gen, E, device=weight.device, scale=0.1).abs()
-        tw, tid = fused_router(x, w, b, top_k=opts.top_k, method=opts.method, renormalize=opts.renormalize,
-                               correction_bias=corr, num_groups=opts.num_groups, topk_groups=opts.topk_groups,
-                               scaling=opts.scaling, lora=lr, impl="fused")
-        return _routes_verdict(tw, tid, _logits64(x, w, b, lr), opts, corr)
+        kwargs = dict(top_k=opts.top_k, method=opts.method, renormalize=opts.renormalize, correction_bias=corr,
+                      num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling, lora=lr)
+        tw, tid = fused_router(x, w, b, impl="fused", **kwargs)
+        verdict = _routes_verdict(tw, tid, _logits64(x, w, b, lr), opts, corr)
+        if not verdict[0] or not invariant:
+            return verdict
+
+        def mode_routes(t):  # the mode's choice by T, named (auto would ask this gate again): a token's bits
+            n = t["x"].shape[0]  # must not change where the one-launch kernel hands over to two launches
+            impl = "fused" if n <= router_tiers.INVARIANT_FUSED_MAX_TOKENS else "unfused"
+            return fused_router(t["x"], w, b, impl=impl, **kwargs)
+
+        return _with_invariance(verdict, mode_routes,
+                                lambda n: {"x": _rand(gen, n, H, device=weight.device, dtype=weight.dtype)})
 
     return gate.verdict(key, "fused router", describe, run)
 

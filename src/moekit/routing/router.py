@@ -307,6 +307,8 @@ def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl:
     weight, num_tokens = args.weight, args.x.shape[0]
     fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
         num_tokens, weight.device, weight.shape[1], weight.shape[0]))
+    if fused and impl == "auto" and _invariant.enabled():
+        fused = router_tiers.invariant_fused_serves(opts.method, opts.renormalize, args.lora is not None)
     if fused and impl == "auto" and num_tokens:
         fused = gate_case.fused_refusal(num_tokens, weight, args.bias, corr_bias, args.lora, opts, fused_router) is None
     return fused

@@ -18,11 +18,12 @@ from .. import _invariant, _triton
 
 TIERS = ("triton", "cublas", "torch")
 FUSED_MAX_TOKENS = 128
+"""The one-launch fused router kernel serves up to this many tokens."""
+
 # Batch-invariant mode: the one-launch kernel takes the mode's GEMM (its K splits and steps, one token per finishing
 # step), so it gives the bits router_gemm + the routing kernel give. It is the faster of the two up to 64 tokens and
 # slower at 128 (H100, 2026-12-06: benchmarks/results/archive/ab_invariant_router_h100_2026-12-06.md).
 INVARIANT_FUSED_MAX_TOKENS = 64
-"""The one-launch fused router kernel serves up to this many tokens."""
 
 GEMV_MAX_TOKENS = 2
 """Up to this many tokens the router GEMM runs as a GEMV (fp32 FMAs), above it on tensor cores."""
@@ -258,6 +259,16 @@ def fused_applies(num_tokens: int, device: torch.device, hidden: int, num_expert
     return num_tokens <= fused_limit(device, hidden, num_experts)[0]
 
 
+def invariant_fused_serves(method: str, renormalize: bool, has_lora: bool) -> bool:
+    """Whether batch-invariant mode may take the one-launch kernel for this routing at all (then up to
+    INVARIANT_FUSED_MAX_TOKENS). Its finishing step routes a one-token tile, the routing kernel a tile of several
+    tokens, and Triton orders a reduction by its tile's layout: the bits were shown equal (every preset, batches of
+    1 to 1000 on both sides of the switch) where the routing sums run over the k chosen weights; a softmax over
+    all E (softmax_topk without renormalize) and the router LoRA's sum were not shown equal, so those keep the two
+    launches at every T."""
+    return not has_lora and not (method == "softmax_topk" and not renormalize)
+
+
 def _prev_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
@@ -271,7 +282,8 @@ def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device
             fused = f"router_gemm ({gemm.tier}) + route on {device.type}"
         elif fused_applies(num_tokens, device, hidden, num_experts):
             fused = (f"one Triton launch in the batch-invariant GEMM's order: T={num_tokens} <= "
-                     f"{INVARIANT_FUSED_MAX_TOKENS} (the same bits as router_gemm + the routing kernel, above it)")
+                     f"{INVARIANT_FUSED_MAX_TOKENS} (the same bits as router_gemm + the routing kernel, above it; "
+                     f"softmax_topk without renormalize and router LoRA take the two launches at every T)")
         else:
             fused = (f"router_gemm ({gemm.tier}) + routing kernel: batch-invariant mode, T={num_tokens} > "
                      f"{INVARIANT_FUSED_MAX_TOKENS} (the one-launch kernel gives the same bits below it)")

@@ -746,6 +746,10 @@ def gemm1_act_kernel(
                     I, K, gate_step, up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M,
                     BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED,
                     SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA, DELTA_WAIT)
+    # Every program waits, those without rows too: this grid then ends after the delta kernel's, whose buffers the
+    # launches after it may reuse (a second wait returns at once)
+    if DELTA_WAIT:
+        gdc_wait()
 
 
 @triton.jit
@@ -878,6 +882,8 @@ def gemm2_kernel(
                     rows_per_expert, num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
                     BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS,
                     HAS_DELTA, DELTA_WAIT)
+    if DELTA_WAIT:  # every program (see gemm1_act_kernel)
+        gdc_wait()
 
 
 @triton.jit

@@ -464,6 +464,10 @@ def gemv1_act_kernel(
             w2_decode_parts(lora_a2, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, adapter, lora_live, pair,
                             act.to(tl.float32), offs_n, tl.program_id(0) // num_n, tl.program_id(0) % num_n, num_n,
                             LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE)
+    # Every program waits, those without a live pair too: this grid then ends after the shrink's, whose buffers the
+    # launches after it may reuse (a second wait returns at once)
+    if LORA_WAIT:
+        gdc_wait()
 
 
 @triton.jit
