@@ -50,6 +50,15 @@ def routing_tokens_per_program(n: int | None):
         router_backend._routing_constants.cache_clear()
 
 
+def router_weights(spec, device, generator):
+    """A preset's router at real size: (bf16 weight [E, H], fp32 bias [E] or None, fp32 correction bias or None)."""
+    E, H = spec.num_experts, spec.hidden_size
+    weight = (torch.randn(E, H, device=device, generator=generator) * H ** -0.5).bfloat16()
+    bias = torch.randn(E, device=device, generator=generator) * 0.1 if spec.router_bias else None
+    corr = torch.randn(E, device=device, generator=generator) * 0.1 if spec.correction_bias else None
+    return weight, bias, corr
+
+
 def router_call(spec, weight, bias, corr):
     kwargs = spec.routing_kwargs()
     if corr is not None:
@@ -81,11 +90,9 @@ def main() -> None:
             "|---|---|---|" + "---|" * len(TIMED_T)]
     for name in args.presets:
         spec = presets.get(name)
-        E, H = spec.num_experts, spec.hidden_size
+        H = spec.hidden_size
         g = torch.Generator(device=dev).manual_seed(0)
-        weight = (torch.randn(E, H, device=dev, generator=g) * H ** -0.5).bfloat16()
-        bias = torch.randn(E, device=dev, generator=g) * 0.1 if spec.router_bias else None
-        corr = torch.randn(E, device=dev, generator=g) * 0.1 if spec.correction_bias else None
+        weight, bias, corr = router_weights(spec, dev, g)
         call = router_call(spec, weight, bias, corr)
         probe = {"x": torch.randn(1, H, device=dev, generator=g).bfloat16()}
         others = {"x": torch.randn(max(_invariant.SIZES), H, device=dev, generator=g).bfloat16()}
