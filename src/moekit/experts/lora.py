@@ -255,7 +255,8 @@ def _pair_splits(k: int, block_k: int) -> tuple[int, int]:
 def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor,
               rows: Rows, dependents: bool = False) -> torch.Tensor | None:
     """GEMM1's delta rows [rows.count, 2I] in x's dtype (the LoRA term on w13 of each of h's rows, zero without an
-    adapter; padding rows unwritten), or None when the adapters leave w13 alone. ``x``: the GEMM input ([T, H],
+    adapter; padding rows unwritten), or None when the adapters leave w13 alone or no row has an expert here (then
+    no kernel ran: a GEMM must neither read the delta nor wait for its kernel). ``x``: the GEMM input ([T, H],
     or [E, M, H] batched; E4M3 codes with ``x_scales`` [rows of x, H/128] under FP8 activations). ``dependents``
     (aligned and batched rows): the next launch (GEMM1, waiting before it reads the delta) may start as this one
     starts."""
@@ -263,8 +264,9 @@ def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA,
         return None
     dtype = lora.dtype if x_scales is not None else x.dtype
     delta = torch.empty(rows.count, lora.w13_b.shape[2], dtype=dtype, device=x.device)
-    _launch(1, x, x_scales, lora.w13_a, lora.w13_b, lora, lora_ids, delta, None, rows, dependents=dependents)
-    return delta
+    launched = _launch(1, x, x_scales, lora.w13_a, lora.w13_b, lora, lora_ids, delta, None, rows,
+                       dependents=dependents)
+    return delta if launched else None
 
 
 def w2_delta(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor, rows: Rows,
@@ -274,15 +276,15 @@ def w2_delta(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, 
     [E, M, H] batched); GEMM2 adds it to its sums before the router weight and rounds once. (In the activations'
     dtype the term would be rounded twice, the second time at the output's magnitude: rank-16 terms as large as the
     base output then missed the bf16 experts' RMS budget, 5.2e-3 against 5e-3.) None when the adapters leave w2
-    alone. ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8 activations; ``h_paired``: columns in the
+    alone or no kernel ran (as :func:`w13_delta`). ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8 activations; ``h_paired``: columns in the
     word-decoded 4-bit GEMM2's order, as GEMM1 wrote them); ``dependents``: as :func:`w13_delta`."""
     if lora.w2_a is None:
         return None
     delta = torch.empty_strided(like.shape, like.stride(), dtype=torch.float32, device=h.device)  # GEMM2 indexes
     # it with its output's strides
-    _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, delta, None, rows, v_paired=h_paired, store=True,
-            dependents=dependents)
-    return delta
+    launched = _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, delta, None, rows, v_paired=h_paired,
+                       store=True, dependents=dependents)
+    return delta if launched else None
 
 
 def w2_add(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor, rows: Rows,
@@ -310,7 +312,8 @@ def w2_term_as_delta(lora: ExpertsLoRA, out_elements: int, w2_bytes: int) -> boo
 
 
 def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, per_token: bool = False,
-            v_paired: bool = False, store: bool = False, dependents: bool = False) -> None:
+            v_paired: bool = False, store: bool = False, dependents: bool = False) -> bool:
+    """Launch the terms of one stage over ``rows``; False where there was nothing to launch (no rows)."""
     kernels = _kernels()
     n_out, r = b.shape[2], a.shape[2]
     k = a.shape[3]
@@ -323,7 +326,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         pairs = rows.ids.numel()
         groups = pairs // slots
         if groups == 0:
-            return
+            return False
         emap = rows.expert_map if rows.expert_map is not None else rows.ids
         has_map = rows.expert_map is not None
         parts, splits, shrink = _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows)
@@ -338,7 +341,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
             STAGE=stage, HAS_MAP=has_map, BLOCK_N=block_n, R_PAD=r_pad, SLOTS_PAD=slots_pad, SLOT_CHUNK=chunk,
             SPLITS=splits,
             num_warps=4)
-        return
+        return True
     lora_m = max(16, min(rows.block_m, 64 if r_pad <= 64 else 8192 // r_pad // 2))
     if rows.mode == "batched":
         lora_m = max(16, min(lora_m, _triton.next_pow2(rows.rows_per_expert)))
@@ -355,7 +358,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         row_args = (rows.block_expert, rows.sorted_pairs, rows.block_expert, rows.num_pairs)
         mode = kernels.ALIGNED.value
     if programs == 0:
-        return
+        return False
     # Several adapters of small rank: their columns side by side in one product (the block's rows read once)
     adapters_pad = _triton.next_pow2(lora.num_adapters)
     if lora.num_adapters == 1 or adapters_pad * r_pad > ALL_ADAPTERS_MAX_COLUMNS:
@@ -370,6 +373,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
         BLOCK_M=rows.block_m, LORA_M=lora_m, BLOCK_N=max(16, min(128, 4096 // lora_m, 8192 // columns)), BLOCK_K=64,
         R_PAD=r_pad, V_PAIRED=v_paired, ADAPTERS_PAD=adapters_pad, W2_DELTA=stage == 2 and store,
         LAUNCH_DEPENDENTS=dependents, num_warps=4)
+    return True
 
 
 def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_dependents: bool = False):
