@@ -13,7 +13,6 @@ benchmark (bench_eager.py) measures whole calls, launches included; this isolate
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import time
@@ -25,7 +24,7 @@ from moekit import _launch, presets
 from moekit import layer as layer_module
 from moekit.experts import ExpertsConfig
 from moekit.experts import triton_backend
-from moekit.tools.bench.timing import write_results
+from moekit.tools.bench.timing import environment, write_results
 
 TABLE = Path(__file__).resolve().parents[1] / "src/moekit/experts/tuned_configs.json"
 
@@ -86,13 +85,12 @@ def main() -> None:
     args = p.parse_args()
     records = [{"what": f"FusedMoE.forward own ({name}, ops stubbed)", "us": fused_moe_own(name, args.calls)}
                for name in ("qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3")]
-    records += [{"what": f"fused_experts_into, qwen3-30b-a3b T={t} (launches stubbed)", "us": experts_host(t, args.calls)}
-                for t in (1, 16)]
-    env = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-           "torch": torch.__version__, "date": datetime.date.today().isoformat(), "label": args.label}
-    md = "\n".join([f"# Host work per eager call, kernels taken out ({env['date']}{', ' + args.label if args.label else ''})",
-                    "", f"CPU {env['cpu']}, Python {env['python']}, torch {env['torch']}; median of 5 loops of "
-                    f"{args.calls} calls.", "", "| what | us/call |", "|---|---|"]
+    records += [{"what": f"fused_experts_into, qwen3-30b-a3b T={t} (launches stubbed)",
+                 "us": experts_host(t, args.calls)} for t in (1, 16)]
+    env = environment() | {"cpu": platform.processor() or platform.machine(), "label": args.label}
+    title = f"# Host work per eager call, kernels taken out ({env['date']}{', ' + args.label if args.label else ''})"
+    md = "\n".join([title, "", f"CPU {env['cpu']}, Python {env['python']}, torch {env['torch']}, triton "
+                    f"{env['triton']}; median of 5 loops of {args.calls} calls.", "", "| what | us/call |", "|---|---|"]
                    + [f"| {r['what']} | {r['us']:.1f} |" for r in records]) + "\n"
     print(md)
     if args.out:

@@ -276,12 +276,13 @@ def w2_delta(h: torch.Tensor, h_scales: torch.Tensor | None, lora: ExpertsLoRA, 
     [E, M, H] batched); GEMM2 adds it to its sums before the router weight and rounds once. (In the activations'
     dtype the term would be rounded twice, the second time at the output's magnitude: rank-16 terms as large as the
     base output then missed the bf16 experts' RMS budget, 5.2e-3 against 5e-3.) None when the adapters leave w2
-    alone or no kernel ran (as :func:`w13_delta`). ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8 activations; ``h_paired``: columns in the
-    word-decoded 4-bit GEMM2's order, as GEMM1 wrote them); ``dependents``: as :func:`w13_delta`."""
+    alone or no kernel ran (as :func:`w13_delta`). ``h`` [rows.count, I] (E4M3 codes with ``h_scales`` under FP8
+    activations; ``h_paired``: columns in the word-decoded 4-bit GEMM2's order, as GEMM1 wrote them);
+    ``dependents``: as :func:`w13_delta`."""
     if lora.w2_a is None:
         return None
-    delta = torch.empty_strided(like.shape, like.stride(), dtype=torch.float32, device=h.device)  # GEMM2 indexes
-    # it with its output's strides
+    # GEMM2 indexes its delta with its output's strides
+    delta = torch.empty_strided(like.shape, like.stride(), dtype=torch.float32, device=h.device)
     launched = _launch(2, h, h_scales, lora.w2_a, lora.w2_b, lora, lora_ids, delta, None, rows, v_paired=h_paired,
                        store=True, dependents=dependents)
     return delta if launched else None
@@ -422,9 +423,9 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
     GEMV launches add, W13's shrink (when the adapters touch w13) among it, for GEMV1 to launch right before itself
     (as the shrink's programmatic dependent GEMV1 reads, until it waits, only what earlier launches wrote). None
     where the terms' tiles would not fit a program's registers, a stack is not contiguous or GEMV1's program groups
-    outnumber the arrival counters: the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's programmatic
-    dependent (its K loop overlaps the shrink; a link of its own, whatever the config says of GEMV2's); ``fence``:
-    the kernels are built for the GPU (the counters' memory fence is PTX)."""
+    outnumber the arrival counters: the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's
+    programmatic dependent (its K loop overlaps the shrink; a link of its own, whatever the config says of GEMV2's);
+    ``fence``: the kernels are built for the GPU (the counters' memory fence is PTX)."""
     stacks = [t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None]
     if not all(t.is_contiguous() for t in stacks):
         return None
