@@ -1,21 +1,11 @@
-"""Batch-invariant router GEMM: tiles that fill the SMs (GPU).
+"""Batch-invariant router GEMM: every tile, its K splits folded and not (GPU).
 
-In batch-invariant mode the router GEMM's tiles grow with T by fixed thresholds (routing/tiers.py
-invariant_kernel_config: 16 x 16 up to T=16, 16 x 32 to 256, 64 x 32 to 2048, 128 x 64 above), and the K splits fold
-into each tile's program once the tiles reach one per INVARIANT_FOLD_SMS SMs. On an H100 the mode missed its 1.10x
-target at T = 1024-4096 (router_gemm 1.23-2.25x) and deepseek-v3 T=64 (2.60x)
-(benchmarks/results/archive/invariant_router_h100_2026-12-06.md): qwen3-30b-a3b T=4096 runs 64 tiles on 132 SMs,
-mixtral-8x7b (one row block) 32, deepseek-v3 T=64 folds 32 tiles that each walk all of H=7168. A tile's rows and
-columns do not change the order of a logit's K terms, nor does folding (the same additions), so other shapes give the
-same bits. This measures, in the mode:
-
-  shipped      invariant_kernel_config as it is
-  fill         the same, the tile halved (128x64 -> 64x32 -> 16x32 -> 16x16) until the tiles fill the SMs
-  fill, fold   fill, and the splits folded only where the tiles alone fill the SMs
-
-each one's CUDA-graph time of router_gemm and fused_router against the default mode's, a probe token's bits alone and
-in batches of 1..1000 (moekit._invariant.token_mismatch), and whether each variant's logits equal the shipped ones bit
-for bit on the same inputs (T in --tokens).
+A tile's rows and columns do not change the order of a logit's K terms, nor does folding the K splits into each
+tile's program (the same additions), so batch-invariant mode picks both by shape (routing/tiers.py
+invariant_kernel_config). This times router_gemm in the mode with each tile of SWEEP_TILES, folded and not, beside
+the shipped choice and the default mode, in CUDA graphs; checks each variant's logits against the shipped ones bit
+for bit on the same inputs (T in --tokens), and a probe token's bits alone and in batches of 1..1000
+(moekit._invariant.token_mismatch). fused_router is timed with the shipped choice (it runs router_gemm's tiles).
 
     python benchmarks/ab_invariant_router_tiles.py --out benchmarks/results/archive
 """
@@ -41,34 +31,17 @@ from ab_invariant_router import router_weights  # noqa: E402  (a sibling script:
 
 PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]
 TOKENS = [64, 256, 1024, 4096, 16384]
-TILES = [(128, 64), (64, 32), (16, 32), (16, 16)]  # the mode's tile shapes, largest first
+SWEEP_TILES = [(16, 16), (16, 32), (32, 32), (64, 32), (32, 64), (64, 64), (128, 64), (32, 128), (64, 128)]
 
 
-def _tiles(num_tokens: int, num_experts: int, rank: int, block_t: int, block_r: int) -> int:
-    return (tiers._triton.cdiv(num_experts, block_r) + tiers._triton.cdiv(rank, block_r)) * tiers._triton.cdiv(
-        num_tokens, block_t)
-
-
-def variant_config(fold_rule: str):
-    """invariant_kernel_config with its tile shrunk until the tiles fill the SMs; ``fold_rule``: "shipped" (fold from
-    one tile per INVARIANT_FOLD_SMS SMs) or "filled" (fold only where the tiles fill the SMs)."""
-    shipped = tiers.invariant_kernel_config
-
+def forced_config(block_t: int, block_r: int, fold: bool):
+    """The mode's launch shape with this tile and this choice of folding, at every T."""
     def config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms=132):
-        base = shipped(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms)
-        shapes = [s for s in TILES if s[0] <= base.block_t and s[1] <= base.block_r]
-        block_t, block_r = shapes[-1]
-        for bt, br in shapes:
-            if _tiles(num_tokens, num_experts, rank, bt, br) >= num_sms:
-                block_t, block_r = bt, br
-                break
         splits, per_split = tiers.invariant_splits(hidden)
-        tiles = _tiles(num_tokens, num_experts, rank, block_t, block_r)
-        fold = splits > 1 and (tiles * tiers.INVARIANT_FOLD_SMS >= num_sms if fold_rule == "shipped"
-                               else tiles >= num_sms)
+        folded = fold and splits > 1
         cfg = tiers.launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
-                                  tiers.INVARIANT_BLOCK_K, splits=1 if fold else splits, fin_t=1)
-        return replace(cfg, splits=1 if fold else splits, k_per_split=per_split, s_chunk=1, fold_splits=fold)
+                                  tiers.INVARIANT_BLOCK_K, splits=1 if folded else splits, fin_t=1)
+        return replace(cfg, splits=1 if folded else splits, k_per_split=per_split, s_chunk=1, fold_splits=folded)
     return config
 
 
@@ -98,8 +71,9 @@ def main() -> None:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     env = environment()
-    variants = {"shipped": None, "fill": variant_config("shipped"), "fill, fold": variant_config("filled")}
-    lines = [f"# Batch-invariant router GEMM: tiles that fill the SMs ({env['gpu']}, {env['date']})", "",
+    variants = {"shipped": None} | {f"{bt}x{br}{' fold' if fold else ''}": forced_config(bt, br, fold)
+                                    for bt, br in SWEEP_TILES for fold in (False, True)}
+    lines = [f"# Batch-invariant router GEMM: every tile, folded and not ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}; bf16 x and router weights, CUDA graphs, us per call. "
              "same bits: the variant's logits against the shipped ones on the same inputs at every T; invariant: a "
              f"probe token alone and in batches of {', '.join(map(str, _invariant.SIZES))}.", "",
@@ -128,7 +102,7 @@ def main() -> None:
             with _invariant.batch_invariant(True):
                 with invariant_config(None):
                     shipped = {T: call(xs[T]) for T in args.tokens}
-                for label, config in variants.items():
+                for label, config in (variants if op == "router_gemm" else {"shipped": None}).items():
                     with invariant_config(config):
                         got = {T: call(xs[T]) for T in args.tokens}
                         same = all(all(torch.equal(a, b) for a, b in zip(
@@ -148,7 +122,7 @@ def main() -> None:
     print(md)
     if args.out:
         gpu = env["gpu"].split()[1].lower() if len(env["gpu"].split()) > 1 else "cpu"
-        write_results(args.out, f"ab_invariant_router_tiles_{gpu}_{datetime.date.today().isoformat()}", env,
+        write_results(args.out, f"ab_invariant_router_tile_sweep_{gpu}_{datetime.date.today().isoformat()}", env,
                       records, md)
 
 

@@ -243,7 +243,7 @@ def invariant_variants():
     from moekit import _invariant, presets
     from moekit.experts import configs, fused_experts
     from moekit.formats import fp8, mxfp4, nvfp4
-    from moekit.routing.router import RouterLoRA, router_gemm
+    from moekit.routing.router import RouterLoRA, fused_router, router_gemm
 
     h200 = configs.table_key  # CPU tensors would key the table as "cpu": ask for the H200's entries
 
@@ -287,16 +287,21 @@ def invariant_variants():
                 lambda x=x, ids=ids, w13=w13, w2=w2, b13=b13, b2=b2, s=spec, aq=act_quant: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13, w2_bias=b2,
                     act_quant=aq, backend="triton"))
-    for name in ("gpt-oss-120b", "deepseek-v3", "kimi-k2"):
+    # every tile the mode picks (routing/tiers.py _invariant_tile), folded and not; the fused kernel up to T=64
+    for name in ("qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3", "kimi-k2", "mixtral-8x7b"):
         spec = presets.get(name)
         w = torch.randn(spec.num_experts, spec.hidden_size).bfloat16()
         b = torch.randn(spec.num_experts) if spec.router_bias else None
         lora = RouterLoRA(torch.randn(16, spec.hidden_size).bfloat16(), torch.randn(spec.num_experts, 16), 0.5)
-        for T in (1, 16, 257, 4096):
+        kw = spec.routing_kwargs()
+        for T in (1, 16, 64, 257, 1024, 4096, 16384):
             x = torch.randn(T, spec.hidden_size).bfloat16()
             yield f"invariant gemm {name} T={T}", invariant(lambda x=x, w=w, b=b: router_gemm(x, w, b, tier="triton"))
             yield f"invariant gemm lora {name} T={T}", invariant(
                 lambda x=x, w=w, b=b, lora=lora: router_gemm(x, w, b, lora=lora, tier="triton"))
+            if T <= 64:
+                yield f"invariant fused {name} T={T}", invariant(
+                    lambda x=x, w=w, b=b, kw=kw, s=spec: fused_router(x, w, b, top_k=s.top_k, method=s.routing, **kw))
 
 
 def lora_variants():

@@ -16,7 +16,6 @@ from moekit import _invariant, _triton, backends, fused_experts, gate, presets
 from moekit.experts import ExpertsConfig, GemmConfig
 from moekit.experts import configs as C
 from moekit.experts import gate_case
-from moekit.formats import quantize_experts
 from moekit.routing import fused_router, route, router_gemm
 from moekit.routing import tiers
 from moekit.tools.verify import invariance_checks
@@ -226,8 +225,13 @@ def test_expert_lora_kernels_are_batch_invariant():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_router_kernels_are_batch_invariant(dtype):
-    """Tiles of 16 tokens up to 256 and of 64 above; bias and LoRA; routing; the one-launch kernel when asked for."""
+def test_router_kernels_are_batch_invariant(dtype, monkeypatch):
+    """Tiles that grow with T; bias and LoRA; routing; the one-launch kernel when asked for."""
+    if dtype == torch.float32:
+        # The interpreter's fp32 dots are numpy's BLAS, whose sums follow the tile's shape (the GPU's fp32 dots are
+        # FMA chains along K, and 16-bit ones tensor-core steps: neither does): fp32 keeps one tile at every T
+        monkeypatch.setattr(tiers, "INVARIANT_TILES", ((16, 16),))
+    _replan()
     _on()
     H, E = 96, 16
     w = torch.randn(E, H).to(dtype)
@@ -237,29 +241,35 @@ def test_router_kernels_are_batch_invariant(dtype):
     def rows(n):
         return {"x": torch.randn(n, H).to(dtype)}
 
-    # Tiles of 64 tokens from T=257: the interpreter's fp32 dots are numpy's BLAS, whose sums follow the tile's shape
-    # (the GPU's fp32 dots are FMA chains along K, and 16-bit ones tensor-core steps: neither does)
-    sizes = (1, 2, 7, 64, 129, 300) if dtype == torch.float16 else (1, 2, 7, 64, 129, 256)
-    for run in (lambda t: router_gemm(t["x"], w, b, tier="triton"),
-                lambda t: router_gemm(t["x"], w, b, lora=lora, tier="triton"),
-                lambda t: route(t["x"].float()[:, :E].contiguous(), 4, "softmax_topk", impl="triton"),
-                lambda t: fused_router(t["x"], w, b, top_k=4, method="topk_softmax", impl="unfused")):
-        assert _invariant.token_mismatch(run, rows(1), rows(max(sizes)), sizes) is None
-    fused = lambda t: fused_router(t["x"], w, b, top_k=4, method="topk_softmax", impl="fused")  # noqa: E731
-    assert _invariant.token_mismatch(fused, rows(1), rows(128), (1, 2, 7, 64, 128)) is None
+    sizes = (1, 2, 7, 64, 129, 300)
+    try:
+        for run in (lambda t: router_gemm(t["x"], w, b, tier="triton"),
+                    lambda t: router_gemm(t["x"], w, b, lora=lora, tier="triton"),
+                    lambda t: route(t["x"].float()[:, :E].contiguous(), 4, "softmax_topk", impl="triton"),
+                    lambda t: fused_router(t["x"], w, b, top_k=4, method="topk_softmax", impl="unfused")):
+            assert _invariant.token_mismatch(run, rows(1), rows(max(sizes)), sizes) is None
+        fused = lambda t: fused_router(t["x"], w, b, top_k=4, method="topk_softmax", impl="fused")  # noqa: E731
+        assert _invariant.token_mismatch(fused, rows(1), rows(128), (1, 2, 7, 64, 128)) is None
+    finally:
+        _replan()  # shapes planned under the patched tiles
+
+
+def _replan():
+    """Forget the router's launch shapes (planned once per shape) after a test changed the constants they follow."""
+    from moekit.routing import triton_backend as router_backend
+
+    tiers.invariant_kernel_config.cache_clear()
+    router_backend._router_plan.cache_clear()
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_router_split_programs_and_folded_splits_give_the_same_bits(monkeypatch, lora_rank):
     """Few tokens: one program per K split and a finishing step that adds their partial sums; many tokens: one
     program per tile folding each split into its total. 256-deep splits (two K steps) over H=600 (the last one 88
-    deep), the switch between the two forms moved to 4 tiles so that both run at interpreter sizes."""
-    from moekit.routing import triton_backend as router_backend
-
+    deep), the switch between the two forms moved to T x splits = 100 so that both run at interpreter sizes."""
     monkeypatch.setattr(tiers, "INVARIANT_SPLIT_K", 256)
-    monkeypatch.setattr(tiers, "INVARIANT_FOLD_SMS", 1)
-    tiers.invariant_kernel_config.cache_clear()  # shapes planned under the shipped constants
-    router_backend._router_plan.cache_clear()
+    monkeypatch.setattr(tiers, "INVARIANT_SPLIT_WORK", 100)
+    _replan()  # shapes planned under the shipped constants
     _on()
     H, E = 600, 16
     w, b = torch.randn(E, H).half(), torch.randn(E)
@@ -277,8 +287,7 @@ def test_router_split_programs_and_folded_splits_give_the_same_bits(monkeypatch,
         routed = lambda t: fused_router(t["x"], w, b, top_k=4, method="topk_softmax", lora=lora)  # noqa: E731
         assert _invariant.token_mismatch(routed, rows(1), rows(129), (1, 7, 64, 129)) is None
     finally:
-        tiers.invariant_kernel_config.cache_clear()
-        router_backend._router_plan.cache_clear()
+        _replan()
 
 
 # ---- a planted fault: a configuration that changes with T ------------------------------------------------------

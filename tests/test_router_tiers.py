@@ -74,3 +74,20 @@ def test_launch_shapes_respect_their_budgets(fuse, rank):
             row_blocks = -(-E // c.block_r) + -(-rank // c.block_r)
             assert 1 <= c.fin_programs <= min(-(-min(T, c.block_t) // c.fin_t), row_blocks * c.splits)
             assert c.fin_programs == 1 or (blocks * c.fin_programs <= 132 and c.block_t >= 16)
+
+
+@pytest.mark.parametrize("T, H, E, tile, folded", [
+    (1, 7168, 256, (16, 16), False),     # decode: 16 x 16 tiles, one program per K split
+    (64, 7168, 256, (64, 32), False),    # deepseek-v3: few tokens and a long K, 8 tiles x 14 splits fill the SMs
+    (256, 2048, 128, (32, 32), False),   # qwen3-30b-a3b: 32 tiles x 4 splits
+    (256, 4096, 8, (16, 16), False),     # mixtral-8x7b, E=8: 16 rows, not 32 (the same programs, no idle lanes)
+    (4096, 2048, 128, (64, 64), True),   # T x splits past INVARIANT_SPLIT_WORK: folded, 128 tiles
+    (4096, 7168, 256, (128, 64), True),  # the largest tile already fills the SMs
+    (40, 2048, 8, (16, 16), False),      # no tile fills them: the most programs
+])
+def test_invariant_tiles_fill_the_sms(monkeypatch, T, H, E, tile, folded):
+    """Batch-invariant mode's tile (it never changes the bits) and K-split form, by shape: the H100 sweep's choices."""
+    monkeypatch.setattr(router_tiers._invariant, "enabled", lambda: True)
+    c = kernel_config(T, H, E, 0, False, 132)
+    assert ((c.block_t, c.block_r), c.fold_splits) == (tile, folded)
+    assert c.block_k == router_tiers.INVARIANT_BLOCK_K and c.s_chunk == 1 and c.fin_t == 1

@@ -140,7 +140,9 @@ def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fus
 # one token at a time: its LoRA sum and routing reductions then run on the same tile shape at every T.
 INVARIANT_BLOCK_K = 128
 INVARIANT_SPLIT_K = 512  # K terms per split: enough programs at T=1 (deepseek-v3: 16 row blocks x 14 splits)
-INVARIANT_FOLD_SMS = 8  # fold the splits in the tiles' programs from one tile per this many SMs
+INVARIANT_TILES = ((128, 64), (64, 64), (64, 32), (32, 32), (16, 32), (16, 16))  # (tokens, rows), largest first
+INVARIANT_SPLIT_WORK = 8192  # split programs (not folded) while T x splits is at most this
+INVARIANT_FILL = 0.75  # a launch "fills" the GPU from this many programs per SM
 
 
 def invariant_splits(hidden: int) -> tuple[int, int]:
@@ -149,27 +151,47 @@ def invariant_splits(hidden: int) -> tuple[int, int]:
     return _triton.cdiv(hidden, per_split), per_split
 
 
+def _invariant_tile(num_tokens: int, num_experts: int, rank: int, splits: int, fold: bool,
+                    num_sms: int) -> tuple[int, int]:
+    """The largest tile of INVARIANT_TILES (no taller than T needs) whose programs fill the SMs, one per tile when
+    folded, one per tile and split otherwise; among tiles of as many programs, the one with the fewest rows (E=8
+    wastes no lanes on 16 rows); the most programs where none fills them."""
+    need = max(1, int(INVARIANT_FILL * num_sms))
+    tall = max(16, _triton.next_pow2(num_tokens))
+    shapes = [s for s in INVARIANT_TILES if s[0] <= tall]
+
+    def programs(shape):
+        block_t, block_r = shape
+        tiles = (_triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)) * _triton.cdiv(num_tokens, block_t)
+        return tiles * (1 if fold else splits)
+
+    for shape in shapes:
+        if programs(shape) >= need:
+            same = [s for s in shapes if s[0] == shape[0] and programs(s) == programs(shape)]
+            return min(same, key=lambda s: s[1])
+    return max(shapes, key=lambda s: (programs(s), -s[1]))
+
+
 @functools.lru_cache(maxsize=4096)
 def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
                             num_sms: int = 132) -> RouterKernelConfig:
-    """The launch shape of batch-invariant mode: invariant_splits' K splits (split programs and a finishing step
-    while the tiles alone would leave SMs idle, folded in each tile's program above), INVARIANT_BLOCK_K-deep K
-    steps, tiles growing with T, one token per finishing step."""
+    """The launch shape of batch-invariant mode: invariant_splits' K splits, run as programs of their own with a
+    finishing step while T x splits <= INVARIANT_SPLIT_WORK, folded into each tile's program above;
+    INVARIANT_BLOCK_K-deep K steps; the tile that fills the SMs (:func:`_invariant_tile`); one token per finishing
+    step. Neither the tile nor the folding changes a logit's additions, so both follow T and the shape."""
     splits, per_split = invariant_splits(hidden)
-    # Four warps at every T: the finishing step's reductions (LoRA, routing) are laid out over the warps
-    if num_tokens <= 16:
-        block_t, block_r = 16, 16
-    elif num_tokens <= 256:
-        block_t, block_r = 16, 32
-    elif num_tokens <= 2048:
-        block_t, block_r = 64, 32
-    else:
-        block_t, block_r = 128, 64
-    tiles = (_triton.cdiv(num_experts, block_r) + _triton.cdiv(rank, block_r)) * _triton.cdiv(num_tokens, block_t)
     # Split programs write and read T x E x splits partial sums, and a token block's finishing step takes its tokens
-    # one at a time: past a few tiles the folded form's longer programs cost less (mixtral-8x7b T=4096 on 32 split
-    # tiles took 3.4x the default's time: benchmarks/results/archive/invariant_router_splits_h100_2026-12-05.md)
-    fold = splits > 1 and tiles * INVARIANT_FOLD_SMS >= num_sms
+    # one at a time, so at many tokens the folded form's longer programs cost less; with few tokens its programs are
+    # too few, or too long where H is (deepseek-v3's 7168). The tile: the largest that still fills the SMs (it reads
+    # x and the weights fewest times). H100 sweep of every tile, folded and not, T = 64-16384, four presets
+    # (benchmarks/results/archive/ab_invariant_router_tile_sweep_h100_2026-12-06.md): within 1.19x of the best
+    # variant everywhere; the fixed tiles before took up to 2.2x (deepseek-v3 T=64 19.0 us against 8.6).
+    fold = splits > 1 and num_tokens * splits > INVARIANT_SPLIT_WORK
+    if num_tokens <= 16:  # decode: the 16 x 16 tile, as measured in bench_invariant (not part of the sweep)
+        block_t, block_r = 16, 16
+    else:
+        block_t, block_r = _invariant_tile(num_tokens, num_experts, rank, splits, fold, num_sms)
+    # Four warps at every T: the finishing step's reductions (LoRA, routing) are laid out over the warps
     cfg = launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
                         INVARIANT_BLOCK_K, splits=1 if fold else splits, fin_t=1)
     # The finishing step adds one split's partial sums at a time (S_CHUNK 1): the order the folding program keeps.
