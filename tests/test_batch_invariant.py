@@ -255,11 +255,14 @@ def test_router_kernels_are_batch_invariant(dtype, monkeypatch):
 
 
 def _replan():
-    """Forget the router's launch shapes (planned once per shape) after a test changed the constants they follow."""
+    """Forget the router's launch shapes (planned once per shape, and kept with each checked call's decision) after a
+    test changed the constants they follow."""
+    from moekit._calls import CheckedCalls
     from moekit.routing import triton_backend as router_backend
 
     tiers.invariant_kernel_config.cache_clear()
     router_backend._router_plan.cache_clear()
+    CheckedCalls.forget_all()
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])

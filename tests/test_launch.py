@@ -117,6 +117,26 @@ def test_constants_made_once_key_like_keywords(fake_launcher):
     assert fn.log[1][1][-2:] == (16, 7)                           # the keyword tail, defaults filled
 
 
+def test_a_prepared_launch_repeats_the_binding_and_refuses_what_it_does_not_hold(fake_launcher, monkeypatch):
+    fn, launcher = fake_launcher
+    base = torch.empty(64)
+    x, c = base[4:], _launch.Constants(BLOCK=16)
+    assert launcher.prepare((x, 9), c) is None                 # not launched yet: nothing bound to repeat
+    launcher.launch((1,), (x, 9), c)
+    prepared = launcher.prepare((x, 9), c)
+    assert prepared((5, 2), (base, 9))                         # another address, the same alignment: the kernel
+    assert fn.log[-1] == ("bound", (5, 2, 1, 1234, "fn", "meta", None, None, None, base, 9, 16, 7))
+    assert not prepared((5,), (base[1:], 9))                   # unaligned: refused, the caller goes to launch()
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    assert not prepared((5,), (base, 9))                       # another current device: refused
+    assert [entry[0] for entry in fn.log] == ["triton", "bound"]
+    # a binding of unaligned tensors holds for unaligned tensors only
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    launcher.launch((1,), (base[1:], 9), c)
+    odd = launcher.prepare((base[1:], 9), c)
+    assert odd((1,), (base[2:], 9)) and not odd((1,), (base, 9))
+
+
 def test_a_key_tells_each_tensors_alignment_apart():
     base = torch.empty(64)
     a, b = base[4:], base[1:]  # 16-byte aligned, then not

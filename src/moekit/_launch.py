@@ -177,6 +177,23 @@ class Launcher:
         bound.run(g0, g1, g2, stream, bound.function, bound.packed_metadata, None, None, None, *args, *bound.tail)
         return bound.kernel
 
+    def prepare(self, args: tuple, kwargs: dict) -> Prepared | None:
+        """The launch of this signature made ready to repeat (:class:`Prepared`), after it was launched once through
+        :meth:`launch`; None where it was not bound (the interpreter, an argument type not keyed here, hooks)."""
+        if not self._bindable:
+            return None
+        types = tuple(map(type, args))
+        device = torch._C._cuda_getDevice()
+        try:
+            keyed = _key_function(types)(args)
+            bound = self._bound.get((device, types, keyed,
+                                     kwargs if type(kwargs) is Constants else tuple(kwargs.items())))
+        except (_Unkeyed, TypeError):
+            return None
+        if bound is None:
+            return None
+        return Prepared(bound, device, _aligned_function(types, keyed[0]), self._runtime)
+
     def _tail(self, given: int, kwargs: dict) -> tuple:
         """The values of the parameters after the positional ones, in signature order (keywords or defaults):
         fixed for a signature, since every keyword is part of its key."""
@@ -189,6 +206,49 @@ class Launcher:
             else:
                 raise TypeError(f"{self.__name__}: missing argument {p.name!r}")
         return tuple(tail)
+
+
+class Prepared:
+    """One call signature's launch made ready to repeat (:meth:`Launcher.prepare`): ``prepared(grid, args)``
+    launches the compiled kernel with ``args`` and returns True, or returns False without launching where the
+    binding does not hold (another current device, a tensor whose 16-byte alignment differs from the prepared
+    launch's, a launch hook set): the caller then launches through :meth:`Launcher.launch`.
+
+    The caller keeps the rest of the contract: ``args`` have the types, dtypes and integer values of the prepared
+    launch (what an op's checked call signature fixes: shapes, strides, dtypes, options), only addresses change."""
+
+    __slots__ = ("_run", "_function", "_packed_metadata", "_tail", "_device", "_aligned", "_runtime")
+
+    def __init__(self, bound: _Bound, device: int, aligned, runtime):
+        self._run, self._function, self._packed_metadata = bound.run, bound.function, bound.packed_metadata
+        self._tail, self._device, self._aligned, self._runtime = bound.tail, device, aligned, runtime
+
+    def __call__(self, grid, args: tuple) -> bool:
+        device = self._device
+        if torch._C._cuda_getDevice() != device or not self._aligned(args) or _hooks_set(self._runtime):
+            return False
+        self._run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                  torch._C._cuda_getCurrentRawStream(device), self._function, self._packed_metadata, None, None, None,
+                  *args, *self._tail)
+        return True
+
+
+def _aligned_function(types: tuple, flags: int):
+    """``args -> bool``: whether the tensors among ``args`` (of these types) have the 16-byte alignment ``flags``
+    of :func:`_key_function` (generated once per prepared launch, like the key)."""
+    ptrs = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+    if not ptrs:
+        return lambda args: True
+    every = (1 << len(ptrs)) - 1
+    lines = ["def aligned(args):"]
+    if flags == every:  # the common case: every address a multiple of 16
+        lines.append(f"    return not ({' | '.join(f'args[{i}].data_ptr()' for i in ptrs)}) & 15")
+    else:
+        lines.append(f"    return ({' | '.join(f'(args[{i}].data_ptr() & 15 == 0) << {j}' for j, i in enumerate(ptrs))})"
+                     f" == {flags}")
+    scope: dict = {}
+    exec(compile("\n".join(lines) + "\n", "<moekit._launch alignment check>", "exec"), scope)
+    return scope["aligned"]
 
 
 def _hooks_set(runtime) -> bool:

@@ -115,17 +115,22 @@ def router_gemm(
     key = None
     if lora is None:
         key = CheckedCalls.signature((x, weight, bias, out), (out_dtype, tier))
-        run = _CHECKED_GEMMS.get(key)
-        if run is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
-            x2 = x.reshape(-1, weight.shape[1])
+        decided = _CHECKED_GEMMS.get(key)
+        if decided is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
+            run, prepared = decided
+            x2 = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])  # [T, H] as it is (a reshape is a new view)
             if out is not None:
                 check_disjoint("out", out, {"x": x, "weight": weight, "bias": bias})
-                out2 = out.view(-1, weight.shape[0])
+                out2 = out if out.dim() == 2 else out.view(-1, weight.shape[0])
             else:
                 out2 = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=weight.device)
             if x2.shape[0]:
-                _RUNNERS[run](_GemmArgs(x2, weight, None if bias is None else bias.contiguous(), None), out2)
-            return out if out is not None else out2.view(*x.shape[:-1], weight.shape[0])
+                b = None if bias is None else bias.contiguous()
+                if prepared is None or not prepared(x2, weight, b, out2=out2):
+                    _RUNNERS[run](_GemmArgs(x2, weight, b, None), out2)
+            if out is not None:
+                return out
+            return out2 if x.dim() == 2 else out2.view(*x.shape[:-1], weight.shape[0])
     args = _validate_gemm(x, weight, bias, lora)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
@@ -146,8 +151,9 @@ def router_gemm(
     return out if out is not None else out2.view(out_shape)
 
 
-# A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> tier. (The
-# launch shape stays triton_backend's own cache: it follows module constants that tests change and clear.)
+# A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> (tier, the
+# Triton launch made ready to repeat or None). Tests that change a constant the launch shape follows forget both
+# (CheckedCalls.forget_all) with triton_backend's cache of shapes.
 _CHECKED_GEMMS = CheckedCalls()
 
 
@@ -170,17 +176,17 @@ def _(out, x, weight, bias, lora_a, lora_b, lora_scale, tier) -> None:
     return None
 
 
-def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> str:
-    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks (returned)."""
+def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> tuple:
+    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks. Returns (that tier, its
+    Triton launch made ready to repeat or None)."""
     num_experts, hidden = args.weight.shape
     choice = router_tiers.choose_tier(args.x.shape[0], hidden, num_experts, args.weight.device, tier)
     run = choice.tier
     if tier == "auto" and run == "triton" and args.x.shape[0] > 0:
         if gate_case.gemm_refusal(args.x.shape[0], args.weight, args.bias, args.lora, out2.dtype, router_gemm):
             run = "cublas" if args.weight.is_cuda else "torch"
-    if args.x.shape[0] > 0:
-        _RUNNERS[run](args, out2)
-    return run
+    prepared = _RUNNERS[run](args, out2) if args.x.shape[0] > 0 else None
+    return run, prepared
 
 
 def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
@@ -210,10 +216,10 @@ def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
         out2.addmm_(xa.to(out2.dtype), args.lora.b.to(out2.dtype).T, alpha=args.lora.scale)
 
 
-def _run_triton(args: _GemmArgs, out2: torch.Tensor) -> None:
+def _run_triton(args: _GemmArgs, out2: torch.Tensor):
     from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
 
-    triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
+    return triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
 
 
 _RUNNERS = {"torch": _run_torch, "cublas": _run_cublas, "triton": _run_triton}
@@ -254,11 +260,16 @@ def fused_router(
         corr = routing_kwargs.get("correction_bias")
         key = CheckedCalls.signature((x, weight, bias, corr), (top_k, method, impl, *[
             part for k, v in routing_kwargs.items() if k != "correction_bias" for part in (k, v)]))
-        plan = _CHECKED_ROUTERS.get(key)
-        if plan is not None:  # checked and decided before (see router_gemm)
-            opts, fused = plan
-            args = _GemmArgs(x.reshape(-1, weight.shape[1]), weight, None if bias is None else bias.contiguous(), None)
-            return _fused_router_run(args, opts, None if corr is None else corr.contiguous(), fused)
+        decided = _CHECKED_ROUTERS.get(key)
+        if decided is not None:  # checked and decided before (see router_gemm)
+            opts, fused, prepared = decided
+            x2 = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
+            b, c = None if bias is None else bias.contiguous(), None if corr is None else corr.contiguous()
+            if prepared is not None:
+                routes = empty_routes(x2.shape[0], top_k, weight.device)
+                if prepared(x2, weight, b, corr_bias=c, topk_weights=routes[0], topk_ids=routes[1]):
+                    return routes
+            return _fused_router_run(_GemmArgs(x2, weight, b, None), opts, c, fused)[0]
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
@@ -280,12 +291,13 @@ def fused_router(
                                                opts.scaling, impl)
     else:  # eager: straight to the implementation (the op is for torch.compile)
         fused = _fused_router_choice(args, opts, corr_bias, impl)
-        routes = _fused_router_run(args, opts, corr_bias, fused)
-        _CHECKED_ROUTERS.put(key, (opts, fused))
+        routes, prepared = _fused_router_run(args, opts, corr_bias, fused)
+        _CHECKED_ROUTERS.put(key, (opts, fused, prepared))
     return record(routes, record_ids)
 
 
-_CHECKED_ROUTERS = CheckedCalls()  # fused_router: signature -> (routing options, whether the fused kernel serves)
+# fused_router: signature -> (routing options, whether the fused kernel serves, its launch made ready to repeat)
+_CHECKED_ROUTERS = CheckedCalls()
 
 
 @torch.library.custom_op("moekit::fused_router", mutates_args=())
@@ -299,7 +311,7 @@ def _fused_router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _fused_router_impl(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl: str):
-    return _fused_router_run(args, opts, corr_bias, _fused_router_choice(args, opts, corr_bias, impl))
+    return _fused_router_run(args, opts, corr_bias, _fused_router_choice(args, opts, corr_bias, impl))[0]
 
 
 def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl: str) -> bool:
@@ -315,19 +327,21 @@ def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl:
 
 
 def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool):
+    """((topk_weights, topk_ids), the fused launch made ready to repeat or None)."""
     weight, top_k = args.weight, opts.top_k
     num_tokens = args.x.shape[0]
     if not fused:
         logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
         _gemm(args, logits)
-        return route_with(logits, opts, corr_bias)
+        return route_with(logits, opts, corr_bias), None
     topk_weights, topk_ids = empty_routes(num_tokens, top_k, weight.device)
+    prepared = None
     if num_tokens:
         from . import triton_backend
 
-        triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, routing=opts, corr_bias=corr_bias,
-                                     topk_weights=topk_weights, topk_ids=topk_ids)
-    return topk_weights, topk_ids
+        prepared = triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, routing=opts,
+                                                corr_bias=corr_bias, topk_weights=topk_weights, topk_ids=topk_ids)
+    return (topk_weights, topk_ids), prepared
 
 
 @_fused_router_op.register_fake

@@ -100,9 +100,14 @@ def route(
     if replay_ids is None and record_ids is None:
         key = CheckedCalls.signature((logits, correction_bias),
                                      (top_k, method, renormalize, num_groups, topk_groups, scaling, impl))
-        plan = _CHECKED_ROUTES.get(key)
-        if plan is not None:  # this signature's checks passed and its implementation was chosen (moekit._calls)
-            return _route_run(logits, plan[0], correction_bias, plan[1])
+        decided = _CHECKED_ROUTES.get(key)
+        if decided is not None:  # this signature's checks passed and its implementation was chosen (moekit._calls)
+            opts, use_triton, prepared = decided
+            if prepared is not None:
+                routes = prepared(logits, None if correction_bias is None else correction_bias.contiguous())
+                if routes is not None:
+                    return routes
+            return _route_run(logits, opts, correction_bias, use_triton)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     opts = validate_routing(
         logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
@@ -113,11 +118,20 @@ def route(
     if replay_ids is not None:
         return record(replay(logits, replay_ids, opts), record_ids)
     use_triton = _route_choice(logits, opts, correction_bias, impl)
-    _CHECKED_ROUTES.put(key, (opts, use_triton))
-    return record(_route_run(logits, opts, correction_bias, use_triton), record_ids)
+    prepared = None
+    if use_triton and key is not None and logits.shape[0]:  # eager, checked: the launch made ready to repeat
+        from . import triton_backend
+
+        routes, prepared = triton_backend.route_triton_prepared(
+            logits, opts, None if correction_bias is None else correction_bias.contiguous())
+    else:
+        routes = _route_run(logits, opts, correction_bias, use_triton)
+    _CHECKED_ROUTES.put(key, (opts, use_triton, prepared))
+    return record(routes, record_ids)
 
 
-_CHECKED_ROUTES = CheckedCalls()  # signature -> (routing options, whether the Triton kernel serves it)
+# signature -> (routing options, whether the Triton kernel serves it, its launch made ready to repeat or None)
+_CHECKED_ROUTES = CheckedCalls()
 
 
 ID_DTYPES = (torch.int32, torch.int64)

@@ -83,12 +83,22 @@ def _router_plan(num_tokens: int, hidden: int, num_experts: int, rank: int, rout
 
 
 def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
-                  topk_weights=None, topk_ids=None) -> None:
-    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``."""
+                  topk_weights=None, topk_ids=None) -> "PreparedRouter | None":
+    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``. Returns the launch
+    made ready to repeat for calls of the same signature (:class:`PreparedRouter`), or None where it cannot be."""
     num_tokens, hidden = x.shape
     rank = lora.a.shape[0] if lora is not None else 0
     plan = _router_plan(num_tokens, hidden, weight.shape[0], rank, routing, bias is not None, corr_bias is not None,
                         x.dtype == torch.float32, _triton.num_sms(x.device), _invariant.enabled())
+    args = _router_args(plan, x, weight, bias, lora, out2, routing, corr_bias, topk_weights, topk_ids)
+    router_kernel.launch(plan.grid, args, plan.constants)
+    if lora is not None:
+        return None
+    prepared = router_kernel.prepare(args, plan.constants)
+    return None if prepared is None else PreparedRouter(plan, routing, prepared)
+
+
+def _router_args(plan: _RouterPlan, x, weight, bias, lora, out2, routing, corr_bias, topk_weights, topk_ids) -> tuple:
     if plan.workspace:
         ws, counters = torch.empty(plan.workspace, dtype=torch.float32, device=x.device), _triton.counters(x.device)
     else:
@@ -101,7 +111,7 @@ def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions |
     else:
         scaling = routing.scaling
         out2 = x
-    router_kernel.launch(plan.grid, (  # every tensor here is 2-D: one stride() call gives both strides
+    return (  # every tensor here is 2-D: one stride() call gives both strides
         x, *x.stride(),
         weight, *weight.stride(),
         a, *a.stride(),
@@ -110,24 +120,67 @@ def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions |
         ws, counters,
         out2, *out2.stride(),
         topk_weights, topk_ids,
-        num_tokens, hidden, weight.shape[0], rank, plan.k_per_split, plan.rows,
+        x.shape[0], x.shape[1], weight.shape[0], 0 if lora is None else lora.a.shape[0], plan.k_per_split, plan.rows,
         float(lora.scale) if lora is not None else 0.0, scaling,
-    ), plan.constants)
+    )
+
+
+class PreparedRouter:
+    """A router launch without LoRA, ready to repeat for calls of one checked signature (the op keeps it with its
+    decision): the launch shape and the bound kernel are the first call's, so a repeated call builds only its
+    arguments. ``__call__`` returns False where the binding does not hold (moekit._launch.Prepared): the caller
+    then goes through :func:`launch_router`."""
+
+    __slots__ = ("_plan", "_routing", "_prepared")
+
+    def __init__(self, plan: _RouterPlan, routing: RoutingOptions | None, prepared):
+        self._plan, self._routing, self._prepared = plan, routing, prepared
+
+    def __call__(self, x, weight, bias, *, out2=None, corr_bias=None, topk_weights=None, topk_ids=None) -> bool:
+        plan = self._plan
+        return self._prepared(plan.grid, _router_args(plan, x, weight, bias, None, out2, self._routing, corr_bias,
+                                                      topk_weights, topk_ids))
 
 
 def route_triton(logits, opts: RoutingOptions, correction_bias):
     """The routing kernel on validated arguments: (weights fp32 [T, k], ids int32 [T, k])."""
+    return route_triton_prepared(logits, opts, correction_bias)[0]
+
+
+def route_triton_prepared(logits, opts: RoutingOptions, correction_bias):
+    """:func:`route_triton`, and its launch made ready to repeat for calls of the same checked signature
+    (:class:`PreparedRoute`, or None)."""
     num_tokens, num_experts = logits.shape
     weights, ids = empty_routes(num_tokens, opts.top_k, logits.device)
     if num_tokens == 0:
-        return weights, ids
+        return (weights, ids), None
     block_t, constants = _routing_constants(num_experts, opts, correction_bias is not None)
-    routing_kernel.launch((_triton.cdiv(num_tokens, block_t),), (
-        logits, logits.stride(0), logits.stride(1),
-        correction_bias if correction_bias is not None else logits,
-        weights, ids, num_tokens, num_experts, opts.scaling,
-    ), constants)
-    return weights, ids
+    grid = (_triton.cdiv(num_tokens, block_t),)
+    args = _routing_args(logits, correction_bias, weights, ids, opts.scaling)
+    routing_kernel.launch(grid, args, constants)
+    prepared = routing_kernel.prepare(args, constants)
+    return (weights, ids), None if prepared is None else PreparedRoute(grid, opts, prepared)
+
+
+def _routing_args(logits, correction_bias, weights, ids, scaling: float) -> tuple:
+    return (logits, logits.stride(0), logits.stride(1), correction_bias if correction_bias is not None else logits,
+            weights, ids, logits.shape[0], logits.shape[1], scaling)
+
+
+class PreparedRoute:
+    """A routing launch ready to repeat for calls of one checked signature (see :class:`PreparedRouter`):
+    ``__call__`` returns the routes, or None where the binding does not hold (nothing launched)."""
+
+    __slots__ = ("_grid", "_opts", "_prepared")
+
+    def __init__(self, grid: tuple, opts: RoutingOptions, prepared):
+        self._grid, self._opts, self._prepared = grid, opts, prepared
+
+    def __call__(self, logits, correction_bias):
+        weights, ids = empty_routes(logits.shape[0], self._opts.top_k, logits.device)
+        if self._prepared(self._grid, _routing_args(logits, correction_bias, weights, ids, self._opts.scaling)):
+            return weights, ids
+        return None
 
 
 @functools.lru_cache(maxsize=1024)
