@@ -62,6 +62,26 @@ def test_a_repeated_router_launch_derives_its_shape_once(monkeypatch):
     assert len(derived) == 4
 
 
+@pytest.mark.parametrize("impl", ["unfused", "fused"])
+def test_a_repeated_fused_router_call_decides_nothing_again(monkeypatch, impl):
+    # router_gemm + route (the unfused form) or the fused kernel: the tier, the gate's verdicts and the routing
+    # implementation are decided on the first call of a signature only, in either form
+    from moekit.routing import router, tiers, topk
+
+    asked = []
+    for module, name in ((tiers, "choose_tier"), (topk, "_route_choice"), (router, "_fused_router_choice")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: asked.append(name) or real(*a, **k))
+    x, w = torch.randn(T, H), torch.randn(E, H)
+    first = fused_router(x, w, top_k=K, method="softmax_topk", impl=impl)
+    decided = len(asked)
+    assert decided >= 1
+    for _ in range(3):
+        again = fused_router(x, w, top_k=K, method="softmax_topk", impl=impl)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    assert len(asked) == decided
+
+
 def test_eager_calls_do_not_go_through_the_custom_ops(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call went through a torch.library op")

@@ -20,7 +20,7 @@ from .._checks import check_disjoint, check_out, check_shape, check_tensor
 from . import gate_case
 from . import tiers as router_tiers
 from .options import RoutingOptions, empty_routes
-from .topk import (FLOAT_DTYPES, check_replay, record, replay, route_with,
+from .topk import (FLOAT_DTYPES, check_replay, record, replay, route_decided, route_deciding,
                    validate_routing)
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -265,6 +265,12 @@ def fused_router(
             opts, fused, prepared = decided
             x2 = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
             b, c = None if bias is None else bias.contiguous(), None if corr is None else corr.contiguous()
+            if not fused:  # router_gemm + route as decided: logits, then their routes
+                (run, gemm_prepared), route = prepared
+                logits = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32, device=weight.device)
+                if x2.shape[0] and (gemm_prepared is None or not gemm_prepared(x2, weight, b, out2=logits)):
+                    _RUNNERS[run](_GemmArgs(x2, weight, b, None), logits)
+                return route_decided(logits, c, route)
             if prepared is not None:
                 routes = empty_routes(x2.shape[0], top_k, weight.device)
                 if prepared(x2, weight, b, corr_bias=c, topk_weights=routes[0], topk_ids=routes[1]):
@@ -296,7 +302,8 @@ def fused_router(
     return record(routes, record_ids)
 
 
-# fused_router: signature -> (routing options, whether the fused kernel serves, its launch made ready to repeat)
+# fused_router: signature -> (routing options, whether the fused kernel serves, its launch made ready to repeat; or
+# where it does not serve, router_gemm's decision (_gemm) and route's (topk.route_deciding))
 _CHECKED_ROUTERS = CheckedCalls()
 
 
@@ -327,13 +334,15 @@ def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl:
 
 
 def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool):
-    """((topk_weights, topk_ids), the fused launch made ready to repeat or None)."""
+    """((topk_weights, topk_ids), the fused launch made ready to repeat or None; or where the fused kernel does not
+    serve, (router_gemm's decision, route's decision))."""
     weight, top_k = args.weight, opts.top_k
     num_tokens = args.x.shape[0]
     if not fused:
         logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
-        _gemm(args, logits)
-        return route_with(logits, opts, corr_bias), None
+        gemm = _gemm(args, logits)
+        routes, route = route_deciding(logits, opts, corr_bias)
+        return routes, (gemm, route)
     topk_weights, topk_ids = empty_routes(num_tokens, top_k, weight.device)
     prepared = None
     if num_tokens:

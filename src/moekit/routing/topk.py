@@ -102,12 +102,7 @@ def route(
                                      (top_k, method, renormalize, num_groups, topk_groups, scaling, impl))
         decided = _CHECKED_ROUTES.get(key)
         if decided is not None:  # this signature's checks passed and its implementation was chosen (moekit._calls)
-            opts, use_triton, prepared = decided
-            if prepared is not None:
-                routes = prepared(logits, None if correction_bias is None else correction_bias.contiguous())
-                if routes is not None:
-                    return routes
-            return _route_run(logits, opts, correction_bias, use_triton)
+            return route_decided(logits, correction_bias, decided)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     opts = validate_routing(
         logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
@@ -117,21 +112,41 @@ def route(
     _check_impl(impl, logits.device)
     if replay_ids is not None:
         return record(replay(logits, replay_ids, opts), record_ids)
+    if key is None:  # routing replay, recording, or torch.compile tracing
+        return record(_route_run(logits, opts, correction_bias, _route_choice(logits, opts, correction_bias, impl)),
+                      record_ids)
+    routes, decided = route_deciding(logits, opts, correction_bias, impl)
+    _CHECKED_ROUTES.put(key, decided)
+    return routes
+
+
+# signature -> (routing options, whether the Triton kernel serves it, its launch made ready to repeat or None)
+_CHECKED_ROUTES = CheckedCalls()
+
+
+def route_deciding(logits, opts: RoutingOptions, correction_bias, impl: str = "auto"):
+    """An eager call of validated arguments that decides its implementation: (routes, the decision), the decision for
+    :func:`route_decided` to repeat on calls of the same checked signature."""
     use_triton = _route_choice(logits, opts, correction_bias, impl)
     prepared = None
-    if use_triton and key is not None and logits.shape[0]:  # eager, checked: the launch made ready to repeat
+    if use_triton and logits.shape[0]:  # the launch made ready to repeat
         from . import triton_backend
 
         routes, prepared = triton_backend.route_triton_prepared(
             logits, opts, None if correction_bias is None else correction_bias.contiguous())
     else:
         routes = _route_run(logits, opts, correction_bias, use_triton)
-    _CHECKED_ROUTES.put(key, (opts, use_triton, prepared))
-    return record(routes, record_ids)
+    return routes, (opts, use_triton, prepared)
 
 
-# signature -> (routing options, whether the Triton kernel serves it, its launch made ready to repeat or None)
-_CHECKED_ROUTES = CheckedCalls()
+def route_decided(logits, correction_bias, decided: tuple):
+    """The routes of a call whose signature :func:`route_deciding` decided before (only addresses are new)."""
+    opts, use_triton, prepared = decided
+    if prepared is not None:
+        routes = prepared(logits, None if correction_bias is None else correction_bias.contiguous())
+        if routes is not None:
+            return routes
+    return _route_run(logits, opts, correction_bias, use_triton)
 
 
 ID_DTYPES = (torch.int32, torch.int64)
