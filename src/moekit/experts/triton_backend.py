@@ -425,20 +425,24 @@ def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
-    return gemm2_tokens_kernel[grid](
+    return gemm2_tokens_kernel.launch(grid, (
         h, h.stride(0), *_scale_args(h_scales, h),
         *w.args(),
         *_bias_args(b2, h),
         weights, ids, expert_map if expert_map is not None else ids,
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
-        HAS_BIAS=b2 is not None, HAS_MAP=expert_map is not None, DOT_PRECISION=_precision(h.dtype),
-        FORMAT=w.format_id, W_BLOCKED=w.blocked,
-        HALVES_ASM=_PTX, W_TILE_SCALE=_tile_scale(w, cfg.block_n),
-        EVEN_K=inter % cfg.block_k == 0,
-        BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ), _gemm2_tokens_constants(b2 is not None, expert_map is not None, h.dtype, w.format_id, w.blocked,
+                               _tile_scale(w, cfg.block_n), inter % cfg.block_k == 0, cfg))
+
+
+@functools.lru_cache(maxsize=1024)  # (see _gemm1_constants)
+def _gemm2_tokens_constants(has_bias: bool, has_map: bool, dtype: torch.dtype, format_id: int, blocked: bool,
+                            tile_scale: bool, even_k: bool, cfg: GemmConfig) -> Constants:
+    return Constants(
+        HAS_BIAS=has_bias, HAS_MAP=has_map, DOT_PRECISION=_precision(dtype), FORMAT=format_id, W_BLOCKED=blocked,
+        HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale, EVEN_K=even_k, BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
@@ -616,14 +620,12 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     num_global = expert_map.shape[0] if expert_map is not None else num_local
     e_pad = _triton.next_pow2(max(num_local, 2))
     emap = expert_map if expert_map is not None else ids
-    layout = dict(PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad))
     if not (num_pairs > ALIGN_ONE_PROGRAM_MAX if split is None else split):
-        align_kernel[(1,)](
+        align_kernel.launch((1,), (
             ids, emap, pair_expert, sorted_pairs, block_expert, num_pairs, num_global, num_local, blocks,
-            HAS_MAP=expert_map is not None, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, **layout,
-            num_warps=ALIGN_WARPS,
-        )
+        ), _align_constants(expert_map is not None, block_m, e_pad))
         return pair_expert, sorted_pairs, block_expert
+    layout = dict(PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad))
     chunks = _triton.cdiv(num_pairs, ALIGN_PAIRS_PER_PROGRAM)
     chunk_counts = torch.empty(chunks + 1, e_pad, dtype=torch.int32, device=dev)  # a row per chunk, then the counts
     per_chunk = dict(PAIRS_PER_PROGRAM=ALIGN_PAIRS_PER_PROGRAM, HAS_MAP=expert_map is not None, E_PAD=e_pad,
@@ -636,6 +638,13 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, block_expert, chunk_counts, num_pairs, num_global,
                                       num_local, blocks, BLOCK_M=block_m, **layout, **per_chunk)
     return pair_expert, sorted_pairs, block_expert
+
+
+@functools.lru_cache(maxsize=256)  # (see _gemm1_constants)
+def _align_constants(has_map: bool, block_m: int, e_pad: int) -> Constants:
+    """The one-program align kernel's constexprs and launch options."""
+    return Constants(HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, PAD_CHUNK=min(block_m, 16),
+                     OWNER_CHUNK=max(16, ALIGN_TILE // e_pad), num_warps=ALIGN_WARPS)
 
 
 def _fp8_codes_dtype(device: torch.device) -> torch.dtype:
@@ -765,8 +774,11 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
 def _combine(y, pair_expert, out, top_k) -> None:
     """out[t] = sum over slots j in order of y[t * k + j] (pairs whose pair_expert is -1 skipped)."""
     num_tokens, hidden = out.shape
-    combine_kernel[(num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H))](
-        y, pair_expert, out, out.stride(0), hidden, top_k, BLOCK_H=COMBINE_BLOCK_H, num_warps=4)
+    combine_kernel.launch((num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H)),
+                          (y, pair_expert, out, out.stride(0), hidden, top_k), _COMBINE_CONSTANTS)
+
+
+_COMBINE_CONSTANTS = Constants(BLOCK_H=COMBINE_BLOCK_H, num_warps=4)
 
 
 def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias,
