@@ -301,7 +301,11 @@ def invariant_variants():
                 lambda x=x, w=w, b=b, lora=lora: router_gemm(x, w, b, lora=lora, tier="triton"))
             if T <= 64:
                 yield f"invariant fused {name} T={T}", invariant(
-                    lambda x=x, w=w, b=b, kw=kw, s=spec: fused_router(x, w, b, top_k=s.top_k, method=s.routing, **kw))
+                    lambda x=x, w=w, b=b, kw=kw, s=spec: fused_router(x, w, b, top_k=s.top_k, method=s.routing,
+                                                                      impl="fused", **kw))
+            if name in ("qwen3-30b-a3b", "deepseek-v3"):  # fp32 inputs: the ieee dot's tiles, twice the bytes
+                yield f"invariant gemm fp32 {name} T={T}", invariant(
+                    lambda x=x.float(), w=w.float(), b=b: router_gemm(x, w, b, tier="triton"))
 
 
 def lora_variants():
@@ -396,6 +400,7 @@ def main() -> int:
     _launch.Launcher.launch = lambda self, grid, args, kwargs: self.fn[grid](*args, **kwargs)
     _launch.Launcher.prepare = lambda self, args, kwargs: None
     _triton.can_launch = lambda device: True  # CPU tensors stand in for CUDA ones
+    _triton.num_sms = lambda device: 132  # the launch shapes of an H100 / H200, not the interpreter's 4
     _triton.fp8_tensor_cores = lambda device: True
     _triton.tma_copies = lambda device: True
     _triton.dependent_launches = lambda device: True

@@ -91,3 +91,11 @@ def test_invariant_tiles_fill_the_sms(monkeypatch, T, H, E, tile, folded):
     c = kernel_config(T, H, E, 0, False, 132)
     assert ((c.block_t, c.block_r), c.fold_splits) == (tile, folded)
     assert c.block_k == router_tiers.INVARIANT_BLOCK_K and c.s_chunk == 1 and c.fin_t == 1
+
+
+def test_invariant_fp32_tiles_stay_within_the_registers(monkeypatch):
+    # IEEE fp32 products on the CUDA cores: tiles past 32 x 32 spill in the K loop (tests/sm90_compile.py)
+    monkeypatch.setattr(router_tiers._invariant, "enabled", lambda: True)
+    for T in (1, 64, 257, 4096, 16384):
+        c = kernel_config(T, 7168, 256, 0, False, 132, ieee=True)
+        assert c.block_t * c.block_r <= router_tiers.INVARIANT_IEEE_TILE

@@ -235,7 +235,19 @@ class Prepared:
 
 def _aligned_function(types: tuple, flags: int):
     """``args -> bool``: whether the tensors among ``args`` (of these types) have the 16-byte alignment ``flags``
-    of :func:`_key_function` (generated once per prepared launch, like the key)."""
+    of :func:`_key_function` (generated once per types and flags, like the key)."""
+    fn = _ALIGNED_FUNCTIONS.get((types, flags))
+    if fn is None:
+        if len(_ALIGNED_FUNCTIONS) >= 4096:
+            _ALIGNED_FUNCTIONS.clear()
+        fn = _ALIGNED_FUNCTIONS[(types, flags)] = _make_aligned_function(types, flags)
+    return fn
+
+
+_ALIGNED_FUNCTIONS: dict = {}
+
+
+def _make_aligned_function(types: tuple, flags: int):
     ptrs = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
     if not ptrs:
         return lambda args: True

@@ -81,7 +81,8 @@ def _validate_gemm(x, weight, bias, lora) -> _GemmArgs:
         check_shape("lora.a", lora.a, (rank, hidden))
         check_tensor("lora.b", lora.b, ndim=2, dtypes=FLOAT_DTYPES, device=weight.device)
         check_shape("lora.b", lora.b, (num_experts, rank))
-    x2 = x.reshape(-1, hidden)  # a view when possible; a copy otherwise, never a misread
+    # [T, H] as it is (the repeated call's path passes the same tensor); else a view when possible, a copy otherwise
+    x2 = x if x.dim() == 2 else x.reshape(-1, hidden)
     # Kernels index [E] vectors with unit stride; a strided one is copied (no-op when contiguous).
     return _GemmArgs(x2, weight, None if bias is None else bias.contiguous(), lora)
 
@@ -139,7 +140,7 @@ def router_gemm(
     if out is not None:
         check_out("out", out, out_shape, out_dtype, weight.device, {"x": x, "weight": weight, "bias": bias})
         try:
-            out2 = out.view(-1, num_experts)
+            out2 = out if out.dim() == 2 else out.view(-1, num_experts)
         except RuntimeError:
             raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
     else:
@@ -147,7 +148,7 @@ def router_gemm(
     if torch.compiler.is_compiling():
         torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
     else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
-        _CHECKED_GEMMS.put(key, _gemm(args, out2, tier))
+        _CHECKED_GEMMS.put(key, _gemm(args, out2, tier, prepare=key is not None))
     return out if out is not None else out2.view(out_shape)
 
 
@@ -176,20 +177,20 @@ def _(out, x, weight, bias, lora_a, lora_b, lora_scale, tier) -> None:
     return None
 
 
-def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto") -> tuple:
-    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks. Returns (that tier, its
-    Triton launch made ready to repeat or None)."""
+def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto", prepare: bool = False) -> tuple:
+    """Logits of validated arguments into ``out2`` [T, E], by the tier the decision picks. Returns (that tier, and
+    with ``prepare`` its Triton launch made ready to repeat, else None)."""
     num_experts, hidden = args.weight.shape
     choice = router_tiers.choose_tier(args.x.shape[0], hidden, num_experts, args.weight.device, tier)
     run = choice.tier
     if tier == "auto" and run == "triton" and args.x.shape[0] > 0:
         if gate_case.gemm_refusal(args.x.shape[0], args.weight, args.bias, args.lora, out2.dtype, router_gemm):
             run = "cublas" if args.weight.is_cuda else "torch"
-    prepared = _RUNNERS[run](args, out2) if args.x.shape[0] > 0 else None
+    prepared = _RUNNERS[run](args, out2, prepare) if args.x.shape[0] > 0 else None
     return run, prepared
 
 
-def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
+def _run_torch(args: _GemmArgs, out2: torch.Tensor, prepare: bool = False) -> None:
     # Batch-invariant mode: matmuls of a fixed row count (a CPU BLAS changes a row's order of terms with the call's
     # shape).
     mm = _invariant.rows_matmul if _invariant.enabled() else torch.matmul
@@ -202,7 +203,7 @@ def _run_torch(args: _GemmArgs, out2: torch.Tensor) -> None:
     out2.copy_(logits)
 
 
-def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
+def _run_cublas(args: _GemmArgs, out2: torch.Tensor, prepare: bool = False) -> None:
     # bf16/fp16 inputs with an fp32 result straight from cuBLAS (fp32 accumulation, no copy).
     wt = args.weight.T
     kwargs = {"out_dtype": out2.dtype} if out2.dtype != args.x.dtype else {}
@@ -216,10 +217,10 @@ def _run_cublas(args: _GemmArgs, out2: torch.Tensor) -> None:
         out2.addmm_(xa.to(out2.dtype), args.lora.b.to(out2.dtype).T, alpha=args.lora.scale)
 
 
-def _run_triton(args: _GemmArgs, out2: torch.Tensor):
+def _run_triton(args: _GemmArgs, out2: torch.Tensor, prepare: bool = False):
     from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
 
-    return triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, out2=out2)
+    return triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, out2=out2, prepare=prepare)
 
 
 _RUNNERS = {"torch": _run_torch, "cublas": _run_cublas, "triton": _run_triton}
@@ -297,7 +298,7 @@ def fused_router(
                                                opts.scaling, impl)
     else:  # eager: straight to the implementation (the op is for torch.compile)
         fused = _fused_router_choice(args, opts, corr_bias, impl)
-        routes, prepared = _fused_router_run(args, opts, corr_bias, fused)
+        routes, prepared = _fused_router_run(args, opts, corr_bias, fused, prepare=key is not None)
         _CHECKED_ROUTERS.put(key, (opts, fused, prepared))
     return record(routes, record_ids)
 
@@ -333,15 +334,15 @@ def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl:
     return fused
 
 
-def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool):
-    """((topk_weights, topk_ids), the fused launch made ready to repeat or None; or where the fused kernel does not
-    serve, (router_gemm's decision, route's decision))."""
+def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: bool, prepare: bool = False):
+    """((topk_weights, topk_ids), with ``prepare`` the fused launch made ready to repeat or None; or where the fused
+    kernel does not serve, (router_gemm's decision, route's decision))."""
     weight, top_k = args.weight, opts.top_k
     num_tokens = args.x.shape[0]
     if not fused:
         logits = torch.empty(num_tokens, weight.shape[0], dtype=torch.float32, device=weight.device)
-        gemm = _gemm(args, logits)
-        routes, route = route_deciding(logits, opts, corr_bias)
+        gemm = _gemm(args, logits, prepare=prepare)
+        routes, route = route_deciding(logits, opts, corr_bias, prepare=prepare)
         return routes, (gemm, route)
     topk_weights, topk_ids = empty_routes(num_tokens, top_k, weight.device)
     prepared = None
@@ -349,7 +350,8 @@ def _fused_router_run(args: _GemmArgs, opts: RoutingOptions, corr_bias, fused: b
         from . import triton_backend
 
         prepared = triton_backend.launch_router(args.x, args.weight, args.bias, args.lora, routing=opts,
-                                                corr_bias=corr_bias, topk_weights=topk_weights, topk_ids=topk_ids)
+                                                corr_bias=corr_bias, topk_weights=topk_weights, topk_ids=topk_ids,
+                                                prepare=prepare)
     return (topk_weights, topk_ids), prepared
 
 

@@ -122,11 +122,12 @@ def choose_tier(num_tokens: int, hidden: int, num_experts: int, device: torch.de
 
 
 def kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
-                  num_sms: int = 132) -> RouterKernelConfig:
+                  num_sms: int = 132, ieee: bool = False) -> RouterKernelConfig:
     """Heuristic launch shape: about two programs per SM, bounded registers and partial sums; in batch-invariant
-    mode :func:`invariant_kernel_config`'s."""
-    chooser = invariant_kernel_config if _invariant.enabled() else _kernel_config
-    return chooser(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms)
+    mode :func:`invariant_kernel_config`'s. ``ieee``: fp32 inputs (IEEE fp32 products on the CUDA cores)."""
+    if _invariant.enabled():
+        return invariant_kernel_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, ieee)
+    return _kernel_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms)
 
 
 # Batch-invariant router GEMM: a logit's bits depend on the order of its K terms. The default shape changes it with
@@ -143,6 +144,7 @@ INVARIANT_SPLIT_K = 512  # K terms per split: enough programs at T=1 (deepseek-v
 INVARIANT_TILES = ((128, 64), (64, 64), (64, 32), (32, 32), (16, 32), (16, 16))  # (tokens, rows), largest first
 INVARIANT_SPLIT_WORK = 8192  # split programs (not folded) while T x splits is at most this
 INVARIANT_FILL = 0.75  # a launch "fills" the GPU from this many programs per SM
+INVARIANT_IEEE_TILE = 32 * 32  # fp32 inputs: the largest tile (tokens x rows) whose fp32 products fit the registers
 
 
 def invariant_splits(hidden: int) -> tuple[int, int]:
@@ -152,13 +154,14 @@ def invariant_splits(hidden: int) -> tuple[int, int]:
 
 
 def _invariant_tile(num_tokens: int, num_experts: int, rank: int, splits: int, fold: bool,
-                    num_sms: int) -> tuple[int, int]:
+                    num_sms: int, ieee: bool = False) -> tuple[int, int]:
     """The largest tile of INVARIANT_TILES (no taller than T needs) whose programs fill the SMs, one per tile when
     folded, one per tile and split otherwise; among tiles of as many programs, the one with the fewest rows (E=8
     wastes no lanes on 16 rows); the most programs where none fills them."""
     need = max(1, int(INVARIANT_FILL * num_sms))
     tall = max(16, _triton.next_pow2(num_tokens))
-    shapes = [s for s in INVARIANT_TILES if s[0] <= tall]
+    # fp32 inputs: larger tiles of IEEE products spill in the K loop (tests/sm90_compile.py)
+    shapes = [s for s in INVARIANT_TILES if s[0] <= tall and (not ieee or s[0] * s[1] <= INVARIANT_IEEE_TILE)]
 
     def programs(shape):
         block_t, block_r = shape
@@ -174,7 +177,7 @@ def _invariant_tile(num_tokens: int, num_experts: int, rank: int, splits: int, f
 
 @functools.lru_cache(maxsize=4096)
 def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank: int, fuse_topk: bool,
-                            num_sms: int = 132) -> RouterKernelConfig:
+                            num_sms: int = 132, ieee: bool = False) -> RouterKernelConfig:
     """The launch shape of batch-invariant mode: invariant_splits' K splits, run as programs of their own with a
     finishing step while T x splits <= INVARIANT_SPLIT_WORK, folded into each tile's program above;
     INVARIANT_BLOCK_K-deep K steps; the tile that fills the SMs (:func:`_invariant_tile`); one token per finishing
@@ -190,7 +193,7 @@ def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank
     if num_tokens <= 16:  # decode: the 16 x 16 tile, as measured in bench_invariant (not part of the sweep)
         block_t, block_r = 16, 16
     else:
-        block_t, block_r = _invariant_tile(num_tokens, num_experts, rank, splits, fold, num_sms)
+        block_t, block_r = _invariant_tile(num_tokens, num_experts, rank, splits, fold, num_sms, ieee)
     # Four warps at every T: the finishing step's reductions (LoRA, routing) are laid out over the warps
     cfg = launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
                         INVARIANT_BLOCK_K, splits=1 if fold else splits, fin_t=1)

@@ -124,12 +124,13 @@ def route(
 _CHECKED_ROUTES = CheckedCalls()
 
 
-def route_deciding(logits, opts: RoutingOptions, correction_bias, impl: str = "auto"):
+def route_deciding(logits, opts: RoutingOptions, correction_bias, impl: str = "auto", prepare: bool = True):
     """An eager call of validated arguments that decides its implementation: (routes, the decision), the decision for
-    :func:`route_decided` to repeat on calls of the same checked signature."""
+    :func:`route_decided` to repeat on calls of the same checked signature (``prepare``: with the Triton launch made
+    ready to repeat, for a caller that keeps the decision)."""
     use_triton = _route_choice(logits, opts, correction_bias, impl)
     prepared = None
-    if use_triton and logits.shape[0]:  # the launch made ready to repeat
+    if use_triton and prepare and logits.shape[0]:  # the launch made ready to repeat
         from . import triton_backend
 
         routes, prepared = triton_backend.route_triton_prepared(

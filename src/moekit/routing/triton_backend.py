@@ -60,7 +60,7 @@ class _RouterPlan:
 def _router_plan(num_tokens: int, hidden: int, num_experts: int, rank: int, routing: RoutingOptions | None,
                  has_bias: bool, has_corr_bias: bool, ieee: bool, num_sms: int, invariant: bool) -> _RouterPlan:
     fuse = routing is not None
-    cfg = tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, num_sms)
+    cfg = tiers.kernel_config(num_tokens, hidden, num_experts, rank, fuse, num_sms, ieee)
     t_blocks = _triton.cdiv(num_tokens, cfg.block_t)
     direct = cfg.splits == 1 and rank == 0 and not fuse
     if not direct and t_blocks > _triton.NUM_COUNTERS:
@@ -83,16 +83,17 @@ def _router_plan(num_tokens: int, hidden: int, num_experts: int, rank: int, rout
 
 
 def launch_router(x, weight, bias, lora, *, out2=None, routing: RoutingOptions | None = None, corr_bias=None,
-                  topk_weights=None, topk_ids=None) -> "PreparedRouter | None":
-    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``. Returns the launch
-    made ready to repeat for calls of the same signature (:class:`PreparedRouter`), or None where it cannot be."""
+                  topk_weights=None, topk_ids=None, prepare: bool = False) -> "PreparedRouter | None":
+    """Launch kernels/router.py: logits into ``out2``, or routes into ``topk_*`` when ``routing``. ``prepare``: return
+    the launch made ready to repeat for calls of the same checked signature (:class:`PreparedRouter`; None where it
+    cannot be), for a caller that keeps it."""
     num_tokens, hidden = x.shape
     rank = lora.a.shape[0] if lora is not None else 0
     plan = _router_plan(num_tokens, hidden, weight.shape[0], rank, routing, bias is not None, corr_bias is not None,
                         x.dtype == torch.float32, _triton.num_sms(x.device), _invariant.enabled())
     args = _router_args(plan, x, weight, bias, lora, out2, routing, corr_bias, topk_weights, topk_ids)
     router_kernel.launch(plan.grid, args, plan.constants)
-    if lora is not None:
+    if not prepare or lora is not None:
         return None
     prepared = router_kernel.prepare(args, plan.constants)
     return None if prepared is None else PreparedRouter(plan, routing, prepared)
@@ -144,12 +145,12 @@ class PreparedRouter:
 
 def route_triton(logits, opts: RoutingOptions, correction_bias):
     """The routing kernel on validated arguments: (weights fp32 [T, k], ids int32 [T, k])."""
-    return route_triton_prepared(logits, opts, correction_bias)[0]
+    return route_triton_prepared(logits, opts, correction_bias, prepare=False)[0]
 
 
-def route_triton_prepared(logits, opts: RoutingOptions, correction_bias):
-    """:func:`route_triton`, and its launch made ready to repeat for calls of the same checked signature
-    (:class:`PreparedRoute`, or None)."""
+def route_triton_prepared(logits, opts: RoutingOptions, correction_bias, prepare: bool = True):
+    """:func:`route_triton`, and (``prepare``) its launch made ready to repeat for calls of the same checked
+    signature (:class:`PreparedRoute`, or None)."""
     num_tokens, num_experts = logits.shape
     weights, ids = empty_routes(num_tokens, opts.top_k, logits.device)
     if num_tokens == 0:
@@ -158,7 +159,7 @@ def route_triton_prepared(logits, opts: RoutingOptions, correction_bias):
     grid = (_triton.cdiv(num_tokens, block_t),)
     args = _routing_args(logits, correction_bias, weights, ids, opts.scaling)
     routing_kernel.launch(grid, args, constants)
-    prepared = routing_kernel.prepare(args, constants)
+    prepared = routing_kernel.prepare(args, constants) if prepare else None
     return (weights, ids), None if prepared is None else PreparedRoute(grid, opts, prepared)
 
 
