@@ -261,7 +261,10 @@ def candidates() -> dict[str, list[Config]]:
     rows = [dict(tn=16, g=32), dict(tn=32, g=32), dict(tn=32, g=32, warps=8), dict(tn=16, g=16),
             dict(tn=64, g=32, warps=8), dict(tn=16, g=32, depth=2), dict(tn=32, g=16), dict(tn=8, g=32, warps=2),
             dict(tn=16, g=32, loop="dynamic", depth=0, stages=3),
-            dict(tn=32, g=32, warps=8, loop="dynamic", depth=1, stages=2)]
+            dict(tn=32, g=32, warps=8, loop="dynamic", depth=1, stages=2),
+            # around the best of 2026-12-05 (rows_h2 TN16 G32 w4, 78.6%): longer chunks, fewer warps, one more ahead
+            dict(tn=16, g=64), dict(tn=16, g=64, depth=2), dict(tn=16, g=32, warps=2), dict(tn=8, g=64, warps=2),
+            dict(tn=16, g=32, loop="dynamic", depth=1, stages=3)]
     tiles = [dict(tn=16, gc=30), dict(tn=32, gc=30), dict(tn=32, gc=30, warps=8), dict(tn=16, gc=15),
              dict(tn=64, gc=30, warps=8), dict(tn=16, gc=30, depth=2), dict(tn=32, gc=15), dict(tn=16, gc=45, warps=8),
              dict(tn=16, gc=15, loop="dynamic", depth=0, stages=3),
