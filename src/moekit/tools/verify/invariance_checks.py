@@ -15,7 +15,7 @@ import torch
 from ... import _invariant, presets
 from ...experts import batched_experts, fused_experts
 from ...experts.gate_case import batched_mismatch
-from ...formats import quantize_experts
+from ...formats import from_parts, quantize_experts, to_parts
 from ...layer import FusedMoE
 from ...metrics import CheckResult
 from ...routing import fused_router, route, router_gemm
@@ -77,12 +77,29 @@ def router_checks(spec: presets.MoESpec, dtype, device, impls: dict[str, list[st
     return rows
 
 
+QUANTIZE_EXPERTS = 16  # quantized stacks are drawn this many experts at a time
+
+
+def _stack(E: int, N: int, K: int, dtype, device, weights: str):
+    """A random expert stack [E, N, K] (values ~ K^-1/2) in ``weights``' format. A quantized one is drawn and
+    quantized QUANTIZE_EXPERTS experts at a time: its 16-bit stack never exists whole (kimi-k2's w13 alone is 22.5 GB
+    in bf16, and both 16-bit stacks beside their quantized copies did not fit an 80 GB GPU)."""
+    if weights == "dense":
+        return torch.randn(E, N, K, device=device, dtype=dtype).mul_(K ** -0.5)
+    pieces = [to_parts(quantize_experts(
+        torch.randn(min(QUANTIZE_EXPERTS, E - e0), N, K, device=device, dtype=dtype).mul_(K ** -0.5), weights))
+        for e0 in range(0, E, QUANTIZE_EXPERTS)]
+    fmt, tag, shape = pieces[0][0], pieces[0][4], pieces[0][5]
+
+    def joined(i):
+        return None if pieces[0][i] is None else torch.cat([p[i] for p in pieces])
+
+    return from_parts(fmt, joined(1), joined(2), joined(3), tag, [E, *shape[1:]])
+
+
 def _weights(spec, dtype, device, weights: str):
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype).mul_(H ** -0.5)
-    w2 = torch.randn(E, H, I, device=device, dtype=dtype).mul_(I ** -0.5)
-    if weights != "dense":
-        w13, w2 = quantize_experts(w13, weights), quantize_experts(w2, weights)
+    w13, w2 = _stack(E, 2 * I, H, dtype, device, weights), _stack(E, H, I, dtype, device, weights)
     b13, b2 = ((torch.randn(E, 2 * I, device=device) * 0.05, torch.randn(E, H, device=device) * 0.05)
                if spec.expert_bias else (None, None))
     return w13, w2, b13, b2
