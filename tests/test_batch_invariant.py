@@ -399,11 +399,12 @@ GPU_SIZES = SIZES + (4096, 16384)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])  # the tiles change with T for each
 @pytest.mark.parametrize("name", presets.names())
-def test_gpu_router_and_routing_are_batch_invariant(name):
+def test_gpu_router_and_routing_are_batch_invariant(name, dtype):
     _on()
     impls = {"router_gemm": ["auto", "triton"], "route": ["auto", "triton"], "fused_router": ["auto", "unfused"]}
-    rows = invariance_checks.router_checks(presets.get(name), torch.bfloat16, torch.device("cuda"), impls, GPU_SIZES)
+    rows = invariance_checks.router_checks(presets.get(name), dtype, torch.device("cuda"), impls, GPU_SIZES)
     assert all(r.ok for r in rows), [(r.op, r.impl, r.detail) for r in rows if not r.ok]
 
 
