@@ -22,7 +22,6 @@ would be the mode's router GEMM at many tokens (T=1 included: one order at every
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
@@ -66,7 +65,7 @@ def main() -> None:
     p.add_argument("--chunks", nargs="+", type=int, default=CHUNKS)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    from moekit.tools.bench.timing import environment, graph_time_us, write_results
+    from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, write_results
 
     dev = "cuda"
     env = environment()
@@ -108,9 +107,7 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     print(md)
     if args.out:
-        gpu = env["gpu"].split()[1].lower() if len(env["gpu"].split()) > 1 else "cpu"
-        write_results(args.out, f"ab_invariant_router_cublas_{gpu}_{datetime.date.today().isoformat()}", env,
-                      records, md)
+        write_results(args.out, archive_stem("ab_invariant_router_cublas", env), env, records, md)
 
 
 if __name__ == "__main__":

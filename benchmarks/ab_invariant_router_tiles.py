@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -67,7 +66,7 @@ def main() -> None:
     p.add_argument("--no-timing", dest="timing", action="store_false", help="the bitwise checks only")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    from moekit.tools.bench.timing import environment, graph_time_us, write_results
+    from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, write_results
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     env = environment()
@@ -121,9 +120,7 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     print(md)
     if args.out:
-        gpu = env["gpu"].split()[1].lower() if len(env["gpu"].split()) > 1 else "cpu"
-        write_results(args.out, f"ab_invariant_router_tile_sweep_{gpu}_{datetime.date.today().isoformat()}", env,
-                      records, md)
+        write_results(args.out, archive_stem("ab_invariant_router_tile_sweep", env), env, records, md)
 
 
 if __name__ == "__main__":

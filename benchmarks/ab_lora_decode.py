@@ -16,7 +16,6 @@ the fused call at T=1.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from moekit import FusedMoE, fused_experts, presets
 from moekit.experts import ExpertsConfig, ExpertsLoRA
 from moekit.metrics import rel_errors
 from moekit.tools.bench.lora import lora_ids, random_lora
-from moekit.tools.bench.timing import environment, graph_time_us, kernel_times_us, write_results
+from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, kernel_times_us, write_results
 
 TABLE_KEY = "NVIDIA H200|triton-3.6.0|bfloat16"
 TABLE = Path(__file__).resolve().parents[1] / "src/moekit/experts/tuned_configs.json"
@@ -105,9 +104,7 @@ def main() -> None:
                    + [f"- {line}" for line in profiles]) + "\n"
     print(md)
     if args.out:
-        gpu = env["gpu"].split()[1].lower() if len(env["gpu"].split()) > 1 else "gpu"
-        write_results(args.out, f"ab_lora_decode_{gpu}_{datetime.date.today().isoformat()}", env,
-                      records, md, kernels=profiles)
+        write_results(args.out, archive_stem("ab_lora_decode", env), env, records, md, kernels=profiles)
 
 
 if __name__ == "__main__":

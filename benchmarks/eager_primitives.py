@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile tables of GateLinear, fused_experts, FusedMoE")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    from moekit.tools.bench.timing import environment, write_results
+    from moekit.tools.bench.timing import archive_stem, environment, write_results
 
     env = environment()
     records, lines = [], [f"# Host time of an eager call's pieces ({env['gpu']}, {env['date']})", "",
@@ -126,10 +126,10 @@ def main() -> None:
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
                 profiles[name] = text.getvalue()
-    md = "\n".join(lines) + "\n" + "".join(f"\n## cProfile: {n}, 500 calls\n\n```\n{t}```\n" for n, t in profiles.items())
+    md = "\n".join(lines) + "\n" + "".join(f"\n## cProfile: {n}, 500 calls\n\n```\n{t}```\n"
+                                         for n, t in profiles.items())
     if args.out:
-        gpu = env["gpu"].split()[1].lower() if len(env["gpu"].split()) > 1 else "cpu"
-        write_results(args.out, f"eager_primitives_{gpu}_{env['date']}", env, records, md)
+        write_results(args.out, archive_stem("eager_primitives", env), env, records, md)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,12 @@ def environment() -> dict:
     }
 
 
+def archive_stem(name: str, env: dict) -> str:
+    """An A/B's file stem for the archive: ``{name}_{gpu}_{date}`` (gpu: "h100", "h200"... from the device's name)."""
+    words = env["gpu"].split()
+    return f"{name}_{words[1].lower() if len(words) > 1 else 'gpu'}_{env['date']}"
+
+
 def write_results(out, stem: str, env: dict, records: list, markdown: str, **extra) -> None:
     """``{stem}.md`` (the table) and ``{stem}.json`` (``{"env": ..., "records": [...]}`` and ``extra``'s keys)
     under ``out``."""
