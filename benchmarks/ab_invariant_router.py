@@ -59,6 +59,18 @@ def router_weights(spec, device, generator):
     return weight, bias, corr
 
 
+def router_inputs(spec, device, tokens, other_rows: int):
+    """A preset's router (router_weights) and inputs drawn after it from one seeded generator: (weight, bias, corr,
+    {T: x [T, H] bf16} for ``tokens``, a probe token {"x": [1, H]}, ``other_rows`` other tokens {"x": [n, H]})."""
+    H = spec.hidden_size
+    g = torch.Generator(device=device).manual_seed(0)
+    weight, bias, corr = router_weights(spec, device, g)
+    xs = {T: torch.randn(T, H, device=device, generator=g).bfloat16() for T in tokens}
+    probe = {"x": torch.randn(1, H, device=device, generator=g).bfloat16()}
+    others = {"x": torch.randn(other_rows, H, device=device, generator=g).bfloat16()}
+    return weight, bias, corr, xs, probe, others
+
+
 def router_call(spec, weight, bias, corr):
     kwargs = spec.routing_kwargs()
     if corr is not None:

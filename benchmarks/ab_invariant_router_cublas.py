@@ -30,7 +30,7 @@ import torch
 from moekit import _invariant, presets, router_gemm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_invariant_router import router_weights  # noqa: E402  (a sibling script: the same router per preset)
+from ab_invariant_router import router_inputs  # noqa: E402  (a sibling script: the same router per preset)
 
 PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]
 TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
@@ -78,13 +78,8 @@ def main() -> None:
     records = []
     for name in args.presets:
         spec = presets.get(name)
-        H = spec.hidden_size
-        g = torch.Generator(device=dev).manual_seed(0)
-        weight, bias, _ = router_weights(spec, dev, g)
-        xs = {T: torch.randn(T, H, device=dev, generator=g).bfloat16() for T in args.tokens}
-        probe = {"x": torch.randn(1, H, device=dev, generator=g).bfloat16()}
-        others = {"x": torch.randn(max(max(_invariant.SIZES), max(args.tokens)), H, device=dev,
-                                   generator=g).bfloat16()}
+        weight, bias, _, xs, probe, others = router_inputs(spec, dev, args.tokens,
+                                                           max(max(_invariant.SIZES), max(args.tokens)))
         sizes = sorted(set(_invariant.SIZES) | set(args.tokens))
 
         def row(label, call, invariant_check=True):

@@ -26,7 +26,7 @@ from moekit.routing import tiers
 from moekit.routing import triton_backend as router_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_invariant_router import router_weights  # noqa: E402  (a sibling script: the same router per preset)
+from ab_invariant_router import router_inputs  # noqa: E402  (a sibling script: the same router per preset)
 
 PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]
 TOKENS = [64, 256, 1024, 4096, 16384]
@@ -81,13 +81,8 @@ def main() -> None:
     records = []
     for name in args.presets:
         spec = presets.get(name)
-        H = spec.hidden_size
-        g = torch.Generator(device=dev).manual_seed(0)
-        weight, bias, corr = router_weights(spec, dev, g)
+        weight, bias, corr, xs, probe, others = router_inputs(spec, dev, args.tokens, max(_invariant.SIZES))
         kwargs = spec.routing_kwargs() | ({"correction_bias": corr} if corr is not None else {})
-        xs = {T: torch.randn(T, H, device=dev, generator=g).bfloat16() for T in args.tokens}
-        probe = {"x": torch.randn(1, H, device=dev, generator=g).bfloat16()}
-        others = {"x": torch.randn(max(_invariant.SIZES), H, device=dev, generator=g).bfloat16()}
         ops = {"router_gemm": lambda x: router_gemm(x, weight, bias),
                "fused_router": lambda x: fused_router(x, weight, bias, top_k=spec.top_k, method=spec.routing,
                                                       **kwargs)}
