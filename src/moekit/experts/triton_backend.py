@@ -750,25 +750,49 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
     rows = RowMap.aligned(block_expert, sorted_pairs)
     h_paired = _w4_words(w2, h.dtype)
-    # LoRA: a term as its GEMM's delta comes from a kernel the GEMM starts beside (programmatic dependent launch)
-    aligned = delta = delta2 = None
-    pdl = lora is not None and _triton.dependent_launches(x.device)
-    w2_delta = lora is not None and expert_lora.w2_term_as_delta(lora, y.numel(), w2.bytes)
-    x_paired = None
-    if lora is not None:
-        aligned = expert_lora.Rows("aligned", blocks * bm, top_k, bm, num_pairs, block_expert, sorted_pairs)
-        x_paired = x_for_gemm1(x, w13)
-        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, aligned, dependents=pdl)
+    terms = None if lora is None else _GemmLoRA(
+        lora, lora_ids, expert_lora.Rows("aligned", blocks * bm, top_k, bm, num_pairs, block_expert, sorted_pairs),
+        y, w2, x.device)
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, num_pairs, top_k, 0,
-           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None,
-           x_paired=x_paired)
-    if w2_delta:
-        delta2 = expert_lora.w2_delta(h, hs, lora, lora_ids, aligned, y, h_paired, dependents=pdl)
+           x_scales=xs, h_scales=hs, h_paired=h_paired, **(terms.gemm1_args(x, xs, w13) if terms else {}))
     gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), rows, blocks, config.gemm2, bm, num_pairs, 0, hs,
-          delta=delta2, delta_wait=pdl and delta2 is not None)
-    if lora is not None and not w2_delta:
-        expert_lora.w2_add(h, hs, lora, lora_ids, aligned, y, weights, h_paired=h_paired)
+          **(terms.gemm2_args(h, hs, h_paired) if terms else {}))
+    if terms:
+        terms.after_gemm2(h, hs, weights, h_paired)
     _combine(y, pair_expert, out, top_k)
+
+
+class _GemmLoRA:
+    """A call's expert LoRA on the aligned or batched rows, as its two GEMMs take it: W13's term as GEMM1's delta, W2's
+    as GEMM2's fp32 delta or added to GEMM2's output ``y`` after it (experts/lora.py w2_term_as_delta). Each delta
+    comes from a kernel launched right before its GEMM, which starts beside it as its programmatic dependent where the
+    GPU has them (the GEMM waits before it reads the delta)."""
+
+    __slots__ = ("lora", "lora_ids", "rows", "y", "pdl", "w2_as_delta")
+
+    def __init__(self, lora, lora_ids, rows: expert_lora.Rows, y: torch.Tensor, w2: WeightOperand, device):
+        self.lora, self.lora_ids, self.rows, self.y = lora, lora_ids, rows, y
+        self.pdl = _triton.dependent_launches(device)
+        self.w2_as_delta = expert_lora.w2_term_as_delta(lora, y.numel(), w2.bytes)
+
+    def gemm1_args(self, x, xs, w13: WeightOperand) -> dict:
+        """GEMM1's keywords: the delta (its kernel launched now) and x's paired copy, made before that kernel."""
+        x_paired = x_for_gemm1(x, w13)
+        delta = expert_lora.w13_delta(x, xs, self.lora, self.lora_ids, self.rows, dependents=self.pdl)
+        return dict(delta=delta, delta_wait=self.pdl and delta is not None, x_paired=x_paired)
+
+    def gemm2_args(self, h, hs, h_paired: bool) -> dict:
+        """GEMM2's keywords: W2's delta (its kernel launched now) where the term is one."""
+        if not self.w2_as_delta:
+            return {}
+        delta = expert_lora.w2_delta(h, hs, self.lora, self.lora_ids, self.rows, self.y, h_paired,
+                                     dependents=self.pdl)
+        return dict(delta=delta, delta_wait=self.pdl and delta is not None)
+
+    def after_gemm2(self, h, hs, weights, h_paired: bool) -> None:
+        """W2's term added into ``y`` (times the router weights, where given) where it is not GEMM2's delta."""
+        if not self.w2_as_delta:
+            expert_lora.w2_add(h, hs, self.lora, self.lora_ids, self.rows, self.y, weights, h_paired=h_paired)
 
 
 def _combine(y, pair_expert, out, top_k) -> None:
@@ -805,24 +829,16 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
         x = xq.view(num_experts, rows_per_expert, hidden)
     rows = RowMap.batched(expert_num_tokens)
     h_paired = _w4_words(w2, h.dtype)
-    slabs = delta = delta2 = None  # LoRA: as in fused_experts_into
-    pdl = lora is not None and _triton.dependent_launches(x.device)
-    w2_delta = lora is not None and expert_lora.w2_term_as_delta(lora, out.numel(), w2.bytes)
-    x_paired = None
-    if lora is not None:
-        slabs = expert_lora.Rows("batched", num_experts * rows_per_expert, block_m=bm,
-                                 expert_num_tokens=expert_num_tokens, rows_per_expert=rows_per_expert)
-        x_paired = x_for_gemm1(x, w13)
-        delta = expert_lora.w13_delta(x, xs, lora, lora_ids, slabs, dependents=pdl)
+    terms = None if lora is None else _GemmLoRA(  # (as in fused_experts_into)
+        lora, lora_ids, expert_lora.Rows("batched", num_experts * rows_per_expert, block_m=bm,
+                                         expert_num_tokens=expert_num_tokens, rows_per_expert=rows_per_expert),
+        out, w2, x.device)
     gemm1(x, w13, w13_bias, h, rows, activation, blocks, config.gemm1, bm, 0, 1, rows_per_expert,
-           x_scales=xs, h_scales=hs, h_paired=h_paired, delta=delta, delta_wait=pdl and delta is not None,
-           x_paired=x_paired)
-    if w2_delta:
-        delta2 = expert_lora.w2_delta(h, hs, lora, lora_ids, slabs, out, h_paired, dependents=pdl)
+           x_scales=xs, h_scales=hs, h_paired=h_paired, **(terms.gemm1_args(x, xs, w13) if terms else {}))
     gemm2(h, w2, w2_bias, h, out, (out.stride(0), out.stride(1)), rows, blocks, config.gemm2, bm, 0, rows_per_expert,
-           hs, delta=delta2, delta_wait=pdl and delta2 is not None)
-    if lora is not None and not w2_delta:
-        expert_lora.w2_add(h, hs, lora, lora_ids, slabs, out, None, h_paired=h_paired)
+           hs, **(terms.gemm2_args(h, hs, h_paired) if terms else {}))
+    if terms:
+        terms.after_gemm2(h, hs, None, h_paired)
 
 
 # torch.compile sees each call as one opaque op with a fake (shape-only) implementation.
