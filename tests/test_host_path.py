@@ -2,6 +2,8 @@
 and an eager call goes straight to the launches (the torch.library ops are for torch.compile). Speed itself
 is shown by the eager benchmark, not here; these tests keep the work from coming back unnoticed."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -245,3 +247,86 @@ def test_the_host_path_benchmark_runs_and_puts_the_layers_back(tmp_path, monkeyp
     assert (layer.fused_router, layer.fused_experts, _launch.Launcher.launch) == before
     written = sorted(p.suffix for p in tmp_path.iterdir())
     assert written == [".json", ".md"]
+
+
+class _Param:
+    def __init__(self, p):
+        self.name, self.default = p.name, p.default
+        self.has_default = p.default is not inspect.Parameter.empty
+
+
+class _RecordingKernel:
+    """A kernel the Launcher takes for a compiled one (params, device_caches) that records its launches instead of
+    running: Triton's path as ("triton", args), the bound compiled kernel's as ("bound", args)."""
+
+    device_caches: dict = {}
+
+    def __init__(self, kernel, log):
+        self.params = [_Param(p) for p in inspect.signature(kernel.fn).parameters.values()]
+        self.log, self.name = log, kernel.fn.__name__
+        self.function, self.packed_metadata = "fn", "meta"
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.name, "triton", args))
+            return self
+        return launch
+
+    def run(self, g0, g1, g2, stream, function, meta, *rest):
+        self.log.append((self.name, "bound", rest[3:][:len(self.params)]))
+
+
+def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(monkeypatch):
+    # GEMV1 + GEMV2 (the decode path): the first call of a signature launches through the full path and keeps a plan
+    # of both launches; the next calls run the plan, which must launch what the full path would, argument for
+    # argument. On the CPU the kernels are interpreted (never bound), so recording fakes stand in for compiled ones.
+    from moekit import _launch
+    from moekit.experts import ExpertsConfig, GemmConfig
+    from moekit.experts import triton_backend as tb
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    log = []
+    for name in ("gemv1_act_kernel", "gemv2_tokens_kernel"):
+        monkeypatch.setattr(tb, name, _launch.Launcher(_RecordingKernel(getattr(tb, name).fn, log)))
+    monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
+    served = []
+    real_plan = tb.DecodePlan.__call__
+    monkeypatch.setattr(tb.DecodePlan, "__call__", lambda self, *a: served.append(real_plan(self, *a)) or served[-1])
+    config = ExpertsConfig(16, GemmConfig(16, 32, 4, 1), GemmConfig(16, 32, 4, 1), mode="gemv")
+    w13, w2 = torch.randn(E, 2 * I, H).half(), torch.randn(E, H, I).half()
+    b13, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
+
+    def call(x, tw, ids, emap):
+        return fused_experts(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, expert_map=emap, backend="triton",
+                             config=config)
+
+    for emap in (None, torch.arange(E, dtype=torch.int32)):   # an expert map adds a launch argument
+        for t in (1, 3):
+            x, _, _, tw, ids = _call()
+            x, tw, ids = x[:t].half(), tw[:t], ids[:t]
+            call(x, tw, ids, emap)                                # the full path; its launches bound and planned
+            del log[:]
+            x2, tw2, ids2 = torch.randn_like(x), torch.rand_like(tw), ids.flip(0).contiguous()
+            call(x2, tw2, ids2, emap)                             # the plan
+            assert served == [True]
+            served.clear()
+            planned = list(log)
+            del log[:]
+            tb.fused_experts_into(torch.empty_like(x2), x2, w13, w2, tw2, ids2, "silu_and_mul", b13, b2, emap,
+                                  config)                         # the full path on the same inputs, bound
+            assert [(n, k) for n, k, _ in planned] == [("gemv1_act_kernel", "bound"), ("gemv2_tokens_kernel", "bound")]
+            assert [k for _, k, _ in log] == ["bound", "bound"]
+            for (_, _, got), (_, _, want) in zip(planned, log):
+                assert len(got) == len(want)
+                for g, w in zip(got, want):  # tensors by what the kernel sees; the plan's h and out are its own
+                    if isinstance(w, torch.Tensor):
+                        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+                    else:
+                        assert g == w
+            del log[:]
+            odd = torch.randn(t * H + 1).half()[1:].view(t, H)   # the same signature, x 2 bytes off alignment
+            call(odd, tw2, ids2, emap)
+            assert served == [False] and len(log) == 2  # refused (nothing launched), then the full path
+            served.clear()
+            del log[:]

@@ -269,11 +269,16 @@ def fused_experts(
     if lora is None and lora_ids is None:  # (calls with adapters are checked in full: their ids may be read)
         key = _call_key((x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, out),
                         ("fused", backend, config, act_quant, activation))
-    chosen = _VALIDATED.get(key)
-    if chosen is not None:  # the checks of this signature passed before: only those that read values remain
+    decided = _VALIDATED.get(key)
+    if decided is not None:  # the checks of this signature passed before: only those that read values remain
+        chosen, plan = decided
         if expert_map is not None:
             _check_map_values(expert_map, w13.shape[0], topk_ids)
         out = _fresh_or_disjoint(out, x, w13, w2, topk_weights=topk_weights)
+        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
+        if plan is not None and plan(out, x, w13, w2, topk_weights, topk_ids.contiguous(), w13_bias, w2_bias,
+                                     expert_map):
+            return out
     else:
         check_tensor("x", x, ndim=2, dtypes=WEIGHT_DTYPES)
         E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
@@ -288,15 +293,20 @@ def fused_experts(
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
         out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
         chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None)
-        _VALIDATED.put(key, chosen)
-    _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
+        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
+        planning = chosen.plans and key is not None  # a plan is kept with a checked signature only
+        plan = chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias,
+                            expert_map, config, act_quant, **_lora_args(lora, lora_ids),
+                            **({"plan": True} if planning else {}))
+        _VALIDATED.put(key, (chosen, plan if planning else None))
+        return out  # the caller's tensor itself, whatever a runner returned
     chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias, expert_map,
                  config, act_quant, **_lora_args(lora, lora_ids))
-    return out  # the caller's tensor itself, whatever a runner returned
+    return out
 
 
 # A repeated eager call without LoRA skips the checks and the oracle: its signature (moekit._calls), with the
-# registered backends, maps to the backend that served it.
+# registered backends, maps to (the backend that served it, that backend's plan for the call or None).
 _VALIDATED = CheckedCalls()
 
 
@@ -368,8 +378,9 @@ def batched_experts(
     if lora is None and lora_ids is None:
         key = _call_key((x, expert_num_tokens, w13, w2, w13_bias, w2_bias, out),
                         ("batched", backend, config, act_quant, activation))
-    chosen = _VALIDATED.get(key)
-    if chosen is not None:  # checked before (see fused_experts)
+    decided = _VALIDATED.get(key)
+    if decided is not None:  # checked before (see fused_experts)
+        chosen = decided[0]
         out = _fresh_or_disjoint(out, x, w13, w2)
     else:
         check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
@@ -382,7 +393,7 @@ def batched_experts(
         out = _options_and_out(x, w13, w2, act_quant, config, out)
         chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation,
                                 lora=lora is not None)
-        _VALIDATED.put(key, chosen)
+        _VALIDATED.put(key, (chosen, None))
     _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
     chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant,
                    **_lora_args(lora, lora_ids))

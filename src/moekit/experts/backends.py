@@ -54,7 +54,9 @@ class Backend:
     expert_map, config, act_quant)`` and ``batched(out, x, expert_num_tokens, w13, w2, activation,
     w13_bias, w2_bias, config, act_quant)`` compute validated calls INTO ``out``. A backend with ``lora``
     also takes expert LoRA (keywords ``lora``, an ExpertsLoRA, and ``lora_ids``, passed only when given);
-    one without it is not asked to serve such calls."""
+    one without it is not asked to serve such calls. A backend with ``plans`` takes ``plan=True`` on a checked eager
+    ``fused`` call and may return a plan: ``plan(out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias,
+    expert_map) -> bool`` serves later calls of the same signature (False: it did not; run ``fused``)."""
 
     name: str
     rejects: Callable[[ExpertsCall, bool], str | None]
@@ -62,6 +64,7 @@ class Backend:
     fused: Callable = None
     batched: Callable = None
     lora: bool = False
+    plans: bool = False
 
     def refuses(self, call: ExpertsCall, explicit: bool) -> str | None:
         """``rejects`` plus what every backend declares: expert LoRA."""
@@ -114,7 +117,7 @@ def _torch_rejects(call: ExpertsCall, explicit: bool) -> str | None:
 def _triton_fused(*args, **kwargs):
     from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
 
-    triton_backend.run_fused(*args, **kwargs)
+    return triton_backend.run_fused(*args, **kwargs)
 
 
 def _triton_batched(*args, **kwargs):
@@ -127,7 +130,7 @@ BUILTIN = (
     Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
                                        "weight, fixed-order combine; 4-bit weights dequantized in the kernel, "
                                        "FP8 W8A8 and MXFP4 W4A8 on FP8 tensor cores",
-            _triton_fused, _triton_batched, lora=True),
+            _triton_fused, _triton_batched, lora=True, plans=True),
     Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
             torch_backend.fused_torch, torch_backend.batched_torch, lora=True),
 )

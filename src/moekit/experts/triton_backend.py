@@ -446,16 +446,19 @@ def _gemm2_tokens_constants(has_bias: bool, has_map: bool, dtype: torch.dtype, f
 
 
 def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
-           pdl: bool = False, delta=None, terms: expert_lora.DecodeTerms | None = None):
+           pdl: bool = False, delta=None, terms: expert_lora.DecodeTerms | None = None, prepare: bool = False):
     """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py); or ``terms``:
-    the adapters' decode terms run inside (experts/lora.py decode_terms; GEMV1 launches their shrink)."""
+    the adapters' decode terms run inside (experts/lora.py decode_terms; GEMV1 launches their shrink).
+    Returns the launched kernel; with ``prepare``, (the launch made ready to repeat, its grid) where it is GEMV1's
+    only launch and takes x as it is (no delta, terms, packed or row-scaled operands), else None."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     if _row_scaled(cfg, w, x.dtype):
         if terms is not None:
             raise ValueError("gemv1: the decode terms run in gemv1_act_kernel only, not the row-scaled kernel")
-        return _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
-                           up_off)
+        kernel = _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
+                             up_off)
+        return None if prepare else kernel
     slots, packed, block_k, constants = _gemv1_constants(w.format, x.dtype, cfg, top_k, activation, b13 is not None,
                                                          expert_map is not None, delta is not None, pdl)
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
@@ -468,15 +471,23 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     if terms is not None:
         terms.launch_shrink()
         constants = {**constants, **terms.gemv1_constants}
-    return gemv1_act_kernel.launch((programs,), (
-        *x_args,
-        *w_args,
-        *_bias_args(b13, x),
-        h, h.stride(0), *_scale_args(delta, h),
-        ids, expert_map if expert_map is not None else ids,
-        top_k, num_global, w.shape[0], inter, hidden, step, up_off,
-        *(terms.gemv1_args if terms else (x, x, x, x, x, x, x, 0, 0, 0)),
-    ), constants)
+    args = _gemv1_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, w.shape[0], inter,
+                       hidden, step, up_off, terms.gemv1_args if terms else None)
+    kernel = gemv1_act_kernel.launch((programs,), args, constants)
+    if not prepare:
+        return kernel
+    if packed or delta is not None or terms is not None:
+        return None
+    prepared = gemv1_act_kernel.prepare(args, constants)
+    return None if prepared is None else (prepared, (programs,))
+
+
+def _gemv1_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, num_local, inter, hidden, step,
+                up_off, term_args) -> tuple:
+    """gemv1_act_kernel's runtime arguments (``term_args`` None: no decode terms)."""
+    return (*x_args, *w_args, *_bias_args(b13, x), h, h.stride(0), *_scale_args(delta, h),
+            ids, expert_map if expert_map is not None else ids, top_k, num_global, num_local, inter, hidden, step,
+            up_off, *(term_args if term_args is not None else (x, x, x, x, x, x, x, 0, 0, 0)))
 
 
 # The decode kernels' constexprs and launch options, made once per kind of call and passed to Launcher.launch as
@@ -567,8 +578,9 @@ def gemv2_packed(cfg: GemmConfig, weight_format: str, h_dtype: torch.dtype, top_
 
 
 def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
-                  pdl: bool = False, terms: expert_lora.DecodeTerms | None = None):
-    """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent. ``terms``: as :func:`gemv1`'s."""
+                  pdl: bool = False, terms: expert_lora.DecodeTerms | None = None, prepare: bool = False):
+    """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent. ``terms``: as :func:`gemv1`'s.
+    ``prepare``: as :func:`gemv1`'s (h as it is: not packed, no terms)."""
     hidden, inter = w.shape[1], w.shape[2]
     packed, block_k, constants = _gemv2_constants(w.format, h.dtype, cfg, top_k, b2 is not None,
                                                   expert_map is not None, pdl)
@@ -579,15 +591,24 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         h_args = (h, h.stride(0), h, 0)
     if terms is not None:
         constants = {**constants, **terms.gemv2_constants}
-    return gemv2_tokens_kernel.launch((out.shape[0] * _triton.cdiv(hidden, cfg.block_n),), (
-        *h_args,
-        *w.gemv_args(),
-        *_bias_args(b2, h),
-        weights, ids, expert_map if expert_map is not None else ids,
-        out, out.stride(0),
-        top_k, num_global, w.shape[0], hidden, inter,
-        *(terms.gemv2_args if terms else (h, h, h, 0, 0, 0)),
-    ), constants)
+    grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
+    args = _gemv2_args(h_args, w.gemv_args(), b2, h, weights, ids, expert_map, out, top_k, num_global, w.shape[0],
+                       hidden, inter, terms.gemv2_args if terms else None)
+    kernel = gemv2_tokens_kernel.launch(grid, args, constants)
+    if not prepare:
+        return kernel
+    if packed or terms is not None:
+        return None
+    prepared = gemv2_tokens_kernel.prepare(args, constants)
+    return None if prepared is None else (prepared, grid)
+
+
+def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter,
+                term_args) -> tuple:
+    """gemv2_tokens_kernel's runtime arguments (``term_args`` None: no decode terms)."""
+    return (*h_args, *w_args, *_bias_args(b2, h), weights, ids, expert_map if expert_map is not None else ids,
+            out, out.stride(0), top_k, num_global, num_local, hidden, inter,
+            *(term_args if term_args is not None else (h, h, h, 0, 0, 0)))
 
 
 @functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
@@ -680,9 +701,11 @@ def fp8_activations(w13, act_quant: str | None) -> bool:
 
 def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
                        config: ExpertsConfig | None = None, act_quant: str | None = None, lora=None,
-                       lora_ids=None) -> None:
+                       lora_ids=None, plan: bool = False) -> "DecodePlan | None":
     """Standard format, written into ``out`` [T, H] (contiguous). ``lora``: an ExpertsLoRA, ``lora_ids`` int32 [T]
-    (experts/lora.py: its terms run over the same rows as the GEMMs, added into GEMM1 and after GEMM2)."""
+    (experts/lora.py: its terms run over the same rows as the GEMMs, added into GEMM1 and after GEMM2). ``plan``:
+    return the call made ready to repeat for calls of the same checked signature where it can be (:class:`DecodePlan`),
+    else None."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     num_pairs = num_tokens * top_k
@@ -724,12 +747,15 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         if lora is not None:
             delta = expert_lora.w13_delta(x, xs, lora, lora_ids, pairs)
         if gemv:
-            gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl, delta)
+            plan = plan and lora is None and not config.split_slots
+            first = gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl,
+                          delta, prepare=plan)
             if not config.split_slots:
-                gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl)
+                second = gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2,
+                                      pdl, prepare=plan and first is not None)  # (launched kernels where not plan)
                 if lora is not None:
                     expert_lora.w2_add(h, hs, lora, lora_ids, pairs, out, weights, per_token=True)
-                return
+                return DecodePlan(first, second, config, pdl, activation) if plan and first and second else None
             # each pair as a token of one slot (zeros for pairs not computed here), then the slots summed in order
             y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
             gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl)
@@ -793,6 +819,39 @@ class _GemmLoRA:
         """W2's term added into ``y`` (times the router weights, where given) where it is not GEMM2's delta."""
         if not self.w2_as_delta:
             expert_lora.w2_add(h, hs, self.lora, self.lora_ids, self.rows, self.y, weights, h_paired=h_paired)
+
+
+class DecodePlan:
+    """A decode call (GEMV1 then GEMV2, x and h read as they are, no adapters) made ready to repeat for calls of one
+    checked signature (the op keeps it with its decision): both launches are prepared (moekit._launch.Prepared), so
+    a repeated call builds only their arguments and GEMV1's output. ``__call__`` returns False, having launched
+    nothing, where GEMV1's binding does not hold; the caller then runs the call in full."""
+
+    __slots__ = ("_gemv1", "_grid1", "_gemv2", "_grid2", "_config", "_pdl", "_activation")
+
+    def __init__(self, first, second, config: ExpertsConfig, pdl: bool, activation: str):
+        (self._gemv1, self._grid1), (self._gemv2, self._grid2) = first, second
+        self._config, self._pdl, self._activation = config, pdl, activation
+
+    def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
+        top_k = topk_ids.shape[1]
+        w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
+        num_local, two_i, hidden = w13.shape
+        inter = two_i // 2
+        step, up_off = _gate_up(self._activation, inter)
+        weights, ids = topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1)
+        num_global = expert_map.shape[0] if expert_map is not None else num_local
+        h = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)  # (activation_buffers' h)
+        if not self._gemv1(self._grid1, _gemv1_args((x, x.stride(0), x.stride(1), x, 0), w13.gemv_args(), w13_bias,
+                                                     x, h, None, ids, expert_map, top_k, num_global, num_local, inter,
+                                                     hidden, step, up_off, None)):
+            return False
+        if not self._gemv2(self._grid2, _gemv2_args((h, h.stride(0), h, 0), w2.gemv_args(), w2_bias, h, weights,
+                                                     ids, expert_map, out, top_k, num_global, num_local, hidden,
+                                                     inter, None)):
+            gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, self._config.gemm2,
+                         self._pdl)
+        return True
 
 
 def _combine(y, pair_expert, out, top_k) -> None:
@@ -964,12 +1023,13 @@ def _dense_weights(*ws) -> bool:
 
 
 def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config=None,
-              act_quant=None, lora=None, lora_ids=None):
+              act_quant=None, lora=None, lora_ids=None, plan: bool = False):
+    """``plan``: return :func:`fused_experts_into`'s plan (eager calls; None under torch.compile)."""
     # The custom op is for torch.compile, which must not trace the launches; an eager call goes straight to
     # them (the op's dispatch alone cost about 70 us of host time per call).
     if not torch.compiler.is_compiling():
-        fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map, config,
-                           act_quant, lora, lora_ids)
+        return fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
+                                  config, act_quant, lora, lora_ids, plan)
     elif config is None and act_quant is None and lora is None and _dense_weights(w13, w2):
         torch.ops.moekit.fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                                             w2_bias, expert_map)
