@@ -276,26 +276,41 @@ class _RecordingKernel:
         self.log.append((self.name, "bound", rest[3:][:len(self.params)]))
 
 
-def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(monkeypatch):
+@pytest.mark.parametrize("weights, gemm2_packed", [
+    ("dense", None),     # x and h as they are
+    ("mxfp4", None),     # 4-bit: x packed by scaled_fp16 before GEMV1 (a launch of its own)
+    ("mxfp4", True),     # and h before GEMV2 (its loop per slot)
+])
+def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(monkeypatch, weights, gemm2_packed):
     # GEMV1 + GEMV2 (the decode path): the first call of a signature launches through the full path and keeps a plan
-    # of both launches; the next calls run the plan, which must launch what the full path would, argument for
+    # of its launches; the next calls run the plan, which must launch what the full path would, argument for
     # argument. On the CPU the kernels are interpreted (never bound), so recording fakes stand in for compiled ones.
     from moekit import _launch
     from moekit.experts import ExpertsConfig, GemmConfig
     from moekit.experts import triton_backend as tb
+    from moekit.formats import quantize_experts
 
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     log = []
-    for name in ("gemv1_act_kernel", "gemv2_tokens_kernel"):
+    for name in ("gemv1_act_kernel", "gemv2_tokens_kernel", "scaled_fp16_kernel"):
         monkeypatch.setattr(tb, name, _launch.Launcher(_RecordingKernel(getattr(tb, name).fn, log)))
     monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
     served = []
     real_plan = tb.DecodePlan.__call__
     monkeypatch.setattr(tb.DecodePlan, "__call__", lambda self, *a: served.append(real_plan(self, *a)) or served[-1])
-    config = ExpertsConfig(16, GemmConfig(16, 32, 4, 1), GemmConfig(16, 32, 4, 1), mode="gemv")
-    w13, w2 = torch.randn(E, 2 * I, H).half(), torch.randn(E, H, I).half()
-    b13, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
+    config = ExpertsConfig(16, GemmConfig(16, 64, 4, 1), GemmConfig(16, 64, 4, 1, slots=0 if gemm2_packed else None,
+                                                                    packed=gemm2_packed), mode="gemv")
+    hid, inter = 64, 64  # 4-bit K a multiple of 32
+    w13, w2 = torch.randn(E, 2 * inter, hid).half(), torch.randn(E, hid, inter).half()
+    if weights != "dense":
+        w13, w2 = quantize_experts(w13.float(), weights), quantize_experts(w2.float(), weights)
+    b13, b2 = torch.randn(E, 2 * inter), torch.randn(E, hid)
+    kernels = ["gemv1_act_kernel", "gemv2_tokens_kernel"]
+    if weights != "dense":
+        kernels.insert(0, "scaled_fp16_kernel")
+    if gemm2_packed:
+        kernels.insert(2, "scaled_fp16_kernel")
 
     def call(x, tw, ids, emap):
         return fused_experts(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, expert_map=emap, backend="triton",
@@ -303,8 +318,8 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
 
     for emap in (None, torch.arange(E, dtype=torch.int32)):   # an expert map adds a launch argument
         for t in (1, 3):
-            x, _, _, tw, ids = _call()
-            x, tw, ids = x[:t].half(), tw[:t], ids[:t]
+            x, tw = torch.randn(t, hid).half(), torch.rand(t, K)
+            ids = torch.stack([torch.randperm(E)[:K] for _ in range(t)]).int()
             call(x, tw, ids, emap)                                # the full path; its launches bound and planned
             del log[:]
             x2, tw2, ids2 = torch.randn_like(x), torch.rand_like(tw), ids.flip(0).contiguous()
@@ -315,18 +330,18 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
             del log[:]
             tb.fused_experts_into(torch.empty_like(x2), x2, w13, w2, tw2, ids2, "silu_and_mul", b13, b2, emap,
                                   config)                         # the full path on the same inputs, bound
-            assert [(n, k) for n, k, _ in planned] == [("gemv1_act_kernel", "bound"), ("gemv2_tokens_kernel", "bound")]
-            assert [k for _, k, _ in log] == ["bound", "bound"]
+            assert [(n, k) for n, k, _ in planned] == [(n, "bound") for n in kernels]
+            assert [(n, k) for n, k, _ in log] == [(n, "bound") for n in kernels]
             for (_, _, got), (_, _, want) in zip(planned, log):
                 assert len(got) == len(want)
-                for g, w in zip(got, want):  # tensors by what the kernel sees; the plan's h and out are its own
+                for g, w in zip(got, want):  # tensors by what the kernel sees; the plan's buffers are its own
                     if isinstance(w, torch.Tensor):
                         assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
                     else:
                         assert g == w
             del log[:]
-            odd = torch.randn(t * H + 1).half()[1:].view(t, H)   # the same signature, x 2 bytes off alignment
+            odd = torch.randn(t * hid + 1).half()[1:].view(t, hid)   # the same signature, 2 bytes off alignment
             call(odd, tw2, ids2, emap)
-            assert served == [False] and len(log) == 2  # refused (nothing launched), then the full path
+            assert served == [False] and len(log) == len(kernels)  # refused (nothing launched), then the full path
             served.clear()
             del log[:]

@@ -449,8 +449,8 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
            pdl: bool = False, delta=None, terms: expert_lora.DecodeTerms | None = None, prepare: bool = False):
     """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py); or ``terms``:
     the adapters' decode terms run inside (experts/lora.py decode_terms; GEMV1 launches their shrink).
-    Returns the launched kernel; with ``prepare``, (the launch made ready to repeat, its grid) where it is GEMV1's
-    only launch and takes x as it is (no delta, terms, packed or row-scaled operands), else None."""
+    Returns the launched kernel; with ``prepare``, (the launch made ready to repeat, its grid, x's packing made ready
+    to repeat or None) where GEMV1 has no delta, terms or row-scaled operands, else None."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     if _row_scaled(cfg, w, x.dtype):
@@ -462,9 +462,10 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     slots, packed, block_k, constants = _gemv1_constants(w.format, x.dtype, cfg, top_k, activation, b13 is not None,
                                                          expert_map is not None, delta is not None, pdl)
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
-    if packed:
-        pairs, exps = scaled_fp16(x, block_k)  # whole chunks: the kernel's loads need no mask
-        x_args = (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
+    packing = None
+    if packed:  # whole chunks: the kernel's loads need no mask
+        (pairs, exps), packing = scaled_fp16_prepared(x, block_k, prepare=prepare)
+        x_args = _packed_x_args(pairs, exps)
     else:
         x_args = (x, x.stride(0), x.stride(1), x, 0)
     w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
@@ -476,10 +477,18 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     kernel = gemv1_act_kernel.launch((programs,), args, constants)
     if not prepare:
         return kernel
-    if packed or delta is not None or terms is not None:
+    if (packed and packing is None) or delta is not None or terms is not None:
         return None
     prepared = gemv1_act_kernel.prepare(args, constants)
-    return None if prepared is None else (prepared, (programs,))
+    return None if prepared is None else (prepared, (programs,), packing)
+
+
+def _packed_x_args(pairs, exps) -> tuple:
+    return (pairs.view(torch.int32), pairs.stride(0) // 2, 1, exps, exps.stride(0))
+
+
+def _packed_h_args(pairs, exps) -> tuple:
+    return (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))
 
 
 def _gemv1_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, num_local, inter, hidden, step,
@@ -552,17 +561,48 @@ def scaled_fp16(x2d: torch.Tensor, multiple: int = 32) -> tuple[torch.Tensor, to
     whole chunks without masks): slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 +
     4 (s & 1)] * 2^(127 - u), u its group's byte (see kernels/scaled_fp16.py); zeros (and u = 1) past K. The
     packed 4-bit decode's operand."""
+    return scaled_fp16_prepared(x2d, multiple, prepare=False)[0]
+
+
+def scaled_fp16_prepared(x2d: torch.Tensor, multiple: int = 32, prepare: bool = True):
+    """:func:`scaled_fp16`, and (``prepare``) its launch made ready to repeat on rows of the same signature
+    (:class:`PreparedScaling`; None where it cannot be, or nothing was launched)."""
     if multiple <= 0 or multiple % 32:
         raise ValueError(f"scaled_fp16: multiple must be a multiple of 32, got {multiple}")
     rows, k = x2d.shape
     kp = max(_triton.cdiv(k, multiple), 1) * multiple  # K = 0 gets a chunk too: the kernels' first read stays inside
     pairs = torch.empty(rows, kp, dtype=torch.float16, device=x2d.device)
     exps = torch.empty(rows, kp // 32, dtype=torch.uint8, device=x2d.device)
-    if rows:
-        scaled_fp16_kernel[(rows, _triton.cdiv(kp, SCALED_FP16_BLOCK))](
-            x2d, x2d.stride(0), x2d.stride(1), pairs, pairs.stride(0), exps, exps.stride(0), k, kp,
-            BLOCK=SCALED_FP16_BLOCK, num_warps=4)
-    return pairs, exps
+    if not rows:
+        return (pairs, exps), None
+    grid = (rows, _triton.cdiv(kp, SCALED_FP16_BLOCK))
+    args = _scaled_fp16_args(x2d, pairs, exps)
+    scaled_fp16_kernel.launch(grid, args, _SCALED_FP16_CONSTANTS)
+    prepared = scaled_fp16_kernel.prepare(args, _SCALED_FP16_CONSTANTS) if prepare else None
+    return (pairs, exps), None if prepared is None else PreparedScaling(prepared, grid, kp)
+
+
+_SCALED_FP16_CONSTANTS = Constants(BLOCK=SCALED_FP16_BLOCK, num_warps=4)
+
+
+def _scaled_fp16_args(x2d, pairs, exps) -> tuple:
+    return (x2d, x2d.stride(0), x2d.stride(1), pairs, pairs.stride(0), exps, exps.stride(0), x2d.shape[1],
+            pairs.shape[1])
+
+
+class PreparedScaling:
+    """:func:`scaled_fp16`'s launch ready to repeat on rows of one signature: ``__call__(x2d)`` returns (pairs,
+    exps), or None having launched nothing where the binding does not hold."""
+
+    __slots__ = ("_prepared", "_grid", "_kp")
+
+    def __init__(self, prepared, grid: tuple, kp: int):
+        self._prepared, self._grid, self._kp = prepared, grid, kp
+
+    def __call__(self, x2d):
+        pairs = torch.empty(x2d.shape[0], self._kp, dtype=torch.float16, device=x2d.device)
+        exps = torch.empty(x2d.shape[0], self._kp // 32, dtype=torch.uint8, device=x2d.device)
+        return (pairs, exps) if self._prepared(self._grid, _scaled_fp16_args(x2d, pairs, exps)) else None
 
 
 def _gemv_slots(cfg: GemmConfig, top_k: int, default: int) -> int:
@@ -580,13 +620,14 @@ def gemv2_packed(cfg: GemmConfig, weight_format: str, h_dtype: torch.dtype, top_
 def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
                   pdl: bool = False, terms: expert_lora.DecodeTerms | None = None, prepare: bool = False):
     """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent. ``terms``: as :func:`gemv1`'s.
-    ``prepare``: as :func:`gemv1`'s (h as it is: not packed, no terms)."""
+    ``prepare``: as :func:`gemv1`'s (h's packing; no terms)."""
     hidden, inter = w.shape[1], w.shape[2]
     packed, block_k, constants = _gemv2_constants(w.format, h.dtype, cfg, top_k, b2 is not None,
                                                   expert_map is not None, pdl)
+    packing = None
     if packed:
-        pairs, exps = scaled_fp16(h, block_k)
-        h_args = (pairs.view(torch.int32), pairs.stride(0) // 2, exps, exps.stride(0))
+        (pairs, exps), packing = scaled_fp16_prepared(h, block_k, prepare=prepare)
+        h_args = _packed_h_args(pairs, exps)
     else:
         h_args = (h, h.stride(0), h, 0)
     if terms is not None:
@@ -597,10 +638,10 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
     kernel = gemv2_tokens_kernel.launch(grid, args, constants)
     if not prepare:
         return kernel
-    if packed or terms is not None:
+    if (packed and packing is None) or terms is not None:
         return None
     prepared = gemv2_tokens_kernel.prepare(args, constants)
-    return None if prepared is None else (prepared, grid)
+    return None if prepared is None else (prepared, grid, packing)
 
 
 def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter,
@@ -822,15 +863,16 @@ class _GemmLoRA:
 
 
 class DecodePlan:
-    """A decode call (GEMV1 then GEMV2, x and h read as they are, no adapters) made ready to repeat for calls of one
-    checked signature (the op keeps it with its decision): both launches are prepared (moekit._launch.Prepared), so
-    a repeated call builds only their arguments and GEMV1's output. ``__call__`` returns False, having launched
-    nothing, where GEMV1's binding does not hold; the caller then runs the call in full."""
+    """A decode call (GEMV1 then GEMV2, no adapters, no row-scaled operands) made ready to repeat for calls of one
+    checked signature (the op keeps it with its decision): both launches, and the packing of x and h where the
+    config packs them (scaled_fp16), are prepared (moekit._launch.Prepared), so a repeated call builds only their
+    arguments and buffers. ``__call__`` returns False, having launched nothing, where the first launch's binding
+    does not hold; the caller then runs the call in full. A later launch that does not hold runs in full itself."""
 
-    __slots__ = ("_gemv1", "_grid1", "_gemv2", "_grid2", "_config", "_pdl", "_activation")
+    __slots__ = ("_gemv1", "_grid1", "_pack1", "_gemv2", "_grid2", "_pack2", "_config", "_pdl", "_activation")
 
     def __init__(self, first, second, config: ExpertsConfig, pdl: bool, activation: str):
-        (self._gemv1, self._grid1), (self._gemv2, self._grid2) = first, second
+        (self._gemv1, self._grid1, self._pack1), (self._gemv2, self._grid2, self._pack2) = first, second
         self._config, self._pdl, self._activation = config, pdl, activation
 
     def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
@@ -841,14 +883,25 @@ class DecodePlan:
         step, up_off = _gate_up(self._activation, inter)
         weights, ids = topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1)
         num_global = expert_map.shape[0] if expert_map is not None else num_local
+        if self._pack1 is None:
+            x_args = (x, x.stride(0), x.stride(1), x, 0)
+        else:
+            packed = self._pack1(x)
+            if packed is None:
+                return False
+            x_args = _packed_x_args(*packed)
         h = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)  # (activation_buffers' h)
-        if not self._gemv1(self._grid1, _gemv1_args((x, x.stride(0), x.stride(1), x, 0), w13.gemv_args(), w13_bias,
-                                                     x, h, None, ids, expert_map, top_k, num_global, num_local, inter,
-                                                     hidden, step, up_off, None)):
-            return False
-        if not self._gemv2(self._grid2, _gemv2_args((h, h.stride(0), h, 0), w2.gemv_args(), w2_bias, h, weights,
-                                                     ids, expert_map, out, top_k, num_global, num_local, hidden,
-                                                     inter, None)):
+        if not self._gemv1(self._grid1, _gemv1_args(x_args, w13.gemv_args(), w13_bias, x, h, None, ids, expert_map,
+                                                     top_k, num_global, num_local, inter, hidden, step, up_off,
+                                                     None)):
+            if self._pack1 is None:
+                return False
+            gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, self._activation, top_k, self._config.gemm1,
+                  self._pdl)  # (x's packing ran: the call goes on in full)
+        packed = None if self._pack2 is None else self._pack2(h)
+        if (self._pack2 is not None and packed is None) or not self._gemv2(self._grid2, _gemv2_args(
+                (h, h.stride(0), h, 0) if packed is None else _packed_h_args(*packed), w2.gemv_args(), w2_bias, h,
+                weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter, None)):
             gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, self._config.gemm2,
                          self._pdl)
         return True
