@@ -268,12 +268,12 @@ class _RecordingKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.log.append((self.name, "triton", args))
+            self.log.append((self.name, "triton", (tuple(grid), *args)))
             return self
         return launch
 
     def run(self, g0, g1, g2, stream, function, meta, *rest):
-        self.log.append((self.name, "bound", rest[3:][:len(self.params)]))
+        self.log.append((self.name, "bound", ((g0, g1, g2), *rest[3:][:len(self.params)])))
 
 
 @pytest.mark.parametrize("weights, gemm2_packed", [
@@ -288,7 +288,7 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
     from moekit import _launch
     from moekit.experts import ExpertsConfig, GemmConfig
     from moekit.experts import triton_backend as tb
-    from moekit.formats import quantize_experts
+    from moekit.formats import quantize_experts, to_parts
 
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
@@ -323,20 +323,23 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
             call(x, tw, ids, emap)                                # the full path; its launches bound and planned
             del log[:]
             x2, tw2, ids2 = torch.randn_like(x), torch.rand_like(tw), ids.flip(0).contiguous()
-            call(x2, tw2, ids2, emap)                             # the plan
+            out = call(x2, tw2, ids2, emap)                       # the plan
             assert served == [True]
             served.clear()
             planned = list(log)
             del log[:]
-            tb.fused_experts_into(torch.empty_like(x2), x2, w13, w2, tw2, ids2, "silu_and_mul", b13, b2, emap,
+            tb.fused_experts_into(out, x2, w13, w2, tw2, ids2, "silu_and_mul", b13, b2, emap,
                                   config)                         # the full path on the same inputs, bound
             assert [(n, k) for n, k, _ in planned] == [(n, "bound") for n in kernels]
             assert [(n, k) for n, k, _ in log] == [(n, "bound") for n in kernels]
+            given = {t.data_ptr() for t in (x2, out, tw2, ids2, b13, b2, *to_parts(w13)[1:4], *to_parts(w2)[1:4])
+                     if isinstance(t, torch.Tensor)} | ({emap.data_ptr()} if emap is not None else set())
             for (_, _, got), (_, _, want) in zip(planned, log):
-                assert len(got) == len(want)
-                for g, w in zip(got, want):  # tensors by what the kernel sees; the plan's buffers are its own
-                    if isinstance(w, torch.Tensor):
+                assert len(got) == len(want) and got[0] == want[0]  # the grid, then the arguments
+                for g, w in zip(got[1:], want[1:]):
+                    if isinstance(w, torch.Tensor):  # the caller's tensors themselves; the call's buffers alike
                         assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+                        assert (g.data_ptr() == w.data_ptr()) == (w.data_ptr() in given)
                     else:
                         assert g == w
             del log[:]
@@ -345,3 +348,48 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
             assert served == [False] and len(log) == len(kernels)  # refused (nothing launched), then the full path
             served.clear()
             del log[:]
+            if weights != "dense":  # x packed by the plan, then GEMV1 refuses (its bias off alignment): the call
+                odd_b13 = torch.randn(E * 2 * inter + 1)[1:].view(E, 2 * inter)  # goes on in full from there
+                fused_experts(x2, w13, w2, tw2, ids2, w13_bias=odd_b13, w2_bias=b2, expert_map=emap, backend="triton",
+                              config=config)
+                assert served == [True] and [n for n, _, _ in log] == ["scaled_fp16_kernel", *kernels]
+                served.clear()
+                del log[:]
+
+
+def test_a_decode_plan_refuses_a_4bit_stack_whose_words_are_laid_out_otherwise(monkeypatch):
+    # A 4-bit stack's codes go to the GEMVs as int32 words: a view of its bytes, or a copy with other strides where
+    # its offset is not a whole word. Two stacks of one signature (shapes, strides) may take either: the plan made
+    # for one must not launch the other with the first one's strides.
+    from moekit import _launch
+    from moekit.experts import ExpertsConfig, GemmConfig
+    from moekit.experts import triton_backend as tb
+    from moekit.formats import nvfp4, quantize_experts
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    log = []
+    for name in ("gemv1_act_kernel", "gemv2_tokens_kernel", "scaled_fp16_kernel"):
+        monkeypatch.setattr(tb, name, _launch.Launcher(_RecordingKernel(getattr(tb, name).fn, log)))
+    monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
+    served = []
+    real_plan = tb.DecodePlan.__call__
+    monkeypatch.setattr(tb.DecodePlan, "__call__", lambda self, *a: served.append(real_plan(self, *a)) or served[-1])
+    hid, inter = 128, 64
+    q13 = quantize_experts(torch.randn(E, 2 * inter, hid), "nvfp4")
+    w2 = quantize_experts(torch.randn(E, hid, inter), "nvfp4")
+    base = torch.zeros(E * 2 * inter * 72 + 32, dtype=torch.uint8)
+
+    def stack(offset):  # rows padded to 72 bytes, at ``offset``: a whole word (16) or not (1)
+        data = base[offset:offset + E * 2 * inter * 72].view(E, 2 * inter, 72)[:, :, :hid // 2]
+        data.copy_(q13.data)
+        return nvfp4.NVFP4Tensor(data, q13.scales, q13.global_scale, (E, 2 * inter, hid))
+
+    config = ExpertsConfig(16, GemmConfig(16, 64, 4, 1), GemmConfig(16, 64, 4, 1), mode="gemv")
+    x, tw = torch.randn(1, hid).half(), torch.rand(1, K)
+    ids = torch.randperm(E)[:K].int()[None]
+    for w13 in (stack(16), stack(16)):                                  # words as a view: planned, then served
+        fused_experts(x, w13, w2, tw, ids, backend="triton", config=config)
+    assert served == [True]
+    fused_experts(x, stack(1), w2, tw, ids, backend="triton", config=config)  # words copied: other strides
+    assert served == [True, False]

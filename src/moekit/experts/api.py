@@ -294,7 +294,7 @@ def fused_experts(
         out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
         chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
-        planning = chosen.plans and key is not None  # a plan is kept with a checked signature only
+        planning = getattr(chosen, "plans", False) and key is not None  # kept with a checked signature only
         plan = chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias,
                             expert_map, config, act_quant, **_lora_args(lora, lora_ids),
                             **({"plan": True} if planning else {}))

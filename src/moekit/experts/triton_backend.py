@@ -480,7 +480,11 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     if (packed and packing is None) or delta is not None or terms is not None:
         return None
     prepared = gemv1_act_kernel.prepare(args, constants)
-    return None if prepared is None else (prepared, (programs,), packing)
+    return None if prepared is None else (prepared, (programs,), packing, _ints(w_args))
+
+
+def _ints(args: tuple) -> tuple:
+    return tuple(a for a in args if type(a) is int)
 
 
 def _packed_x_args(pairs, exps) -> tuple:
@@ -633,15 +637,16 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
     if terms is not None:
         constants = {**constants, **terms.gemv2_constants}
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
-    args = _gemv2_args(h_args, w.gemv_args(), b2, h, weights, ids, expert_map, out, top_k, num_global, w.shape[0],
-                       hidden, inter, terms.gemv2_args if terms else None)
+    w_args = w.gemv_args()
+    args = _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, w.shape[0], hidden,
+                       inter, terms.gemv2_args if terms else None)
     kernel = gemv2_tokens_kernel.launch(grid, args, constants)
     if not prepare:
         return kernel
     if (packed and packing is None) or terms is not None:
         return None
     prepared = gemv2_tokens_kernel.prepare(args, constants)
-    return None if prepared is None else (prepared, grid, packing)
+    return None if prepared is None else (prepared, grid, packing, _ints(w_args))
 
 
 def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter,
@@ -869,10 +874,12 @@ class DecodePlan:
     arguments and buffers. ``__call__`` returns False, having launched nothing, where the first launch's binding
     does not hold; the caller then runs the call in full. A later launch that does not hold runs in full itself."""
 
-    __slots__ = ("_gemv1", "_grid1", "_pack1", "_gemv2", "_grid2", "_pack2", "_config", "_pdl", "_activation")
+    __slots__ = ("_gemv1", "_grid1", "_pack1", "_ints1", "_gemv2", "_grid2", "_pack2", "_ints2", "_config", "_pdl",
+                 "_activation")
 
     def __init__(self, first, second, config: ExpertsConfig, pdl: bool, activation: str):
-        (self._gemv1, self._grid1, self._pack1), (self._gemv2, self._grid2, self._pack2) = first, second
+        (self._gemv1, self._grid1, self._pack1, self._ints1) = first
+        (self._gemv2, self._grid2, self._pack2, self._ints2) = second
         self._config, self._pdl, self._activation = config, pdl, activation
 
     def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
@@ -883,6 +890,11 @@ class DecodePlan:
         step, up_off = _gate_up(self._activation, inter)
         weights, ids = topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1)
         num_global = expert_map.shape[0] if expert_map is not None else num_local
+        # A 4-bit stack's words are a view of its bytes or, where its offset is not a whole word, a copy with other
+        # strides: the signature does not say which, so the weights' strides as launched are checked here
+        w13_args, w2_args = w13.gemv_args(), w2.gemv_args()
+        if _ints(w13_args) != self._ints1 or _ints(w2_args) != self._ints2:
+            return False
         if self._pack1 is None:
             x_args = (x, x.stride(0), x.stride(1), x, 0)
         else:
@@ -891,7 +903,7 @@ class DecodePlan:
                 return False
             x_args = _packed_x_args(*packed)
         h = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)  # (activation_buffers' h)
-        if not self._gemv1(self._grid1, _gemv1_args(x_args, w13.gemv_args(), w13_bias, x, h, None, ids, expert_map,
+        if not self._gemv1(self._grid1, _gemv1_args(x_args, w13_args, w13_bias, x, h, None, ids, expert_map,
                                                      top_k, num_global, num_local, inter, hidden, step, up_off,
                                                      None)):
             if self._pack1 is None:
@@ -900,7 +912,7 @@ class DecodePlan:
                   self._pdl)  # (x's packing ran: the call goes on in full)
         packed = None if self._pack2 is None else self._pack2(h)
         if (self._pack2 is not None and packed is None) or not self._gemv2(self._grid2, _gemv2_args(
-                (h, h.stride(0), h, 0) if packed is None else _packed_h_args(*packed), w2.gemv_args(), w2_bias, h,
+                (h, h.stride(0), h, 0) if packed is None else _packed_h_args(*packed), w2_args, w2_bias, h,
                 weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter, None)):
             gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, self._config.gemm2,
                          self._pdl)
