@@ -276,19 +276,12 @@ class _RecordingKernel:
         self.log.append((self.name, "bound", ((g0, g1, g2), *rest[3:][:len(self.params)])))
 
 
-@pytest.mark.parametrize("weights, gemm2_packed", [
-    ("dense", None),     # x and h as they are
-    ("mxfp4", None),     # 4-bit: x packed by scaled_fp16 before GEMV1 (a launch of its own)
-    ("mxfp4", True),     # and h before GEMV2 (its loop per slot)
-])
-def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(monkeypatch, weights, gemm2_packed):
-    # GEMV1 + GEMV2 (the decode path): the first call of a signature launches through the full path and keeps a plan
-    # of its launches; the next calls run the plan, which must launch what the full path would, argument for
-    # argument. On the CPU the kernels are interpreted (never bound), so recording fakes stand in for compiled ones.
+@pytest.fixture
+def recording_decode(monkeypatch):
+    """The decode kernels as recording fakes the Launcher binds (on a pretend device 0, stream 7), fused_experts'
+    decisions forgotten, and DecodePlan's verdicts kept: (launch log, verdicts)."""
     from moekit import _launch
-    from moekit.experts import ExpertsConfig, GemmConfig
     from moekit.experts import triton_backend as tb
-    from moekit.formats import quantize_experts, to_parts
 
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
@@ -299,6 +292,24 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
     served = []
     real_plan = tb.DecodePlan.__call__
     monkeypatch.setattr(tb.DecodePlan, "__call__", lambda self, *a: served.append(real_plan(self, *a)) or served[-1])
+    return log, served
+
+
+@pytest.mark.parametrize("weights, gemm2_packed", [
+    ("dense", None),     # x and h as they are
+    ("mxfp4", None),     # 4-bit: x packed by scaled_fp16 before GEMV1 (a launch of its own)
+    ("mxfp4", True),     # and h before GEMV2 (its loop per slot)
+])
+def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(recording_decode, weights,
+                                                                                  gemm2_packed):
+    # GEMV1 + GEMV2 (the decode path): the first call of a signature launches through the full path and keeps a plan
+    # of its launches; the next calls run the plan, which must launch what the full path would, argument for
+    # argument. On the CPU the kernels are interpreted (never bound), so recording fakes stand in for compiled ones.
+    from moekit.experts import ExpertsConfig, GemmConfig
+    from moekit.experts import triton_backend as tb
+    from moekit.formats import quantize_experts, to_parts
+
+    log, served = recording_decode
     config = ExpertsConfig(16, GemmConfig(16, 64, 4, 1), GemmConfig(16, 64, 4, 1, slots=0 if gemm2_packed else None,
                                                                     packed=gemm2_packed), mode="gemv")
     hid, inter = 64, 64  # 4-bit K a multiple of 32
@@ -357,24 +368,14 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
                 del log[:]
 
 
-def test_a_decode_plan_refuses_a_4bit_stack_whose_words_are_laid_out_otherwise(monkeypatch):
+def test_a_decode_plan_refuses_a_4bit_stack_whose_words_are_laid_out_otherwise(recording_decode):
     # A 4-bit stack's codes go to the GEMVs as int32 words: a view of its bytes, or a copy with other strides where
     # its offset is not a whole word. Two stacks of one signature (shapes, strides) may take either: the plan made
     # for one must not launch the other with the first one's strides.
-    from moekit import _launch
     from moekit.experts import ExpertsConfig, GemmConfig
-    from moekit.experts import triton_backend as tb
     from moekit.formats import nvfp4, quantize_experts
 
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    log = []
-    for name in ("gemv1_act_kernel", "gemv2_tokens_kernel", "scaled_fp16_kernel"):
-        monkeypatch.setattr(tb, name, _launch.Launcher(_RecordingKernel(getattr(tb, name).fn, log)))
-    monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
-    served = []
-    real_plan = tb.DecodePlan.__call__
-    monkeypatch.setattr(tb.DecodePlan, "__call__", lambda self, *a: served.append(real_plan(self, *a)) or served[-1])
+    log, served = recording_decode
     hid, inter = 128, 64
     q13 = quantize_experts(torch.randn(E, 2 * inter, hid), "nvfp4")
     w2 = quantize_experts(torch.randn(E, hid, inter), "nvfp4")
