@@ -105,6 +105,13 @@ class _Bound:
         self.packed_metadata = kernel.packed_metadata
         self.tail = tail
 
+    def launch(self, grid, device: int, args: tuple) -> None:
+        """The compiled kernel on ``device``'s current stream, with ``args`` then the keywords' tail."""
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        self.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), self.function, self.packed_metadata,
+                 None, None, None, *args, *self.tail)
+
 
 class Constants(dict):
     """A launch's keywords (constexprs and options) made once, e.g. per shape, and passed as they are to
@@ -152,8 +159,7 @@ class Launcher:
         types = tuple(map(type, args))
         device = torch._C._cuda_getDevice()  # what torch.cuda.current_device returns, without its Python wrapper
         try:
-            key = (device, types, _key_function(types)(args),
-                   kwargs if type(kwargs) is Constants else tuple(kwargs.items()))
+            key = _bound_key(device, types, args, kwargs)
             bound = self._bound.get(key)
         except (_Unkeyed, TypeError):  # an argument type not keyed here, an unhashable keyword
             return self.fn[grid](*args, **kwargs)
@@ -170,11 +176,7 @@ class Launcher:
                     del self._bound[old]
             self._bound[key] = _Bound(kernel, self._tail(len(args), kwargs))
             return kernel
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        bound.run(g0, g1, g2, stream, bound.function, bound.packed_metadata, None, None, None, *args, *bound.tail)
+        bound.launch(grid, device, args)
         return bound.kernel
 
     def prepare(self, args: tuple, kwargs: dict) -> Prepared | None:
@@ -185,14 +187,13 @@ class Launcher:
         types = tuple(map(type, args))
         device = torch._C._cuda_getDevice()
         try:
-            keyed = _key_function(types)(args)
-            bound = self._bound.get((device, types, keyed,
-                                     kwargs if type(kwargs) is Constants else tuple(kwargs.items())))
+            key = _bound_key(device, types, args, kwargs)
+            bound = self._bound.get(key)
         except (_Unkeyed, TypeError):
             return None
         if bound is None:
             return None
-        return Prepared(bound, device, _aligned_function(types, keyed[0]), self._runtime)
+        return Prepared(bound, device, _aligned_function(types, key[2][0]), self._runtime)
 
     def _tail(self, given: int, kwargs: dict) -> tuple:
         """The values of the parameters after the positional ones, in signature order (keywords or defaults):
@@ -217,20 +218,22 @@ class Prepared:
     The caller keeps the rest of the contract: ``args`` have the types, dtypes and integer values of the prepared
     launch (what an op's checked call signature fixes: shapes, strides, dtypes, options), only addresses change."""
 
-    __slots__ = ("_run", "_function", "_packed_metadata", "_tail", "_device", "_aligned", "_runtime")
+    __slots__ = ("_bound", "_device", "_aligned", "_runtime")
 
     def __init__(self, bound: _Bound, device: int, aligned, runtime):
-        self._run, self._function, self._packed_metadata = bound.run, bound.function, bound.packed_metadata
-        self._tail, self._device, self._aligned, self._runtime = bound.tail, device, aligned, runtime
+        self._bound, self._device, self._aligned, self._runtime = bound, device, aligned, runtime
 
     def __call__(self, grid, args: tuple) -> bool:
-        device = self._device
-        if torch._C._cuda_getDevice() != device or not self._aligned(args) or _hooks_set(self._runtime):
+        if torch._C._cuda_getDevice() != self._device or not self._aligned(args) or _hooks_set(self._runtime):
             return False
-        self._run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                  torch._C._cuda_getCurrentRawStream(device), self._function, self._packed_metadata, None, None, None,
-                  *args, *self._tail)
+        self._bound.launch(grid, self._device, args)
         return True
+
+
+def _bound_key(device: int, types: tuple, args: tuple, kwargs: dict) -> tuple:
+    """A launch's key among a Launcher's bindings: (device, types, _key_function's key (its first item the tensors'
+    alignment flags), the keywords)."""
+    return (device, types, _key_function(types)(args), kwargs if type(kwargs) is Constants else tuple(kwargs.items()))
 
 
 def _aligned_function(types: tuple, flags: int):
