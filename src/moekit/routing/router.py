@@ -118,7 +118,6 @@ def router_gemm(
         key = CheckedCalls.signature((x, weight, bias, out), (out_dtype, tier))
         decided = _CHECKED_GEMMS.get(key)
         if decided is not None:  # this signature's checks passed and its tier was chosen: only addresses are new
-            run, prepared = decided
             x2 = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])  # [T, H] as it is (a reshape is a new view)
             if out is not None:
                 check_disjoint("out", out, {"x": x, "weight": weight, "bias": bias})
@@ -126,9 +125,7 @@ def router_gemm(
             else:
                 out2 = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=weight.device)
             if x2.shape[0]:
-                b = None if bias is None else bias.contiguous()
-                if prepared is None or not prepared(x2, weight, b, out2=out2):
-                    _RUNNERS[run](_GemmArgs(x2, weight, b, None), out2)
+                _gemm_decided(decided, x2, weight, None if bias is None else bias.contiguous(), out2)
             if out is not None:
                 return out
             return out2 if x.dim() == 2 else out2.view(*x.shape[:-1], weight.shape[0])
@@ -188,6 +185,14 @@ def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto", prepare: bool
             run = "cublas" if args.weight.is_cuda else "torch"
     prepared = _RUNNERS[run](args, out2, prepare) if args.x.shape[0] > 0 else None
     return run, prepared
+
+
+def _gemm_decided(decided: tuple, x2, weight, bias, out2) -> None:
+    """Logits into ``out2`` for a call of a signature :func:`_gemm` decided before ((tier, prepared launch or
+    None)): the prepared launch where its binding holds, else the tier's runner. ``bias``: contiguous or None."""
+    run, prepared = decided
+    if prepared is None or not prepared(x2, weight, bias, out2=out2):
+        _RUNNERS[run](_GemmArgs(x2, weight, bias, None), out2)
 
 
 def _run_torch(args: _GemmArgs, out2: torch.Tensor, prepare: bool = False) -> None:
@@ -267,10 +272,10 @@ def fused_router(
             x2 = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
             b, c = None if bias is None else bias.contiguous(), None if corr is None else corr.contiguous()
             if not fused:  # router_gemm + route as decided: logits, then their routes
-                (run, gemm_prepared), route = prepared
+                gemm, route = prepared
                 logits = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32, device=weight.device)
-                if x2.shape[0] and (gemm_prepared is None or not gemm_prepared(x2, weight, b, out2=logits)):
-                    _RUNNERS[run](_GemmArgs(x2, weight, b, None), logits)
+                if x2.shape[0]:
+                    _gemm_decided(gemm, x2, weight, b, logits)
                 return route_decided(logits, c, route)
             if prepared is not None:
                 routes = empty_routes(x2.shape[0], top_k, weight.device)
