@@ -467,7 +467,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         (pairs, exps), packing = scaled_fp16_prepared(x, block_k, prepare=prepare)
         x_args = _packed_x_args(pairs, exps)
     else:
-        x_args = (x, x.stride(0), x.stride(1), x, 0)
+        x_args = _plain_x_args(x)
     w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
     if terms is not None:
         terms.launch_shrink()
@@ -485,6 +485,15 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
 
 def _ints(args: tuple) -> tuple:
     return tuple(a for a in args if type(a) is int)
+
+
+# The GEMVs' activation arguments: the operand as it is, or packed by scaled_fp16 (pairs, exponent bytes)
+def _plain_x_args(x) -> tuple:
+    return (x, x.stride(0), x.stride(1), x, 0)
+
+
+def _plain_h_args(h) -> tuple:
+    return (h, h.stride(0), h, 0)
 
 
 def _packed_x_args(pairs, exps) -> tuple:
@@ -633,7 +642,7 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         (pairs, exps), packing = scaled_fp16_prepared(h, block_k, prepare=prepare)
         h_args = _packed_h_args(pairs, exps)
     else:
-        h_args = (h, h.stride(0), h, 0)
+        h_args = _plain_h_args(h)
     if terms is not None:
         constants = {**constants, **terms.gemv2_constants}
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
@@ -896,7 +905,7 @@ class DecodePlan:
         if _ints(w13_args) != self._ints1 or _ints(w2_args) != self._ints2:
             return False
         if self._pack1 is None:
-            x_args = (x, x.stride(0), x.stride(1), x, 0)
+            x_args = _plain_x_args(x)
         else:
             packed = self._pack1(x)
             if packed is None:
@@ -912,7 +921,7 @@ class DecodePlan:
                   self._pdl)  # (x's packing ran: the call goes on in full)
         packed = None if self._pack2 is None else self._pack2(h)
         if (self._pack2 is not None and packed is None) or not self._gemv2(self._grid2, _gemv2_args(
-                (h, h.stride(0), h, 0) if packed is None else _packed_h_args(*packed), w2_args, w2_bias, h,
+                _plain_h_args(h) if packed is None else _packed_h_args(*packed), w2_args, w2_bias, h,
                 weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter, None)):
             gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, self._config.gemm2,
                          self._pdl)
