@@ -264,7 +264,13 @@ def candidates() -> dict[str, list[Config]]:
             dict(tn=32, g=32, warps=8, loop="dynamic", depth=1, stages=2),
             # around the best of 2026-12-05 (rows_h2 TN16 G32 w4, 78.6%): longer chunks, fewer warps, one more ahead
             dict(tn=16, g=64), dict(tn=16, g=64, depth=2), dict(tn=16, g=32, warps=2), dict(tn=8, g=64, warps=2),
-            dict(tn=16, g=32, loop="dynamic", depth=1, stages=3)]
+            dict(tn=16, g=32, loop="dynamic", depth=1, stages=3),
+            # around the best of 2026-12-06 on an H100 (rows_h2 TN16 G32 dynamic-d0-s3 w4, 78.7%): deeper pipelines,
+            # shorter chunks in more stages, fewer and more rows per program
+            dict(tn=16, g=32, loop="dynamic", depth=0, stages=4), dict(tn=16, g=16, loop="dynamic", depth=0, stages=4),
+            dict(tn=16, g=32, loop="dynamic", depth=0, stages=2), dict(tn=8, g=32, warps=2, loop="dynamic", depth=0,
+                                                                        stages=3),
+            dict(tn=16, g=16, loop="dynamic", depth=0, stages=6), dict(tn=32, g=32, loop="dynamic", depth=0, stages=3)]
     tiles = [dict(tn=16, gc=30), dict(tn=32, gc=30), dict(tn=32, gc=30, warps=8), dict(tn=16, gc=15),
              dict(tn=64, gc=30, warps=8), dict(tn=16, gc=30, depth=2), dict(tn=32, gc=15), dict(tn=16, gc=45, warps=8),
              dict(tn=16, gc=15, loop="dynamic", depth=0, stages=3),
