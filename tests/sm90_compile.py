@@ -241,7 +241,6 @@ def invariant_variants():
     import contextlib
 
     from moekit import _invariant, presets
-    from moekit._calls import CheckedCalls
     from moekit.experts import configs, fused_experts
     from moekit.formats import fp8, mxfp4, nvfp4
     from moekit.routing.router import RouterLoRA, fused_router, router_gemm
@@ -262,24 +261,6 @@ def invariant_variants():
         def run():
             with on_h200():
                 thunk()
-        return run
-
-    def fold_loops(thunk):
-        def run():
-            from moekit.routing import tiers
-            from moekit.routing import triton_backend as router_backend
-
-            def replan():
-                tiers.invariant_kernel_config.cache_clear()
-                router_backend._router_plan.cache_clear()
-                CheckedCalls.forget_all()
-            tiers.INVARIANT_FOLD_LOOPS = True
-            replan()
-            try:
-                thunk()
-            finally:
-                tiers.INVARIANT_FOLD_LOOPS = False
-                replan()
         return run
 
     cases = [(name, None, None) for name in ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")]
@@ -318,9 +299,6 @@ def invariant_variants():
             yield f"invariant gemm {name} T={T}", invariant(lambda x=x, w=w, b=b: router_gemm(x, w, b, tier="triton"))
             yield f"invariant gemm lora {name} T={T}", invariant(
                 lambda x=x, w=w, b=b, lora=lora: router_gemm(x, w, b, lora=lora, tier="triton"))
-            if T >= 4096:  # the folded splits as a K loop per split (tiers.INVARIANT_FOLD_LOOPS)
-                yield f"invariant gemm fold loops {name} T={T}", invariant(fold_loops(
-                    lambda x=x, w=w, b=b, lora=lora: router_gemm(x, w, b, lora=lora, tier="triton")))
             if T <= 64:
                 yield f"invariant fused {name} T={T}", invariant(
                     lambda x=x, w=w, b=b, kw=kw, s=spec: fused_router(x, w, b, top_k=s.top_k, method=s.routing,

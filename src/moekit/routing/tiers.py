@@ -63,10 +63,6 @@ class RouterKernelConfig:
     """One program per tile runs every K split of ``k_per_split`` (cdiv(H, k_per_split) of them) and sums them as
     the finishing step would (batch-invariant mode at many tokens: the same bits as split programs, without their
     partial sums). ``splits`` is then 1, the launch grid's K dimension, and ``k_per_split`` less than H."""
-    fold_loops: bool = False
-    """With ``fold_splits``: a K loop of its own per split, each summed from zero and added to the total after it,
-    instead of one K loop that folds a split's sum where it ends (a select on the accumulator every step). The same
-    additions either way."""
 
 
 @functools.cache
@@ -149,7 +145,6 @@ INVARIANT_TILES = ((128, 64), (64, 64), (64, 32), (32, 32), (16, 32), (16, 16)) 
 INVARIANT_SPLIT_WORK = 8192  # split programs (not folded) while T x splits is at most this
 INVARIANT_FILL = 0.75  # a launch "fills" the GPU from this many programs per SM
 INVARIANT_IEEE_TILE = 32 * 32  # fp32 inputs: the largest tile (tokens x rows) whose fp32 products fit the registers
-INVARIANT_FOLD_LOOPS = False  # folded splits as a K loop per split (RouterKernelConfig.fold_loops)
 
 
 def invariant_splits(hidden: int) -> tuple[int, int]:
@@ -203,8 +198,7 @@ def invariant_kernel_config(num_tokens: int, hidden: int, num_experts: int, rank
     cfg = launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
                         INVARIANT_BLOCK_K, splits=1 if fold else splits, fin_t=1)
     # The finishing step adds one split's partial sums at a time (S_CHUNK 1): the order the folding program keeps.
-    return replace(cfg, splits=1 if fold else splits, k_per_split=per_split, s_chunk=1, fold_splits=fold,
-                   fold_loops=fold and INVARIANT_FOLD_LOOPS)
+    return replace(cfg, splits=1 if fold else splits, k_per_split=per_split, s_chunk=1, fold_splits=fold)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -73,7 +73,7 @@ def _router_plan(num_tokens: int, hidden: int, num_experts: int, rank: int, rout
         FIN_PROGRAMS=cfg.fin_programs if router_kernel.compiled else 1,
         E_PAD=_triton.next_pow2(num_experts), S_CHUNK=cfg.s_chunk, R_PAD=cfg.r_pad,
         HAS_BIAS=has_bias, HAS_LORA=rank > 0, FUSE_TOPK=fuse, DIRECT=direct,
-        IEEE=ieee, FENCE=router_kernel.compiled, FOLD_SPLITS=cfg.fold_splits, FOLD_LOOPS=cfg.fold_loops,
+        IEEE=ieee, FENCE=router_kernel.compiled, FOLD_SPLITS=cfg.fold_splits,
         **kernel_constants(routing or _NO_ROUTING, num_experts, has_corr_bias),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

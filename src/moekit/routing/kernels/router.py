@@ -22,55 +22,31 @@ def _gpu_release_fence(like):
 
 
 @triton.jit
-def _k_step(x_base, stride_xh, r_base, stride_rh, tmask, rmask, k0, k_hi, acc,
-            BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
-    ks = k0 + tl.arange(0, BLOCK_K)
-    kmask = (ks < k_hi)[None, :]
-    xs = tl.load(x_base + ks.to(tl.int64)[None, :] * stride_xh, mask=tmask & kmask, other=0.0)
-    ws = tl.load(r_base + ks.to(tl.int64)[None, :] * stride_rh, mask=rmask & kmask, other=0.0)
-    if BLOCK_T >= 16:
-        if IEEE:
-            acc = tl.dot(xs, tl.trans(ws), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xs, tl.trans(ws), acc)
-    else:
-        # One or two tokens: a GEMV in fp32 FMAs streams the weights faster than a padded
-        # tensor-core tile (measured on the H200: 3.6 vs 7.5 us for gpt-oss-120b at T=1).
-        acc += tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], axis=2)
-    return acc
-
-
-@triton.jit
-def _k_loop(x_base, stride_xh, r_base, stride_rh, tmask, rmask, k_lo, k_hi,
-            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        acc = _k_step(x_base, stride_xh, r_base, stride_rh, tmask, rmask, k0, k_hi, acc, BLOCK_K, BLOCK_T, IEEE)
-    return acc
-
-
-@triton.jit
 def _partial_dot(x_ptr, stride_xt, stride_xh, rows_ptr, stride_rr, stride_rh, n_rows,
                  tok, row, k_lo, k_hi, k_per_split, num_tokens,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr, FOLD_SPLITS: tl.constexpr, FOLD_LOOPS: tl.constexpr):
+                 IEEE: tl.constexpr, FOLD_SPLITS: tl.constexpr):
+    acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+    total = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+    kk = tl.arange(0, BLOCK_K)
     x_base = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
     r_base = rows_ptr + row.to(tl.int64)[:, None] * stride_rr
     tmask = (tok < num_tokens)[:, None]
     rmask = (row < n_rows)[:, None]
-    if FOLD_SPLITS and FOLD_LOOPS:
-        # The same additions as the select below, each split's K loop on its own: its products pipelined without
-        # a select on the accumulator every step (which waits for each MMA before the next can start).
-        total = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
-        for s0 in range(k_lo, k_hi, k_per_split):
-            part = _k_loop(x_base, stride_xh, r_base, stride_rh, tmask, rmask, s0, tl.minimum(s0 + k_per_split, k_hi),
-                           BLOCK_T, BLOCK_R, BLOCK_K, IEEE)
-            total += part
-        return total
-    acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
-    total = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        acc = _k_step(x_base, stride_xh, r_base, stride_rh, tmask, rmask, k0, k_hi, acc, BLOCK_K, BLOCK_T, IEEE)
+        ks = k0 + kk
+        kmask = (ks < k_hi)[None, :]
+        xs = tl.load(x_base + ks.to(tl.int64)[None, :] * stride_xh, mask=tmask & kmask, other=0.0)
+        ws = tl.load(r_base + ks.to(tl.int64)[None, :] * stride_rh, mask=rmask & kmask, other=0.0)
+        if BLOCK_T >= 16:
+            if IEEE:
+                acc = tl.dot(xs, tl.trans(ws), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xs, tl.trans(ws), acc)
+        else:
+            # One or two tokens: a GEMV in fp32 FMAs streams the weights faster than a padded
+            # tensor-core tile (measured on the H200: 3.6 vs 7.5 us for gpt-oss-120b at T=1).
+            acc += tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], axis=2)
         if FOLD_SPLITS:
             # The whole K range in one program, each k_per_split-deep split's sum folded into the total where it
             # ends: zero + split 0 + split 1 + ..., the finisher's order over the same splits' partial sums.
@@ -97,7 +73,7 @@ def router_kernel(
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     FIN_T: tl.constexpr, FIN_PROGRAMS: tl.constexpr, E_PAD: tl.constexpr, S_CHUNK: tl.constexpr,
     R_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, FUSE_TOPK: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, FENCE: tl.constexpr, FOLD_SPLITS: tl.constexpr, FOLD_LOOPS: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, FENCE: tl.constexpr, FOLD_SPLITS: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, METHOD: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_CORR_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, GROUPS_RESHAPE: tl.constexpr,
@@ -123,14 +99,14 @@ def router_kernel(
         row = (pid_r - w_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc = _partial_dot(x_ptr, stride_xt, stride_xh, a_ptr, stride_ar, stride_ah, rank,
                            tok, row, k_lo, k_hi, k_per_split, num_tokens, BLOCK_T, BLOCK_R, BLOCK_K, IEEE,
-                           FOLD_SPLITS, FOLD_LOOPS)
+                           FOLD_SPLITS)
         ws_col = num_experts + row
         col_ok = row < rank
     else:
         row = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         acc = _partial_dot(x_ptr, stride_xt, stride_xh, w_ptr, stride_we, stride_wh, num_experts,
                            tok, row, k_lo, k_hi, k_per_split, num_tokens, BLOCK_T, BLOCK_R, BLOCK_K, IEEE,
-                           FOLD_SPLITS, FOLD_LOOPS)
+                           FOLD_SPLITS)
         ws_col = row
         col_ok = row < num_experts
 
