@@ -286,39 +286,51 @@ def recording_decode(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     log = []
-    for name in ("gemv1_act_kernel", "gemv2_tokens_kernel", "scaled_fp16_kernel"):
+    for name in ("gemv1_act_kernel", "gemv1_rows_kernel", "gemv2_tokens_kernel", "scaled_fp16_kernel",
+                 "gemm1_act_kernel", "gemm2_tokens_kernel", "align_kernel", "gemm2_kernel", "combine_kernel"):
         monkeypatch.setattr(tb, name, _launch.Launcher(_RecordingKernel(getattr(tb, name).fn, log)))
     monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
     served = []
-    real_plan = tb.DecodePlan.__call__
-    monkeypatch.setattr(tb.DecodePlan, "__call__", lambda self, *a: served.append(real_plan(self, *a)) or served[-1])
+    for kind in (tb.DecodePlan, tb.CallPlan):
+        monkeypatch.setattr(kind, "__call__", lambda self, *a, real=kind.__call__: served.append(real(self, *a))
+                            or served[-1])
     return log, served
 
 
-@pytest.mark.parametrize("weights, gemm2_packed", [
-    ("dense", None),     # x and h as they are
-    ("mxfp4", None),     # 4-bit: x packed by scaled_fp16 before GEMV1 (a launch of its own)
-    ("mxfp4", True),     # and h before GEMV2 (its loop per slot)
+@pytest.mark.parametrize("mode, weights, gemm2_packed", [
+    ("gemv", "dense", None),      # x and h as they are
+    ("gemv", "mxfp4", None),      # 4-bit: x packed by scaled_fp16 before GEMV1 (a launch of its own)
+    ("gemv", "mxfp4", True),      # and h before GEMV2 (its loop per slot)
+    ("rows", "nvfp4", None),      # GEMV1 on the row-scaled kernel (GemmConfig.row_scaled: x scaled inside it)
+    ("per_pair", "dense", None),  # the tensor-core GEMMs per pair (CallPlan)
+    ("per_pair", "nvfp4", None),  # 4-bit: scales and global scales among the arguments
+    ("aligned", "dense", None),   # align, GEMM1, GEMM2, combine (CallPlan): four launches, five buffers
+    ("aligned", "mxfp4", None),   # 4-bit, no global scale
 ])
-def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(recording_decode, weights,
+def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(recording_decode, mode, weights,
                                                                                   gemm2_packed):
-    # GEMV1 + GEMV2 (the decode path): the first call of a signature launches through the full path and keeps a plan
-    # of its launches; the next calls run the plan, which must launch what the full path would, argument for
-    # argument. On the CPU the kernels are interpreted (never bound), so recording fakes stand in for compiled ones.
+    # GEMV1 + GEMV2 or the per-pair GEMMs (the decode paths): the first call of a signature launches through the full
+    # path and keeps a plan of its launches; the next calls run the plan, which must launch what the full path would,
+    # argument for argument. On the CPU the kernels are interpreted (never bound), so recording fakes stand in for
+    # compiled ones.
     from moekit.experts import ExpertsConfig, GemmConfig
     from moekit.experts import triton_backend as tb
     from moekit.formats import quantize_experts, to_parts
 
     log, served = recording_decode
-    config = ExpertsConfig(16, GemmConfig(16, 64, 4, 1), GemmConfig(16, 64, 4, 1, slots=0 if gemm2_packed else None,
-                                                                    packed=gemm2_packed), mode="gemv")
+    gemm1 = GemmConfig(8, 64, 4, 3, row_scaled=True) if mode == "rows" else GemmConfig(16, 64, 4, 1)
+    config = ExpertsConfig(16, gemm1, GemmConfig(16, 64, 4, 1, slots=0 if gemm2_packed else None, packed=gemm2_packed),
+                           mode="gemv" if mode == "rows" else mode)
     hid, inter = 64, 64  # 4-bit K a multiple of 32
     w13, w2 = torch.randn(E, 2 * inter, hid).half(), torch.randn(E, hid, inter).half()
     if weights != "dense":
         w13, w2 = quantize_experts(w13.float(), weights), quantize_experts(w2.float(), weights)
     b13, b2 = torch.randn(E, 2 * inter), torch.randn(E, hid)
-    kernels = ["gemv1_act_kernel", "gemv2_tokens_kernel"]
-    if weights != "dense":
+    kernels = {"gemv": ["gemv1_act_kernel", "gemv2_tokens_kernel"],
+               "rows": ["gemv1_rows_kernel", "gemv2_tokens_kernel"],
+               "per_pair": ["gemm1_act_kernel", "gemm2_tokens_kernel"],
+               "aligned": ["align_kernel", "gemm1_act_kernel", "gemm2_kernel", "combine_kernel"]}[mode]
+    if weights != "dense" and mode == "gemv":
         kernels.insert(0, "scaled_fp16_kernel")
     if gemm2_packed:
         kernels.insert(2, "scaled_fp16_kernel")
@@ -356,11 +368,13 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
             del log[:]
             odd = torch.randn(t * hid + 1).half()[1:].view(t, hid)   # the same signature, 2 bytes off alignment
             call(odd, tw2, ids2, emap)
-            assert served == [False] and len(log) == len(kernels)  # refused (nothing launched), then the full path
+            # refused before anything launched, then the full path; the aligned path's first launch (align) does not
+            # read x: the plan runs it, and GEMM1 goes through its Launcher (a binding of its own)
+            assert served == [mode == "aligned"] and [n for n, _, _ in log] == kernels
             served.clear()
             del log[:]
-            if weights != "dense":  # x packed by the plan, then GEMV1 refuses (its bias off alignment): the call
-                odd_b13 = torch.randn(E * 2 * inter + 1)[1:].view(E, 2 * inter)  # goes on in full from there
+            if weights != "dense" and mode == "gemv":  # x packed by the plan, then GEMV1 refuses (its bias off
+                odd_b13 = torch.randn(E * 2 * inter + 1)[1:].view(E, 2 * inter)  # alignment): in full from there
                 fused_experts(x2, w13, w2, tw2, ids2, w13_bias=odd_b13, w2_bias=b2, expert_map=emap, backend="triton",
                               config=config)
                 assert served == [True] and [n for n, _, _ in log] == ["scaled_fp16_kernel", *kernels]

@@ -137,6 +137,19 @@ def test_a_prepared_launch_repeats_the_binding_and_refuses_what_it_does_not_hold
     assert odd((1,), (base[2:], 9)) and not odd((1,), (base, 9))
 
 
+def test_an_argument_builder_puts_another_calls_tensors_where_the_sources_were():
+    a, b, c = torch.zeros(2), torch.ones(3), torch.full((4,), 2.0)
+    build = _launch.arg_builder((a, 3, None, 0.5, b, True, a), (b, None, a))
+    new_b, new_a = torch.zeros(5), torch.zeros(6)
+    got = build((new_b, None, new_a))
+    assert got[0] is new_a and got[4] is new_b and got[6] is new_a and got[1:4] + got[5:6] == (3, None, 0.5, True)
+    assert _launch.arg_builder((a, b), (a, b)) is _launch.arg_builder((b, a), (b, a))  # one function per layout
+    assert _launch.arg_builder((c,), (a, b)) is None      # a tensor made by the call itself: not rebuilt
+    assert _launch.arg_builder((a,), (a, None, a)) is None  # two sources as one tensor: which one is a guess
+    assert _launch.arg_builder((a, object()), (a,)) is None  # an object made per call (a TMA descriptor)
+    assert _launch.arg_builder((1.5,), ())(()) == (1.5,) and _launch.arg_builder((-0.0,), ())(())[0].hex() == "-0x0.0p+0"
+
+
 def test_a_key_tells_each_tensors_alignment_apart():
     base = torch.empty(64)
     a, b = base[4:], base[1:]  # 16-byte aligned, then not

@@ -230,6 +230,47 @@ class Prepared:
         return True
 
 
+def arg_builder(args: tuple, sources: tuple):
+    """``sources -> args``: one launch's arguments rebuilt from another call's ``sources`` (a tuple of tensors or
+    None in a fixed order, made the same way each call), for a :class:`Prepared` launch kept with a call signature:
+    each tensor among ``args`` by its position among ``sources``, every other argument (ints, floats, bools, None)
+    as it is now. The caller keeps what makes those constant: the call signature fixes shapes, strides, dtypes and
+    options. None where an argument tensor is none of the sources or two sources are one tensor (which of them an
+    argument stands for would then be a guess). Generated once per layout, like the launch keys."""
+    where: dict = {}
+    for i, t in enumerate(sources):
+        if t is None:
+            continue
+        if id(t) in where:
+            return None
+        where[id(t)] = i
+    parts, consts = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            i = where.get(id(a))
+            if i is None:
+                return None
+            parts.append(f"s[{i}]")
+        elif a is None or type(a) in (int, bool):
+            parts.append(repr(a))
+        elif type(a) is float:
+            parts.append(f"c[{len(consts)}]")
+            consts.append(a)
+        else:  # a TMA descriptor or another object made per call
+            return None
+    code = f"lambda s: ({''.join(p + ', ' for p in parts)})"
+    key = (code, *(c.hex() for c in consts))
+    fn = _BUILDERS.get(key)
+    if fn is None:
+        if len(_BUILDERS) >= 4096:
+            _BUILDERS.clear()
+        fn = _BUILDERS[key] = eval(compile(code, "<moekit._launch argument builder>", "eval"), {"c": tuple(consts)})
+    return fn
+
+
+_BUILDERS: dict = {}
+
+
 def _bound_key(device: int, types: tuple, args: tuple, kwargs: dict) -> tuple:
     """A launch's key among a Launcher's bindings: (device, types, _key_function's key (its first item the tensors'
     alignment flags), the keywords)."""

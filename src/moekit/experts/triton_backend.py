@@ -25,7 +25,7 @@ from ..formats import format_of, from_parts, to_parts
 from . import configs as expert_configs
 from .configs import ExpertsConfig, GemmConfig
 from . import lora as expert_lora
-from .._launch import Constants, Launcher
+from .._launch import Constants, Launcher, arg_builder
 from .kernels import align as align_kernels
 from .kernels import fp8_quant, gemv1_rows, moe_gemm, moe_gemv
 from .kernels import scaled_fp16 as scaled_fp16_kernels
@@ -146,6 +146,12 @@ class WeightOperand:
             return cls(data, scale.reshape(E, N), scale, "fp8", (E, N, K))
         # Per tensor: one scale for the stack or one per expert, read as a column scale of stride 0.
         return cls(data, scale.reshape(-1, 1).expand(E, N), scale, "fp8", (E, N, K))
+
+    def parts(self) -> tuple:
+        """(data, scales, global scales), each None where it is the data or the scales again (a dense stack; MXFP4's
+        global scale): the stack's distinct tensors."""
+        s, g = self.scales, self.global_scale
+        return self.data, None if s is self.data else s, None if g is self.data or g is s else g
 
     def args(self) -> tuple:
         d, s = self.data, self.scales
@@ -322,10 +328,15 @@ def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
     return (0, *x3.stride()) if x3.dim() == 2 else x3.stride()
 
 
-def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, cfg: GemmConfig, block_m, num_pairs,
-           top_k, rows_per_expert, num_global=0, x_scales=None, h_scales=None, h_paired=False, delta=None,
-           delta_wait=False, x_paired=None):
-    """FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
+def gemm1(*args, **kwargs):
+    """Launch GEMM1 (:func:`gemm1_launch`'s launch)."""
+    return gemm1_act_kernel.launch(*gemm1_launch(*args, **kwargs))
+
+
+def gemm1_launch(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, cfg: GemmConfig, block_m,
+                 num_pairs, top_k, rows_per_expert, num_global=0, x_scales=None, h_scales=None, h_paired=False,
+                 delta=None, delta_wait=False, x_paired=None) -> tuple:
+    """GEMM1's (grid, arguments, constants). FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
     ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2).
     ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py);
     ``delta_wait``: launched as the delta kernel's programmatic dependent (it waits for it before the epilogue),
@@ -349,7 +360,7 @@ def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, 
     constants = _gemm1_constants(b13 is not None, rows.mode, rows.expert_map is not None, activation, x3.dtype,
                                  w.format_id, w.format, w.blocked, cfg, block_m, hidden, tile_scale, tma, paired, words,
                                  h_paired, delta is not None, delta_wait)
-    return gemm1_act_kernel.launch(grid, (
+    return grid, (
         x3, *_x_strides(x3),
         d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b13, x3),
@@ -358,7 +369,7 @@ def gemm1(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, 
         *rows.pointers(),
         num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, w.shape[0],
         inter, hidden, step, up_off,
-    ), constants)
+    ), constants
 
 
 # The tensor-core GEMMs' constexprs and launch options, made once per kind of call (see _gemv1_constants)
@@ -376,9 +387,14 @@ def _gemm1_constants(has_bias: bool, rows_mode: int, has_map: bool, activation: 
         W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_blocks, cfg: GemmConfig, block_m,
-           num_pairs, rows_per_expert, h_scales=None, delta=None, delta_wait=False):
-    """Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens). ``delta`` (y's layout): added to the
+def gemm2(*args, **kwargs):
+    """Launch GEMM2 (:func:`gemm2_launch`'s launch)."""
+    return gemm2_kernel.launch(*gemm2_launch(*args, **kwargs))
+
+
+def gemm2_launch(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_blocks, cfg: GemmConfig, block_m,
+                 num_pairs, rows_per_expert, h_scales=None, delta=None, delta_wait=False) -> tuple:
+    """GEMM2's (grid, arguments, constants). Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens). ``delta`` (y's layout): added to the
     sums before the router weight (LoRA on w2, experts/lora.py w2_delta); ``delta_wait``: as :func:`gemm1`'s."""
     if rows.mode == ROWS_PER_PAIR:
         raise ValueError("gemm2: per-pair rows run gemm2_tokens")
@@ -390,7 +406,7 @@ def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_bl
     constants = _gemm2_constants(b2 is not None, rows.mode, h.dtype, w.format_id, w.format, w.blocked, cfg, block_m,
                                  inter, _tile_scale(w, cfg.block_n), tma, _w4_words(w, h.dtype), delta is not None,
                                  delta_wait)
-    return gemm2_kernel.launch(grid, (
+    return grid, (
         h, h.stride(0), *_scale_args(h_scales, h),
         d, sd0, sd1, sd2, w_desc, *scales,
         *_bias_args(b2, h),
@@ -400,7 +416,7 @@ def gemm2(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_bl
         *rows.pointers(per_pair=False),
         num_pairs, rows_per_expert, num_m_blocks,
         hidden, inter,
-    ), constants)
+    ), constants
 
 
 @functools.lru_cache(maxsize=4096)  # (see _gemm1_constants)
@@ -420,12 +436,18 @@ def _delta_wait(wait: bool) -> dict:
     return {"DELTA_WAIT": True, "launch_pdl": True} if wait else {}
 
 
-def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
-                  h_scales=None):
+def gemm2_tokens(*args, **kwargs):
+    """Launch the per-pair GEMM2 (:func:`gemm2_tokens_launch`'s launch)."""
+    return gemm2_tokens_kernel.launch(*gemm2_tokens_launch(*args, **kwargs))
+
+
+def gemm2_tokens_launch(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
+                        h_scales=None) -> tuple:
+    """The per-pair GEMM2's (grid, arguments, constants): each token's k slots summed in order into ``out``."""
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
-    return gemm2_tokens_kernel.launch(grid, (
+    return grid, (
         h, h.stride(0), *_scale_args(h_scales, h),
         *w.args(),
         *_bias_args(b2, h),
@@ -433,7 +455,7 @@ def gemm2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
     ), _gemm2_tokens_constants(b2 is not None, expert_map is not None, h.dtype, w.format_id, w.blocked,
-                               _tile_scale(w, cfg.block_n), inter % cfg.block_k == 0, cfg))
+                               _tile_scale(w, cfg.block_n), inter % cfg.block_k == 0, cfg)
 
 
 @functools.lru_cache(maxsize=1024)  # (see _gemm1_constants)
@@ -450,15 +472,24 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     """``delta`` [pairs, 2I] (w13's row order): added before the activation (LoRA, experts/lora.py); or ``terms``:
     the adapters' decode terms run inside (experts/lora.py decode_terms; GEMV1 launches their shrink).
     Returns the launched kernel; with ``prepare``, (the launch made ready to repeat, its grid, x's packing made ready
-    to repeat or None) where GEMV1 has no delta, terms or row-scaled operands, else None."""
+    to repeat or None, the weights' int arguments, its arguments' builder) where GEMV1 has no delta or terms, else
+    None."""
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     if _row_scaled(cfg, w, x.dtype):
         if terms is not None:
             raise ValueError("gemv1: the decode terms run in gemv1_act_kernel only, not the row-scaled kernel")
-        kernel = _gemv1_rows(x, w, b13, h, ids, expert_map, num_global, activation, top_k, cfg, pdl, delta, step,
-                             up_off)
-        return None if prepare else kernel
+        w_args = w.gemv_args()
+        args = _gemv1_rows_args(_plain_x_args(x), w_args, b13, x, h, delta, ids, expert_map, top_k, num_global,
+                                w.shape[0], inter, hidden, step, up_off, None)
+        constants = _gemv1_rows_constants(w.format, cfg, activation, b13 is not None, expert_map is not None,
+                                          delta is not None, pdl)
+        grid = (ids.numel() * _triton.cdiv(inter, cfg.block_n),)
+        kernel = gemv1_rows_kernel.launch(grid, args, constants)
+        if not prepare:
+            return kernel
+        prepared = None if delta is not None else gemv1_rows_kernel.prepare(args, constants)
+        return None if prepared is None else (prepared, grid, None, _ints(w_args), _gemv1_rows_args)
     slots, packed, block_k, constants = _gemv1_constants(w.format, x.dtype, cfg, top_k, activation, b13 is not None,
                                                          expert_map is not None, delta is not None, pdl)
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
@@ -480,7 +511,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     if (packed and packing is None) or delta is not None or terms is not None:
         return None
     prepared = gemv1_act_kernel.prepare(args, constants)
-    return None if prepared is None else (prepared, (programs,), packing, _ints(w_args))
+    return None if prepared is None else (prepared, (programs,), packing, _ints(w_args), _gemv1_args)
 
 
 def _ints(args: tuple) -> tuple:
@@ -546,23 +577,24 @@ def _row_scaled(cfg: GemmConfig, w: WeightOperand, dtype: torch.dtype) -> bool:
     return cfg.row_scaled and _fp16x2_operands(w.format, dtype)
 
 
-def _gemv1_rows(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig, pdl,
-                delta, step, up_off):
-    """gemv1 on kernels/gemv1_rows.py (GemmConfig.row_scaled)."""
-    inter, hidden = w.shape[1] // 2, w.shape[2]
-    words, sw0, sw1, _, *scales = w.gemv_args()
-    return gemv1_rows_kernel[(ids.numel() * _triton.cdiv(inter, cfg.block_n),)](
-        x, x.stride(0), x.stride(1),
-        words, sw0, sw1, *scales,
-        *_bias_args(b13, x),
-        h, h.stride(0), *_scale_args(delta, h),
-        ids, expert_map if expert_map is not None else ids,
-        top_k, num_global, w.shape[0], inter, hidden, step, up_off,
-        HAS_BIAS=b13 is not None, HAS_MAP=expert_map is not None, ACTIVATION=ACTIVATION_IDS[activation],
-        FORMAT=FORMAT_IDS[w.format], BLOCK_N=cfg.block_n, BLOCK_K=w.gemv_block_k(cfg.block_k),
-        XBLOCK=GEMV_ROW_XBLOCK, HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=delta is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+def _gemv1_rows_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, num_local, inter, hidden,
+                     step, up_off, term_args) -> tuple:
+    """gemv1_rows_kernel's runtime arguments, from :func:`_gemv1_args`'s parameters (x as it is: _plain_x_args; the
+    rows kernel takes no K stride of the words and no decode terms)."""
+    words, sw0, sw1, _, *scales = w_args
+    return (*x_args[:3], words, sw0, sw1, *scales, *_bias_args(b13, x), h, h.stride(0), *_scale_args(delta, h),
+            ids, expert_map if expert_map is not None else ids, top_k, num_global, num_local, inter, hidden, step,
+            up_off)
+
+
+@functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
+def _gemv1_rows_constants(weight_format: str, cfg: GemmConfig, activation: str, has_bias: bool, has_map: bool,
+                          has_delta: bool, pdl: bool) -> Constants:
+    """gemv1_rows_kernel's constexprs and launch options (GemmConfig.row_scaled)."""
+    return Constants(
+        HAS_BIAS=has_bias, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation], FORMAT=FORMAT_IDS[weight_format],
+        BLOCK_N=cfg.block_n, BLOCK_K=_gemv_block_k(weight_format, cfg.block_k), XBLOCK=GEMV_ROW_XBLOCK,
+        HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=has_delta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
@@ -690,17 +722,14 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     num_pairs = ids.numel()
     blocks = num_row_blocks(num_pairs, num_local, block_m)
     dev = topk_ids.device
-    pair_expert = torch.empty(num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    pair_expert, sorted_pairs, block_expert = align_buffers(num_pairs, blocks, block_m, dev)
+    if not (num_pairs > ALIGN_ONE_PROGRAM_MAX if split is None else split):
+        align_kernel.launch(*align_launch(ids, expert_map, pair_expert, sorted_pairs, block_expert, num_local,
+                                          block_m))
+        return pair_expert, sorted_pairs, block_expert
     num_global = expert_map.shape[0] if expert_map is not None else num_local
     e_pad = _triton.next_pow2(max(num_local, 2))
     emap = expert_map if expert_map is not None else ids
-    if not (num_pairs > ALIGN_ONE_PROGRAM_MAX if split is None else split):
-        align_kernel.launch((1,), (
-            ids, emap, pair_expert, sorted_pairs, block_expert, num_pairs, num_global, num_local, blocks,
-        ), _align_constants(expert_map is not None, block_m, e_pad))
-        return pair_expert, sorted_pairs, block_expert
     layout = dict(PAD_CHUNK=min(block_m, 16), OWNER_CHUNK=max(16, ALIGN_TILE // e_pad))
     chunks = _triton.cdiv(num_pairs, ALIGN_PAIRS_PER_PROGRAM)
     chunk_counts = torch.empty(chunks + 1, e_pad, dtype=torch.int32, device=dev)  # a row per chunk, then the counts
@@ -714,6 +743,22 @@ def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: in
     align_scatter_kernel[(chunks,)](ids, emap, sorted_pairs, block_expert, chunk_counts, num_pairs, num_global,
                                       num_local, blocks, BLOCK_M=block_m, **layout, **per_chunk)
     return pair_expert, sorted_pairs, block_expert
+
+
+def align_buffers(num_pairs: int, blocks: int, block_m: int, device) -> tuple:
+    """align's outputs, unwritten: (pair_expert [T*k], sorted_pairs [blocks*block_m], block_expert [blocks])."""
+    return (torch.empty(num_pairs, dtype=torch.int32, device=device),
+            torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+            torch.empty(blocks, dtype=torch.int32, device=device))
+
+
+def align_launch(ids, expert_map, pair_expert, sorted_pairs, block_expert, num_local: int, block_m: int) -> tuple:
+    """The one-program align's (grid, arguments, constants) over the pairs' expert ids ``ids`` [T*k]."""
+    num_global = expert_map.shape[0] if expert_map is not None else num_local
+    e_pad = _triton.next_pow2(max(num_local, 2))
+    return (1,), (ids, expert_map if expert_map is not None else ids, pair_expert, sorted_pairs, block_expert,
+                  ids.numel(), num_global, num_local, block_expert.shape[0]), _align_constants(
+                      expert_map is not None, block_m, e_pad)
 
 
 @functools.lru_cache(maxsize=256)  # (see _gemm1_constants)
@@ -771,7 +816,11 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     w13, w2 = WeightOperand.of(w13, fp8), WeightOperand.of(w2, fp8)
     if config is None:
         config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype,
-                                          w13.config_format)
+                                          w13.config_format, lora=lora is not None)
+    if plan and lora is None and not fp8 and (not config.gemv if config.per_pair else
+                                              num_pairs <= ALIGN_ONE_PROGRAM_MAX):
+        return CallPlan.first_call(out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
+                                   activation, config)
     weights = topk_weights.reshape(-1).contiguous()
     ids = topk_ids.reshape(-1)
     num_global = expert_map.shape[0] if expert_map is not None else num_experts
@@ -877,17 +926,17 @@ class _GemmLoRA:
 
 
 class DecodePlan:
-    """A decode call (GEMV1 then GEMV2, no adapters, no row-scaled operands) made ready to repeat for calls of one
+    """A decode call (GEMV1, on either of its kernels, then GEMV2; no adapters) made ready to repeat for calls of one
     checked signature (the op keeps it with its decision): both launches, and the packing of x and h where the
     config packs them (scaled_fp16), are prepared (moekit._launch.Prepared), so a repeated call builds only their
     arguments and buffers. ``__call__`` returns False, having launched nothing, where the first launch's binding
     does not hold; the caller then runs the call in full. A later launch that does not hold runs in full itself."""
 
-    __slots__ = ("_gemv1", "_grid1", "_pack1", "_ints1", "_gemv2", "_grid2", "_pack2", "_ints2", "_config", "_pdl",
-                 "_activation")
+    __slots__ = ("_gemv1", "_grid1", "_pack1", "_ints1", "_args1", "_gemv2", "_grid2", "_pack2", "_ints2",
+                 "_config", "_pdl", "_activation")
 
     def __init__(self, first, second, config: ExpertsConfig, pdl: bool, activation: str):
-        (self._gemv1, self._grid1, self._pack1, self._ints1) = first
+        (self._gemv1, self._grid1, self._pack1, self._ints1, self._args1) = first
         (self._gemv2, self._grid2, self._pack2, self._ints2) = second
         self._config, self._pdl, self._activation = config, pdl, activation
 
@@ -912,9 +961,8 @@ class DecodePlan:
                 return False
             x_args = _packed_x_args(*packed)
         h = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)  # (activation_buffers' h)
-        if not self._gemv1(self._grid1, _gemv1_args(x_args, w13_args, w13_bias, x, h, None, ids, expert_map,
-                                                     top_k, num_global, num_local, inter, hidden, step, up_off,
-                                                     None)):
+        if not self._gemv1(self._grid1, self._args1(x_args, w13_args, w13_bias, x, h, None, ids, expert_map, top_k,
+                                                     num_global, num_local, inter, hidden, step, up_off, None)):
             if self._pack1 is None:
                 return False
             gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, self._activation, top_k, self._config.gemm1,
@@ -928,11 +976,127 @@ class DecodePlan:
         return True
 
 
+class CallSources(NamedTuple):
+    """The tensors a planned call's launches read, made the same way on every call of its signature (the sources of
+    moekit._launch.arg_builder): the caller's, their views and the call's buffers. Per-pair calls have no aligned
+    rows (None)."""
+
+    x: torch.Tensor  # as GEMM1 reads it: a paired_k copy for word-decoded 4-bit weights
+    w13: torch.Tensor
+    w13_scales: torch.Tensor | None
+    w13_global: torch.Tensor | None
+    b13: torch.Tensor | None
+    h: torch.Tensor
+    ids: torch.Tensor
+    expert_map: torch.Tensor | None
+    pair_expert: torch.Tensor | None
+    sorted_pairs: torch.Tensor | None
+    block_expert: torch.Tensor | None
+    y: torch.Tensor | None
+    w2: torch.Tensor
+    w2_scales: torch.Tensor | None
+    w2_global: torch.Tensor | None
+    b2: torch.Tensor | None
+    weights: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def of(cls, out, x, w13: WeightOperand, w2: WeightOperand, b13, b2, topk_weights, topk_ids, expert_map,
+           block_m: int | None) -> "CallSources":
+        """``block_m``: the aligned path's row block, None per pair."""
+        ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1).contiguous()
+        num_pairs, inter = ids.numel(), w13.shape[1] // 2
+        aligned = (None,) * 4
+        rows = num_pairs
+        if block_m is not None:
+            blocks = num_row_blocks(num_pairs, w13.shape[0], block_m)
+            rows = blocks * block_m
+            aligned = (*align_buffers(num_pairs, blocks, block_m, x.device),
+                       torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device))
+        h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # (activation_buffers' h)
+        x3 = paired_k(x) if _w4_words(w13, x.dtype) else x
+        return cls(x3, *w13.parts(), b13, h, ids, expert_map, *aligned, *w2.parts(), b2, weights, out)
+
+    def launches(self, w13: WeightOperand, w2: WeightOperand, activation: str, config: ExpertsConfig,
+                 top_k: int) -> tuple:
+        """(Launcher, (grid, arguments, constants)) of each launch, in order: the per-pair GEMMs, or the one-program
+        align, the aligned GEMMs and the combine; the same as fused_experts_into's full path."""
+        num_pairs = self.ids.numel()
+        x_paired = self.x if _w4_words(w13, self.x.dtype) else None
+        if self.pair_expert is None:
+            num_global = self.expert_map.shape[0] if self.expert_map is not None else w13.shape[0]
+            return ((gemm1_act_kernel, gemm1_launch(
+                        self.x, w13, self.b13, self.h, RowMap.per_pair(self.ids, self.expert_map), activation,
+                        num_pairs, config.gemm1, PER_PAIR_BLOCK_M, num_pairs, top_k, 0, num_global, x_paired=x_paired)),
+                    (gemm2_tokens_kernel, gemm2_tokens_launch(self.h, w2, self.b2, self.weights, self.ids,
+                                                              self.expert_map, num_global, self.out, top_k,
+                                                              config.gemm2)))
+        bm, blocks = config.block_m, self.block_expert.shape[0]
+        rows = RowMap.aligned(self.block_expert, self.sorted_pairs)
+        return ((align_kernel, align_launch(self.ids, self.expert_map, self.pair_expert, self.sorted_pairs,
+                                            self.block_expert, w13.shape[0], bm)),
+                (gemm1_act_kernel, gemm1_launch(self.x, w13, self.b13, self.h, rows, activation, blocks, config.gemm1,
+                                                bm, num_pairs, top_k, 0, h_paired=_w4_words(w2, self.h.dtype),
+                                                x_paired=x_paired)),
+                (gemm2_kernel, gemm2_launch(self.h, w2, self.b2, self.weights, self.y, (0, self.y.stride(0)), rows,
+                                            blocks, config.gemm2, bm, num_pairs, 0)),
+                (combine_kernel, _combine_launch(self.y, self.pair_expert, self.out, top_k)))
+
+
+class CallPlan:
+    """A tensor-core call (the per-pair GEMMs, or the aligned path with its one-program align; no adapters, no FP8
+    activations) made ready to repeat for calls of one checked signature, as :class:`DecodePlan` is: every launch
+    prepared, its arguments rebuilt from the call's :class:`CallSources` (moekit._launch.arg_builder). ``__call__``
+    returns False, having launched nothing, where the first launch's binding does not hold or the 4-bit words'
+    alignment changed (which the signature does not fix); a later launch that does not hold goes through its
+    Launcher."""
+
+    __slots__ = ("_steps", "_block_m", "_words")
+
+    def __init__(self, steps: tuple, block_m: int | None, words: tuple):
+        self._steps, self._block_m, self._words = steps, block_m, words
+
+    @classmethod
+    def first_call(cls, out, x, w13: WeightOperand, w2: WeightOperand, topk_weights, topk_ids, b13, b2, expert_map,
+                   activation: str, config: ExpertsConfig) -> "CallPlan | None":
+        """Launch the call in full; return its plan, or None where a launch cannot be prepared or rebuilt (a TMA
+        descriptor among its arguments, a kernel not bound)."""
+        block_m = None if config.per_pair else config.block_m
+        sources = CallSources.of(out, x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, block_m)
+        launches = sources.launches(w13, w2, activation, config, topk_ids.shape[1])
+        steps = []
+        for launcher, (grid, args, constants) in launches:
+            launcher.launch(grid, args, constants)
+            steps.append((launcher, launcher.prepare(args, constants), grid, arg_builder(args, sources), constants))
+        if any(prepared is None or build is None for _, prepared, _, build, _ in steps):
+            return None
+        return cls(tuple(steps), block_m, (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)))
+
+    def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
+        w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
+        if (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)) != self._words:
+            return False
+        sources = CallSources.of(out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, expert_map,
+                                 self._block_m)
+        (_, first, grid, build, _), *rest = self._steps
+        if not first(grid, build(sources)):
+            return False
+        for launcher, prepared, grid, build, constants in rest:
+            args = build(sources)
+            if not prepared(grid, args):
+                launcher.launch(grid, args, constants)
+        return True
+
+
 def _combine(y, pair_expert, out, top_k) -> None:
     """out[t] = sum over slots j in order of y[t * k + j] (pairs whose pair_expert is -1 skipped)."""
+    combine_kernel.launch(*_combine_launch(y, pair_expert, out, top_k))
+
+
+def _combine_launch(y, pair_expert, out, top_k) -> tuple:
     num_tokens, hidden = out.shape
-    combine_kernel.launch((num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H)),
-                          (y, pair_expert, out, out.stride(0), hidden, top_k), _COMBINE_CONSTANTS)
+    return ((num_tokens, _triton.cdiv(hidden, COMBINE_BLOCK_H)), (y, pair_expert, out, out.stride(0), hidden, top_k),
+            _COMBINE_CONSTANTS)
 
 
 _COMBINE_CONSTANTS = Constants(BLOCK_H=COMBINE_BLOCK_H, num_warps=4)
