@@ -98,8 +98,18 @@ def test_invariant_configs_fix_the_reduction_order_of_a_shape_class_at_every_tok
                 # and one tensor-core instruction (wgmma: 64 rows on whole warpgroups), whose FP8 sums round
                 # otherwise than mma.sync's
                 assert cfg.block_m >= 64 and cfg.gemm1.num_warps % 4 == 0 and cfg.gemm2.num_warps % 4 == 0, why
+            if family == "nvfp4":  # wgmma weight tiles (64+ rows): NVFP4 products on mma.sync round otherwise
+                assert cfg.gemm1.block_n >= 64 and cfg.gemm2.block_n >= 64, why
             assert "batch-invariant" in why
     assert len(steps) == 1, f"K steps change with T: {steps}"
+
+
+def test_invariant_nvfp4_tiles_are_widened_to_wgmma_and_an_unfit_step_is_refused():
+    narrow = C.GemmConfig(block_n=32, block_k=64, num_warps=4, num_stages=4)
+    assert C._with_block_k(narrow, 64, "nvfp4", 2).block_n == 64  # a 32-row entry (mma.sync) widened
+    assert C._with_block_k(narrow, 64, "mxfp4", 2).block_n == 32  # MXFP4 kept its bits on both families
+    with pytest.raises(ValueError, match="batch-invariant mode is on"):  # 64 x 512 codes per step: no shorter step
+        C._with_block_k(C.GemmConfig(block_n=64, block_k=512, num_warps=4, num_stages=2), 512, "nvfp4", 2)
 
 
 def test_the_switch_changes_the_cached_decisions_at_the_next_call():

@@ -371,8 +371,18 @@ def _with_block_k(g: GemmConfig, block_k: int, weight_format: str, tiles: int) -
     g = replace(g, block_k=block_k, num_stages=stages, half_tails=False,
                 slots=None, packed=None)
     if weight_format in FOUR_BIT:
-        while g.block_n > 16 and four_bit_block_k(g, tiles) < block_k:
+        # NVFP4 weight tiles (the MMA's M side) of fewer than 64 rows run on mma.sync, whose products round
+        # otherwise than wgmma's (H100: 32-row tiles changed bits, 64 and 128 did not:
+        # benchmarks/results/archive/ab_invariant_nvfp4_tile_bits_h100_2026-12-06.md); MXFP4 kept its bits at 16-64
+        least = WGMMA_MIN_ROWS if weight_format == "nvfp4" else 16
+        g = replace(g, block_n=max(g.block_n, least))
+        while g.block_n > least and four_bit_block_k(g, tiles) < block_k:
             g = replace(g, block_n=g.block_n // 2)
+        if four_bit_block_k(g, tiles) < block_k:  # the kernels would run a shorter K step: another order
+            raise ValueError(_invariant.refusal(
+                f"{weight_format} weights with {block_k}-deep K steps",
+                f"a {g.block_n}-row tile of {block_k} codes does not fit {g.num_warps} warps' registers, and a "
+                "shorter step or narrower tile would sum in another order than at other token counts"))
     if weight_format in ("fp8", "w4a8") and g.block_n > FP8_BLOCK_K:
         g = replace(g, block_n=FP8_BLOCK_K)
     return g
