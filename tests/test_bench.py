@@ -174,3 +174,23 @@ def test_eager_table_marks_host_budgets_met_and_missed():
     assert "| 15 (met) |" in rows[1]  # route's budget is 15 us of host time: 14 meets it
     assert "| 15 (**missed**) |" in rows[2]  # GateLinear's is 15 too: 16 misses it
     assert "| - | no graph: RuntimeError | - | 7 |" in rows[3]  # peers have no budget; an uncapturable call says why
+
+
+@pytest.mark.parametrize("name", [
+    "qwen3-30b-a3b",  # [gate; up] stacks as moekit stores them
+    "gpt-oss-120b",   # transformers' transposed, interleaved stacks and biases (one copy)
+])
+def test_the_eager_benchs_transformers_peer_computes_the_layers_experts(name):
+    from moekit import FusedMoE
+    from moekit.tools.bench import eager
+
+    spec = presets.get(name).scaled()
+    layer = FusedMoE(spec, dtype=torch.float32)
+    hf = eager._hf_experts(spec, layer)
+    x = torch.randn(5, spec.hidden_size)
+    with torch.no_grad():
+        tw, tid = layer.route(x)
+    bias = lambda b: None if b is None else b.detach()  # noqa: E731
+    ref = reference.fused_experts(x, layer.w13.detach(), layer.w2.detach(), tw, tid, activation=spec.activation,
+                                  w13_bias=bias(layer.w13_bias), w2_bias=bias(layer.w2_bias))
+    assert rel_errors(hf(x, tid.long(), tw), ref)[0] < 1e-5

@@ -109,20 +109,20 @@ def cases(spec, T: int) -> dict:
 
 
 def _hf_experts(spec, layer):
-    """transformers' grouped_mm experts over the same weights (Qwen3-MoE's module), or None."""
+    """transformers' grouped_mm experts of the preset's family over the layer's weights (Qwen3-MoE's module as they
+    are; gpt-oss's with its transposed stacks, one copy, and its biases), or None without transformers."""
+    from types import SimpleNamespace
+
+    from .experts import _hf_experts as family_module
+
+    parts = SimpleNamespace(w13=layer.w13.detach(), w2=layer.w2.detach(),
+                            b13=None if layer.w13_bias is None else layer.w13_bias.detach(),
+                            b2=None if layer.w2_bias is None else layer.w2_bias.detach())
     try:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+        module = family_module(spec, parts)
     except ImportError:
         return None
-    if spec.activation != "silu_and_mul":
-        return None
-    cfg = Qwen3MoeConfig(hidden_size=spec.hidden_size, moe_intermediate_size=spec.intermediate_size,
-                         num_experts=spec.num_experts, num_experts_per_tok=spec.top_k)
-    cfg._experts_implementation = "grouped_mm"
-    with torch.device("meta"):
-        module = Qwen3MoeExperts(cfg)
-    module.gate_up_proj, module.down_proj = layer.w13, layer.w2
+    module.config._experts_implementation = "grouped_mm"
     return torch.no_grad()(module)
 
 
