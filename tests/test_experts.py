@@ -286,6 +286,16 @@ def test_heuristic_regimes():
     assert expert_configs.token_bucket(3) == 4 and expert_configs.token_bucket(10**6) == 16384
 
 
+def test_the_4bit_decode_heuristic_runs_gemv1_on_the_rows_kernel_where_it_applies():
+    cpu = torch.device("cpu")  # no table entries: the heuristic
+    pick = lambda dtype, **kw: expert_configs.choose(1, 128, 4, 5760, 2880, cpu, dtype, "mxfp4", **kw)[0]  # noqa: E731
+    assert pick(torch.bfloat16).gemm1.row_scaled and pick(torch.float16).gemm1.row_scaled  # fused, 16-bit
+    assert not pick(torch.float32).gemm1.row_scaled         # fp32 activations: the rows kernel takes 16-bit ones
+    assert not pick(torch.bfloat16, lora=True).gemm1.row_scaled     # the adapters' decode terms: the other GEMV1
+    batched = pick(torch.bfloat16, batched=True)                    # tensor-core GEMMs: the tiles as before
+    assert not batched.gemm1.row_scaled and batched.gemm1.block_n == 16
+
+
 def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
     assert expert_configs.nearest_tuned_bucket(8, [1, 4, 16, 64]) == 16        # the one above first
     assert expert_configs.nearest_tuned_bucket(16384, [1, 1024, 4096]) == 4096  # none above: the largest below

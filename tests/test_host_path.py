@@ -306,9 +306,11 @@ def recording_decode(monkeypatch):
     ("per_pair", "nvfp4", None),  # 4-bit: scales and global scales among the arguments
     ("aligned", "dense", None),   # align, GEMM1, GEMM2, combine (CallPlan): four launches, five buffers
     ("aligned", "mxfp4", None),   # 4-bit, no global scale
+    ("aligned-words", "mxfp4", None),   # the GPU's word-decoded 4-bit tiles: x's paired copy, h in paired order
+    ("per_pair-words", "nvfp4", None),
 ])
-def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(recording_decode, mode, weights,
-                                                                                  gemm2_packed):
+def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(recording_decode, monkeypatch,
+                                                                                  mode, weights, gemm2_packed):
     # GEMV1 + GEMV2 or the per-pair GEMMs (the decode paths): the first call of a signature launches through the full
     # path and keeps a plan of its launches; the next calls run the plan, which must launch what the full path would,
     # argument for argument. On the CPU the kernels are interpreted (never bound), so recording fakes stand in for
@@ -318,6 +320,10 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
     from moekit.formats import quantize_experts, to_parts
 
     log, served = recording_decode
+    words = mode.endswith("-words")
+    if words:  # bf16 on a GPU only: the decision as the GPU makes it, the kernels recorded
+        mode = mode.removesuffix("-words")
+        monkeypatch.setattr(tb, "_w4_words", lambda w, dtype: w.format in ("mxfp4", "nvfp4") and tb._on_words(w.data))
     gemm1 = GemmConfig(8, 64, 4, 3, row_scaled=True) if mode == "rows" else GemmConfig(16, 64, 4, 1)
     config = ExpertsConfig(16, gemm1, GemmConfig(16, 64, 4, 1, slots=0 if gemm2_packed else None, packed=gemm2_packed),
                            mode="gemv" if mode == "rows" else mode)
@@ -357,20 +363,24 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
             assert [(n, k) for n, k, _ in log] == [(n, "bound") for n in kernels]
             given = {t.data_ptr() for t in (x2, out, tw2, ids2, b13, b2, *to_parts(w13)[1:4], *to_parts(w2)[1:4])
                      if isinstance(t, torch.Tensor)} | ({emap.data_ptr()} if emap is not None else set())
-            for (_, _, got), (_, _, want) in zip(planned, log):
+            fwd, bwd = {}, {}  # one buffer of the plan's for each of the full path's: what a launch writes, the
+            for (_, _, got), (_, _, want) in zip(planned, log):  # next reads
                 assert len(got) == len(want) and got[0] == want[0]  # the grid, then the arguments
                 for g, w in zip(got[1:], want[1:]):
                     if isinstance(w, torch.Tensor):  # the caller's tensors themselves; the call's buffers alike
                         assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
                         assert (g.data_ptr() == w.data_ptr()) == (w.data_ptr() in given)
+                        assert fwd.setdefault(g.data_ptr(), w.data_ptr()) == w.data_ptr()
+                        assert bwd.setdefault(w.data_ptr(), g.data_ptr()) == g.data_ptr()
                     else:
                         assert g == w
             del log[:]
             odd = torch.randn(t * hid + 1).half()[1:].view(t, hid)   # the same signature, 2 bytes off alignment
             call(odd, tw2, ids2, emap)
             # refused before anything launched, then the full path; the aligned path's first launch (align) does not
-            # read x: the plan runs it, and GEMM1 goes through its Launcher (a binding of its own)
-            assert served == [mode == "aligned"] and [n for n, _, _ in log] == kernels
+            # read x: the plan runs it, and GEMM1 goes through its Launcher (a binding of its own); word-decoded
+            # tiles read x's paired copy (a fresh buffer): the plan holds
+            assert served == [mode == "aligned" or words] and [n for n, _, _ in log] == kernels
             served.clear()
             del log[:]
             if weights != "dense" and mode == "gemv":  # x packed by the plan, then GEMV1 refuses (its bias off
@@ -408,3 +418,41 @@ def test_a_decode_plan_refuses_a_4bit_stack_whose_words_are_laid_out_otherwise(r
     assert served == [True]
     fused_experts(x, stack(1), w2, tw, ids, backend="triton", config=config)  # words copied: other strides
     assert served == [True, False]
+
+
+def test_a_call_whose_config_asks_for_tma_boxes_keeps_no_plan(recording_decode):
+    # Whether a stack's tiles load as TMA boxes depends on its address, which the call signature does not hold: a
+    # plan made on a stack that could not take them would replay without them where the full path takes them.
+    from moekit.experts import ExpertsConfig, GemmConfig
+
+    log, served = recording_decode
+    hid, inter = 64, 64
+    w13, w2 = torch.randn(E, 2 * inter, hid).half(), torch.randn(E, hid, inter).half()
+    for mode in ("per_pair", "aligned"):
+        config = ExpertsConfig(16, GemmConfig(16, 64, 4, 1, tma=True), GemmConfig(16, 64, 4, 1), mode=mode)
+        x, tw = torch.randn(3, hid).half(), torch.rand(3, K)
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(3)]).int()
+        for _ in range(3):
+            fused_experts(x, w13, w2, tw, ids, backend="triton", config=config)
+        assert served == [] and log  # launched in full every time
+
+
+def test_a_contiguous_4bit_stack_at_an_odd_byte_offset_runs_on_the_decode_kernels():
+    # Its codes cannot be viewed as int32 words, and .contiguous() is the stack itself: the GEMVs take a fresh copy
+    from moekit import reference
+    from moekit.experts import ExpertsConfig, GemmConfig
+    from moekit.formats import from_parts, quantize_experts, to_parts
+
+    hid, inter = 64, 32
+    q13, w2 = quantize_experts(torch.randn(E, 2 * inter, hid), "mxfp4"), quantize_experts(torch.randn(E, hid, inter),
+                                                                                         "mxfp4")
+    fmt, data, scales, gs, tag, shape = to_parts(q13)
+    odd = torch.zeros(data.numel() + 1, dtype=torch.uint8)[1:].view(data.shape)
+    odd.copy_(data)
+    w13 = from_parts(fmt, odd, scales, gs, tag, shape)
+    x, tw = torch.randn(2, hid).half(), torch.rand(2, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(2)]).int()
+    config = ExpertsConfig(16, GemmConfig(16, 64, 4, 1), GemmConfig(16, 32, 4, 1), mode="gemv")
+    got = fused_experts(x, w13, w2, tw, ids, backend="triton", config=config)
+    want = reference.fused_experts(x, w13, w2, tw, ids)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2

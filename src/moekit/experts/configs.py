@@ -176,21 +176,21 @@ def token_bucket(num_tokens: int) -> int:
 
 
 def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
-              weight_format: str = "dense", lora: bool = False) -> ExpertsConfig:
+              weight_format: str = "dense", gemv_rows: bool = True) -> ExpertsConfig:
     """Rows per expert decide the regime: about one row per expert streams weights (small row
     block, narrow columns so many programs share the bytes), many rows reuse each weight tile
     (128-row blocks, wide tiles, L2-grouped ordering). 4-bit weights at decode sizes go to the
     CUDA-core kernels; above, tensor-core tiles hold 64 or 128 weight rows as the MMA's M side.
-    ``lora``: the call has expert adapters (4-bit decode keeps the GEMV1 that takes their terms)."""
+    ``gemv_rows``: 4-bit decode's GEMV1 on the rows kernel (:func:`choose` says where it applies)."""
     rows = num_tokens * top_k / max(num_experts, 1)
     if weight_format in ("mxfp4", "nvfp4") and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
         chunk = lambda k, most: min(most, max(32, 1 << (k - 1).bit_length()))  # noqa: E731 - none wider than K
         gemm1 = GemmConfig(block_n=16, block_k=chunk(k1, 256), num_warps=4, num_stages=1)
-        if not lora:
+        if gemv_rows:
             # GEMM1 on the rows kernel (16 rows of one expert per program, 1024-code chunks, three in flight: the
             # stream-and-decode design). Whole calls against the GEMV1 above, the same bits, on an H100
             # (benchmarks/results/archive/ab_rows_heuristic_{gptoss,qwen3}_h100_2026-12-06.md): gpt-oss-120b MXFP4
-            # T=1..16 0.95-0.86x, qwen3-30b-a3b NVFP4 0.72-0.89x. The adapters' terms run inside the other GEMV1.
+            # T=1..16 0.95-0.86x, qwen3-30b-a3b NVFP4 0.72-0.89x.
             gemm1 = GemmConfig(block_n=8, block_k=chunk(k1, 1024), num_warps=4, num_stages=3, row_scaled=True)
         return ExpertsConfig(16, gemm1, GemmConfig(block_n=16, block_k=chunk(n1 // 2, 256), num_warps=4, num_stages=1),
                              mode="gemv")
@@ -277,7 +277,7 @@ def shipped_entries(key: str, shape: str) -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
-            weight_format: str, lora: bool = False):
+            weight_format: str, gemv_rows: bool = True):
     entry = shipped_entries(key, shape)
     bucket = token_bucket(num_tokens)
     if str(bucket) in entry:
@@ -286,7 +286,7 @@ def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int,
     if near is not None:
         return (ExpertsConfig.from_dict(entry[str(near)]),
                 f"tuned for {shape} at T<={near}, the nearest tuned bucket to T<={bucket} ({key})")
-    return (heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format, lora),
+    return (heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format, gemv_rows),
             f"heuristic (no tuned entry for {shape} at or below T<={bucket} in {key!r})")
 
 
@@ -304,14 +304,18 @@ def nearest_tuned_bucket(bucket: int, tuned: list[int]) -> int | None:
 
 
 def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
-           dtype: torch.dtype, weight_format: str = "dense", lora: bool = False) -> tuple[ExpertsConfig, str]:
+           dtype: torch.dtype, weight_format: str = "dense", lora: bool = False,
+           batched: bool = False) -> tuple[ExpertsConfig, str]:
     """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens, with
-    activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4"), ``lora``: with expert
-    adapters (the heuristic's choice); in batch-invariant mode (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
+    activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4"); ``lora`` (the call has
+    expert adapters) and ``batched`` (the batched format's tensor-core GEMMs) keep the heuristic's 4-bit decode off
+    the rows GEMV1, which has neither the adapters' decode terms nor a tensor-core form (nor does it take fp32
+    activations); in batch-invariant mode (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
     key, shape = table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1)
     if _invariant.enabled():
         return _invariant_choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
-    return _choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, lora)
+    rows = not (lora or batched) and dtype in (torch.bfloat16, torch.float16)
+    return _choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, rows)
 
 
 # Batch-invariant configurations. A token's bits depend on the order in which each GEMM adds its K terms and on

@@ -170,10 +170,10 @@ class WeightOperand:
         per_group = (32 if self.format == "mxfp4" else 16) // 8
         try:
             words = d.view(torch.int32)
-        except RuntimeError:
-            words = d.contiguous().view(torch.int32)
+        except RuntimeError:  # (a fresh copy: a contiguous view at an odd offset is its own .contiguous())
+            words = torch.empty(d.shape, dtype=d.dtype, device=d.device).copy_(d).view(torch.int32)
         if words.stride(0) % per_group or words.stride(1) % per_group:  # experts and rows start on whole groups
-            words = d.contiguous().view(torch.int32)
+            words = torch.empty(d.shape, dtype=d.dtype, device=d.device).copy_(d).view(torch.int32)
         s = self.scales
         return (words, words.stride(0), words.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
 
@@ -817,8 +817,9 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     if config is None:
         config, _ = expert_configs.choose(num_tokens, num_experts, top_k, two_i, hidden, x.device, x.dtype,
                                           w13.config_format, lora=lora is not None)
-    if plan and lora is None and not fp8 and (not config.gemv if config.per_pair else
-                                              num_pairs <= ALIGN_ONE_PROGRAM_MAX):
+    # (TMA boxes: whether a stack takes them depends on its address, which the signature does not hold)
+    if plan and lora is None and not fp8 and not (config.gemm1.tma or config.gemm2.tma) and (
+            not config.gemv if config.per_pair else num_pairs <= ALIGN_ONE_PROGRAM_MAX):
         return CallPlan.first_call(out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
                                    activation, config)
     weights = topk_weights.reshape(-1).contiguous()
@@ -1116,7 +1117,7 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
     if config is None:
         # Each expert runs up to M rows: the regime of M rows per expert.
         config, _ = expert_configs.choose(rows_per_expert * num_experts, num_experts, 1, two_i, hidden,
-                                          x.device, x.dtype, w13.config_format)
+                                          x.device, x.dtype, w13.config_format, batched=True)
     bm = config.block_m
     blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
     h, hs = activation_buffers(num_experts * rows_per_expert, two_i // 2, x.dtype, x.device, fp8)
