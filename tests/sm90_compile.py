@@ -346,6 +346,17 @@ def lora_variants():
                 lambda x=x, ids=ids, w13=w13, w2=w2, dense=dense, cfg=cfg, s=spec: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg,
                     lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
+        # 4-bit weights: GEMV1 on the rows kernel (one pair per program, 1024-code chunks) with the terms inside
+        # (the H200 table's qwen3-30b-a3b NVFP4 T=4 shape; gpt-oss-120b's 360 column blocks take the separate kernels)
+        rows = ExpertsConfig(16, GemmConfig(8, 1024, 4, 2, row_scaled=True), GemmConfig(8, 256, 4, 1, slots=0),
+                             mode="gemv")
+        q13, q2 = (_expand_quantized(mxfp4, mxfp4.quantize(torch.randn(1, *shape)), E) for shape in ((2 * I, H), (H, I)))
+        for T in (1, 4):
+            x, ids = torch.empty(T, H, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.int32)
+            yield f"lora {name} T={T} mxfp4 decode terms in the rows GEMV1", \
+                lambda x=x, ids=ids, q13=q13, q2=q2, dense=dense, s=spec: fused_experts(
+                    x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=rows,
+                    lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
         xb = torch.empty(E, 64, H, dtype=torch.bfloat16)
         yield f"lora batched {name} M=64", lambda xb=xb, w13=w13, w2=w2, ad=ad, s=spec: batched_experts(
             xb, torch.zeros(xb.shape[0], dtype=torch.int32), w13, w2, activation=s.activation, backend="triton",

@@ -127,6 +127,33 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("which", [("w13", "w2"), ("w13",), ("w2",)])
+def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which):
+    """GEMV1 on the rows kernel (4-bit weights, 16-bit x: one pair per program) takes the adapters' terms as the
+    other GEMV1 does: W13's after its K loop, W2's shrink per block of h's columns, summed by the pair's last
+    program. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
+    from moekit.experts import lora as expert_lora
+
+    fused = []
+    real = expert_lora.decode_terms
+    monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
+    T, E, H, I, k, n, dtype = 5, 7, 64, 96, 3, 2, torch.float16
+    w13, w2 = _weights(E, H, I, torch.float32)
+    q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    lora = _lora(n, E, H, I, 8, dtype, which=which)
+    config = ExpertsConfig(16, GemmConfig(8, 64, 4, 3, row_scaled=True), GemmConfig(16, 32), mode="gemv")
+    x = torch.randn(T, H).to(dtype)
+    tw, tid = _routes(T, E, k)
+    lids = _lora_ids(T, n)
+    got = fused_experts(x, q13, q2, tw, tid, activation="swiglu_oai", backend="triton", config=config, lora=lora,
+                        lora_ids=lids, out=_poisoned((T, H), dtype))
+    assert [t is not None for t in fused] == [True]
+    ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation="swiglu_oai", lora=lora,
+                                  lora_ids=lids)
+    check_close(f"{fmt} {'+'.join(which)} terms in the rows GEMV1", got, ref, _tol(dtype))
+
+
 def test_the_w13_shrink_is_the_launch_right_before_gemv1(monkeypatch):
     """GEMV1 starts as the shrink's programmatic dependent and reads its other inputs before it waits: every launch
     that prepares them (fp16 pairs of x for 4-bit weights) must come before the shrink."""

@@ -309,8 +309,10 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
     """(config, where it comes from) for GEMM1 = [E, n1=2I, k1=H] at ``num_tokens`` tokens, with
     activations of ``dtype`` and weights in ``weight_format`` ("dense", "mxfp4", "nvfp4"); ``lora`` (the call has
     expert adapters) and ``batched`` (the batched format's tensor-core GEMMs) keep the heuristic's 4-bit decode off
-    the rows GEMV1, which has neither the adapters' decode terms nor a tensor-core form (nor does it take fp32
-    activations); in batch-invariant mode (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
+    the rows GEMV1: the batched format has no CUDA-core form, fp32 activations no rows kernel, and with adapters the
+    rows GEMV1 (its decode terms one pair per program: gpt-oss-120b's 360 column blocks per pair overflow their sum's
+    tile and take the separate kernels) has not been timed against the other; in batch-invariant mode
+    (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
     key, shape = table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1)
     if _invariant.enabled():
         return _invariant_choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)

@@ -477,18 +477,19 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
     if _row_scaled(cfg, w, x.dtype):
-        if terms is not None:
-            raise ValueError("gemv1: the decode terms run in gemv1_act_kernel only, not the row-scaled kernel")
-        w_args = w.gemv_args()
-        args = _gemv1_rows_args(_plain_x_args(x), w_args, b13, x, h, delta, ids, expert_map, top_k, num_global,
-                                w.shape[0], inter, hidden, step, up_off, None)
+        w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
         constants = _gemv1_rows_constants(w.format, cfg, activation, b13 is not None, expert_map is not None,
                                           delta is not None, pdl)
+        if terms is not None:
+            terms.launch_shrink()
+            constants = {**constants, **terms.gemv1_constants}
+        args = _gemv1_rows_args(_plain_x_args(x), w_args, b13, x, h, delta, ids, expert_map, top_k, num_global,
+                                w.shape[0], inter, hidden, step, up_off, terms.gemv1_args if terms else None)
         grid = (ids.numel() * _triton.cdiv(inter, cfg.block_n),)
         kernel = gemv1_rows_kernel.launch(grid, args, constants)
         if not prepare:
             return kernel
-        prepared = None if delta is not None else gemv1_rows_kernel.prepare(args, constants)
+        prepared = None if delta is not None or terms is not None else gemv1_rows_kernel.prepare(args, constants)
         return None if prepared is None else (prepared, grid, None, _ints(w_args), _gemv1_rows_args)
     slots, packed, block_k, constants = _gemv1_constants(w.format, x.dtype, cfg, top_k, activation, b13 is not None,
                                                          expert_map is not None, delta is not None, pdl)
@@ -540,7 +541,7 @@ def _gemv1_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_gl
     """gemv1_act_kernel's runtime arguments (``term_args`` None: no decode terms)."""
     return (*x_args, *w_args, *_bias_args(b13, x), h, h.stride(0), *_scale_args(delta, h),
             ids, expert_map if expert_map is not None else ids, top_k, num_global, num_local, inter, hidden, step,
-            up_off, *(term_args if term_args is not None else (x, x, x, x, x, x, x, 0, 0, 0)))
+            up_off, *(term_args if term_args is not None else _no_gemv1_terms(x)))
 
 
 # The decode kernels' constexprs and launch options, made once per kind of call and passed to Launcher.launch as
@@ -577,14 +578,19 @@ def _row_scaled(cfg: GemmConfig, w: WeightOperand, dtype: torch.dtype) -> bool:
     return cfg.row_scaled and _fp16x2_operands(w.format, dtype)
 
 
+def _no_gemv1_terms(x) -> tuple:
+    """GEMV1's decode-term arguments when it has none (the pruned loads still type their pointers)."""
+    return (x, x, x, x, x, x, x, 0, 0, 0)
+
+
 def _gemv1_rows_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, num_local, inter, hidden,
                      step, up_off, term_args) -> tuple:
     """gemv1_rows_kernel's runtime arguments, from :func:`_gemv1_args`'s parameters (x as it is: _plain_x_args; the
-    rows kernel takes no K stride of the words and no decode terms)."""
+    rows kernel takes no K stride of the words)."""
     words, sw0, sw1, _, *scales = w_args
     return (*x_args[:3], words, sw0, sw1, *scales, *_bias_args(b13, x), h, h.stride(0), *_scale_args(delta, h),
             ids, expert_map if expert_map is not None else ids, top_k, num_global, num_local, inter, hidden, step,
-            up_off)
+            up_off, *(term_args if term_args is not None else _no_gemv1_terms(x)))
 
 
 @functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
@@ -838,9 +844,11 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         gemv = config.gemv and not fp8
         dependent = _triton.dependent_launches(x.device)
         pdl = gemv and config.pdl and dependent
-        if lora is not None and gemv and not config.split_slots and not _row_scaled(config.gemm1, w13, dtype):
-            # the adapters' terms inside the two GEMVs: one launch of their own at most
+        if lora is not None and gemv and not config.split_slots:
+            # the adapters' terms inside the two GEMVs: one launch of their own at most (the rows GEMV1 takes one
+            # pair per program)
             terms = expert_lora.decode_terms(x, lora, lora_ids, pairs, two_i // 2, config.gemm1.block_n,
+                                             1 if _row_scaled(config.gemm1, w13, dtype) else
                                              gemv1_slots(config.gemm1, top_k), config.gemm2.block_n, dependent,
                                              gemv1_act_kernel.compiled)
         if terms is not None:

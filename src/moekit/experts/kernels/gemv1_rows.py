@@ -17,8 +17,9 @@ at 78.6% of the copy rate on gpt-oss-120b's GEMM1 at T=1, against 65.4% for moe_
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .lora import w2_decode_cols, w2_decode_parts, w13_decode_rows, w13_decode_terms
 from .moe_gemm import MXFP4, NVFP4, _activate, _pair_expert
 from .moe_gemv import _load_row_chunk, _opaque, _row_exponent, _row_scaled_sums
 
@@ -55,6 +56,9 @@ def gemv1_rows_kernel(
     x_ptr, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, gs_ptr,
     bias_ptr, stride_be, stride_bn, h_ptr, stride_hm, delta_ptr, stride_dm, ids_ptr, expert_map_ptr,
     top_k, num_global, num_local, I, K, gate_step, up_offset,
+    # decode LoRA: as moe_gemv.gemv1_act_kernel's (one pair per program: its program groups are its pairs)
+    lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, lora_ids_ptr,
+    lora_adapters, lora_r1, lora_r2,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns of h per program: 2 * BLOCK_N rows of w13
     BLOCK_K: tl.constexpr,  # codes per chunk, whole scale groups
@@ -62,6 +66,9 @@ def gemv1_rows_kernel(
     HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
     HAS_DELTA: tl.constexpr = False,
+    LORA_W13: tl.constexpr = False, LORA_W2: tl.constexpr = False, LORA_WAIT: tl.constexpr = False,
+    LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
+    LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -78,6 +85,20 @@ def gemv1_rows_kernel(
         w_rows = e64 * stride_we + rows * stride_wn
         s_rows = e64 * stride_se + rows * stride_sn
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+        offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if LORA_W13 or LORA_W2:  # the adapters' weights load now: the epilogue then waits only for the shrink
+            # (the helpers take a slot axis: this program's one pair)
+            pair1 = pair + tl.zeros([1], dtype=tl.int32)
+            adapter = tl.load(lora_ids_ptr + pair // top_k)
+            lora_live = (pair1 >= 0) & (adapter >= 0) & (adapter < lora_adapters)
+            ok1 = (offs_n < I)[None, :] & (pair1 >= 0)[:, None]
+            gate_cols = offs_n.to(tl.int64) * gate_step
+        if LORA_W13:
+            lora_bg, lora_bu = w13_decode_rows(lora_b_ptr, adapter, lora_live, e64, gate_cols, gate_cols + up_offset,
+                                               ok1, num_local, 2 * I, lora_r1, LORA_R1_PAD)
+        if LORA_W2:
+            lora_a2 = w2_decode_cols(lora_a2_ptr, adapter, lora_live, e64, offs_n, ok1, num_local, I, lora_r2,
+                                     LORA_R2_PAD)
         x_scale, x_factor = _row_exponent(x_row, stride_xk, K, XBLOCK)
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         acc = tl.zeros([2 * BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32)
@@ -93,6 +114,20 @@ def gemv1_rows_kernel(
         if HAS_DELTA:
             y += tl.load(delta_ptr + pair.to(tl.int64) * stride_dm + rows, mask=row_ok, other=0.0).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))
-        offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        act = _activate(gate, up, ACTIVATION)
-        tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=offs_n < I)
+        if LORA_W13:
+            if LORA_WAIT:  # the shrink's partials: written by the grid this one was launched after
+                gdc_wait()
+            gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair1,
+                                                  lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
+            gate += tl.sum(gate_term, axis=0)
+            up += tl.sum(up_term, axis=0)
+        act = _activate(gate, up, ACTIVATION).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, act, mask=offs_n < I)
+        if LORA_W2:  # on h as stored, as GEMV2 reads it
+            w2_decode_parts(lora_a2, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, adapter, lora_live, pair1,
+                            act.to(tl.float32)[None, :], offs_n, pair, tl.program_id(0) % num_n, num_n,
+                            LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE)
+    # Every program waits, those of other ranks' pairs too: this grid then ends after the shrink's (whose buffers
+    # the launches after it may reuse)
+    if LORA_WAIT:
+        gdc_wait()
