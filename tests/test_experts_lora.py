@@ -127,17 +127,25 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("which", [("w13", "w2"), ("w13",), ("w2",)])
-def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which):
+@pytest.mark.parametrize("fmt, which, mapped", [
+    ("mxfp4", ("w13", "w2"), False),
+    ("mxfp4", ("w13",), False),   # W13's term only
+    ("mxfp4", ("w2",), False),    # W2's shrink only
+    ("nvfp4", ("w13", "w2"), False),
+    ("nvfp4", ("w13", "w2"), True),  # expert parallelism: pairs of another rank store nothing, arrive nowhere
+])
+def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped):
     """GEMV1 on the rows kernel (4-bit weights, 16-bit x: one pair per program) takes the adapters' terms as the
     other GEMV1 does: W13's after its K loop, W2's shrink per block of h's columns, summed by the pair's last
     program. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
     from moekit.experts import lora as expert_lora
+    from moekit.experts import triton_backend as tb
 
-    fused = []
+    fused, rows = [], []
     real = expert_lora.decode_terms
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
+    real_launch = tb.gemv1_rows_kernel.launch
+    monkeypatch.setattr(tb.gemv1_rows_kernel, "launch", lambda *a: rows.append(a[2]) or real_launch(*a))
     T, E, H, I, k, n, dtype = 5, 7, 64, 96, 3, 2, torch.float16
     w13, w2 = _weights(E, H, I, torch.float32)
     q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
@@ -146,11 +154,19 @@ def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which):
     x = torch.randn(T, H).to(dtype)
     tw, tid = _routes(T, E, k)
     lids = _lora_ids(T, n)
+    emap = None
+    if mapped:  # this rank holds experts 2..6 of 9 global ones (local 0..4): ids 0, 1, 7, 8 are another rank's
+        emap = torch.tensor([-1, -1, 0, 1, 2, 3, 4, -1, -1], dtype=torch.int32)
+        tid = torch.stack([torch.randperm(9)[:k] for _ in range(T)]).int()
+        q13, q2 = (quantize_experts(w[2:7].contiguous(), fmt) for w in (torch.cat([w13, w13[:2]]),
+                                                                       torch.cat([w2, w2[:2]])))
+        lora = _lora(n, 5, H, I, 8, dtype, which=which)
     got = fused_experts(x, q13, q2, tw, tid, activation="swiglu_oai", backend="triton", config=config, lora=lora,
-                        lora_ids=lids, out=_poisoned((T, H), dtype))
+                        lora_ids=lids, out=_poisoned((T, H), dtype), expert_map=emap)
     assert [t is not None for t in fused] == [True]
+    assert rows and rows[-1].get("LORA_W13", False) == ("w13" in which)  # the rows kernel, with the terms
     ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation="swiglu_oai", lora=lora,
-                                  lora_ids=lids)
+                                  lora_ids=lids, expert_map=emap)
     check_close(f"{fmt} {'+'.join(which)} terms in the rows GEMV1", got, ref, _tol(dtype))
 
 
