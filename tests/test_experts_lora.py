@@ -127,14 +127,16 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
 
 
-@pytest.mark.parametrize("fmt, which, mapped", [
-    ("mxfp4", ("w13", "w2"), False),
-    ("mxfp4", ("w13",), False),   # W13's term only
-    ("mxfp4", ("w2",), False),    # W2's shrink only
-    ("nvfp4", ("w13", "w2"), False),
-    ("nvfp4", ("w13", "w2"), True),  # expert parallelism: pairs of another rank store nothing, arrive nowhere
+@pytest.mark.parametrize("fmt, which, mapped, T", [
+    ("mxfp4", ("w13", "w2"), False, 5),
+    ("mxfp4", ("w13",), False, 5),   # W13's term only
+    ("mxfp4", ("w2",), False, 5),    # W2's shrink only
+    ("nvfp4", ("w13", "w2"), False, 5),
+    ("nvfp4", ("w13", "w2"), True, 5),  # expert parallelism: pairs of another rank store nothing, arrive nowhere
+    ("mxfp4", ("w13", "w2"), False, 1),  # one token, its adapter id -1 (none): the terms must add nothing
+    ("nvfp4", ("w13", "w2"), False, 9),  # past a power of two of tokens
 ])
-def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped):
+def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped, T):
     """GEMV1 on the rows kernel (4-bit weights, 16-bit x: one pair per program) takes the adapters' terms as the
     other GEMV1 does: W13's after its K loop, W2's shrink per block of h's columns, summed by the pair's last
     program. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
@@ -146,12 +148,12 @@ def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mappe
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
     real_launch = tb.gemv1_rows_kernel.launch
     monkeypatch.setattr(tb.gemv1_rows_kernel, "launch", lambda *a: rows.append(a[2]) or real_launch(*a))
-    T, E, H, I, k, n, dtype = 5, 7, 64, 96, 3, 2, torch.float16
+    E, H, I, k, n, dtype = 7, 64, 96, 3, 2, torch.float16
     w13, w2 = _weights(E, H, I, torch.float32)
     q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
     lora = _lora(n, E, H, I, 8, dtype, which=which)
     config = ExpertsConfig(16, GemmConfig(8, 64, 4, 3, row_scaled=True), GemmConfig(16, 32), mode="gemv")
-    x = torch.randn(T, H).to(dtype)
+    x = torch.randn(T, H + 3).to(dtype)[:, 3:]  # strided, offset rows
     tw, tid = _routes(T, E, k)
     lids = _lora_ids(T, n)
     emap = None

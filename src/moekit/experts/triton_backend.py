@@ -170,9 +170,10 @@ class WeightOperand:
         per_group = (32 if self.format == "mxfp4" else 16) // 8
         try:
             words = d.view(torch.int32)
-        except RuntimeError:  # (a fresh copy: a contiguous view at an odd offset is its own .contiguous())
-            words = torch.empty(d.shape, dtype=d.dtype, device=d.device).copy_(d).view(torch.int32)
-        if words.stride(0) % per_group or words.stride(1) % per_group:  # experts and rows start on whole groups
+        except RuntimeError:  # an offset or stride that is not a whole word
+            words = None
+        if words is None or words.stride(0) % per_group or words.stride(1) % per_group:  # experts and rows start
+            # on whole groups; a fresh copy (a contiguous view at an odd offset is its own .contiguous())
             words = torch.empty(d.shape, dtype=d.dtype, device=d.device).copy_(d).view(torch.int32)
         s = self.scales
         return (words, words.stride(0), words.stride(1), 1, s, s.stride(0), s.stride(1), self.global_scale)
@@ -807,11 +808,11 @@ def fp8_activations(w13, act_quant: str | None) -> bool:
 
 def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
                        config: ExpertsConfig | None = None, act_quant: str | None = None, lora=None,
-                       lora_ids=None, plan: bool = False) -> "DecodePlan | None":
+                       lora_ids=None, plan: bool = False) -> "DecodePlan | CallPlan | None":
     """Standard format, written into ``out`` [T, H] (contiguous). ``lora``: an ExpertsLoRA, ``lora_ids`` int32 [T]
     (experts/lora.py: its terms run over the same rows as the GEMMs, added into GEMM1 and after GEMM2). ``plan``:
-    return the call made ready to repeat for calls of the same checked signature where it can be (:class:`DecodePlan`),
-    else None."""
+    return the call made ready to repeat for calls of the same checked signature where it can be (:class:`DecodePlan`
+    for the GEMVs, :class:`CallPlan` for the tensor-core paths), else None."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     num_pairs = num_tokens * top_k

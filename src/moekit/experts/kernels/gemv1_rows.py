@@ -87,11 +87,11 @@ def gemv1_rows_kernel(
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
         offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         if LORA_W13 or LORA_W2:  # the adapters' weights load now: the epilogue then waits only for the shrink
-            # (the helpers take a slot axis: this program's one pair)
+            # (the helpers take a slot axis: this program's one pair; pair1 >= 0 holds, it gives the mask that axis)
             pair1 = pair + tl.zeros([1], dtype=tl.int32)
             adapter = tl.load(lora_ids_ptr + pair // top_k)
             lora_live = (pair1 >= 0) & (adapter >= 0) & (adapter < lora_adapters)
-            ok1 = (offs_n < I)[None, :] & (pair1 >= 0)[:, None]
+            ok1 = (offs_n < I)[None, :]
             gate_cols = offs_n.to(tl.int64) * gate_step
         if LORA_W13:
             lora_bg, lora_bu = w13_decode_rows(lora_b_ptr, adapter, lora_live, e64, gate_cols, gate_cols + up_offset,
