@@ -313,6 +313,29 @@ def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
         expert_configs._choose.cache_clear()
 
 
+def test_a_gpu_without_entries_takes_those_tuned_for_its_architecture(monkeypatch):
+    entry = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(16, 256, 4, 1), mode="gemv").to_dict()
+    table = {"NVIDIA H200|triton-3.6.0|bfloat16": {"S": {"1": entry}},
+             "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16": {"OWN": {"1": entry}}}
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA B200"}
+    monkeypatch.setattr(expert_configs, "_table", lambda: table)
+    monkeypatch.setattr(expert_configs, "table_key", lambda device, dtype, fmt="dense": (
+        f"{names.get(device.index, 'cpu')}|triton-3.6.0|bfloat16" + ("" if fmt == "dense" else f"|{fmt}")))
+    monkeypatch.setattr(expert_configs._triton, "capability", lambda device: {0: (9, 0), 1: (10, 0)}[device.index])
+    expert_configs._sibling_key.cache_clear()
+    h100, b200 = torch.device("cuda", 0), torch.device("cuda", 1)
+    try:
+        key = lambda device, shape, fmt="dense": expert_configs.serving_key(device, torch.bfloat16, fmt, shape)  # noqa: E731
+        assert key(h100, "S") == "NVIDIA H200|triton-3.6.0|bfloat16"             # same sm_90: the H200's entries
+        assert key(h100, "OWN") == "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16"  # its own entries come first
+        assert key(h100, "NONE") == "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16"  # neither has it: the heuristic
+        assert key(h100, "S", "mxfp4") == "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16|mxfp4"  # per format
+        assert key(b200, "S") == "NVIDIA B200|triton-3.6.0|bfloat16"              # another architecture: its own
+        assert expert_configs.serving_key(torch.device("cpu"), torch.bfloat16, "dense", "S").startswith("cpu|")
+    finally:
+        expert_configs._sibling_key.cache_clear()
+
+
 def test_configs_round_trip_through_the_table_format():
     # every field reaches the table and back; entries written before a field existed read as its default
     for cfg in (ExpertsConfig(16, GemmConfig(16, 256, 4, 1, row_scaled=True), GemmConfig(8, 512, 8, 1, slots=2,

@@ -285,6 +285,10 @@ def recording_decode(monkeypatch):
 
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    # the bound launches pass the tensors themselves, not their addresses, so the log shows which tensor went where
+    monkeypatch.setattr(_launch, "_TENSORS_AS_ADDRESSES", False)
+    monkeypatch.setattr(_launch, "_KEY_FUNCTIONS", {})
+    monkeypatch.setattr(_launch, "_ADDRESSES_FUNCTIONS", {})
     log = []
     for name in ("gemv1_act_kernel", "gemv1_rows_kernel", "gemv2_tokens_kernel", "scaled_fp16_kernel",
                  "gemm1_act_kernel", "gemm2_tokens_kernel", "align_kernel", "gemm2_kernel", "combine_kernel"):

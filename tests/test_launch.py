@@ -102,7 +102,9 @@ def test_a_signature_binds_once_then_launches_through_the_compiled_kernel(fake_l
     launcher[(4,)](x[4:], 9, BLOCK=16)           # another aligned tensor: the first binding
     kinds = [entry[0] for entry in fn.log]
     assert kinds == ["triton", "bound", "triton", "triton", "triton", "triton", "bound", "bound"]
-    assert fn.log[1][1] == (4, 2, 1, 1234, "fn", "meta", None, None, None, x, 9, 16, 7)
+    # the tensor as its address: Triton's launcher takes an int as it is (no data_ptr() call, no driver query)
+    assert fn.log[1][1] == (4, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), 9, 16, 7)
+    assert fn.log[-1][1][9] == x[4:].data_ptr()
 
 
 def test_constants_made_once_key_like_keywords(fake_launcher):
@@ -125,7 +127,7 @@ def test_a_prepared_launch_repeats_the_binding_and_refuses_what_it_does_not_hold
     launcher.launch((1,), (x, 9), c)
     prepared = launcher.prepare((x, 9), c)
     assert prepared((5, 2), (base, 9))                         # another address, the same alignment: the kernel
-    assert fn.log[-1] == ("bound", (5, 2, 1, 1234, "fn", "meta", None, None, None, base, 9, 16, 7))
+    assert fn.log[-1] == ("bound", (5, 2, 1, 1234, "fn", "meta", None, None, None, base.data_ptr(), 9, 16, 7))
     assert not prepared((5,), (base[1:], 9))                   # unaligned: refused, the caller goes to launch()
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
     assert not prepared((5,), (base, 9))                       # another current device: refused
@@ -153,11 +155,13 @@ def test_an_argument_builder_puts_another_calls_tensors_where_the_sources_were()
 def test_a_key_tells_each_tensors_alignment_apart():
     base = torch.empty(64)
     a, b = base[4:], base[1:]  # 16-byte aligned, then not
-    key = _launch._key_function((torch.Tensor, torch.Tensor, int))
+    key = lambda args: _launch._key_function((torch.Tensor, torch.Tensor, int))(args)[0]  # noqa: E731
     assert key((a, a, 3)) == key((base, base, 3))
     assert len({key((a, b, 3)), key((b, a, 3)), key((b, b, 3)), key((a, a, 3))}) == 4
     assert key((a, a, 3)) != key((a, a.double()[:8], 3))  # dtypes
     assert key((a, a, 3)) != key((a, a, 4))
+    # beside the key, the launch's arguments: each tensor as its address, the rest as given
+    assert _launch._key_function((torch.Tensor, int, torch.Tensor))((a, 3, b))[1] == (a.data_ptr(), 3, b.data_ptr())
 
 
 def test_under_the_interpreter_every_launch_is_tritons(monkeypatch):

@@ -41,7 +41,7 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     for v in kwargs.values():  # constexprs and options: their values are the specialization
         if not (v is None or type(v) in _KEYWORD_TYPES):
             raise _Unkeyed(type(v).__name__)
-    return (types, _key_function(types)(args), tuple(kwargs.items()))
+    return (types, _key_function(types)(args)[0], tuple(kwargs.items()))
 
 
 _KEYWORD_TYPES = (int, bool, float, str)
@@ -86,13 +86,31 @@ def _key_function(types: tuple):
         lines.append(f"    flags = {(1 << len(ptrs)) - 1} if not ({every}) & 15 else {each}")
     else:
         lines.append("    flags = 0")
-    lines.append(f"    return (flags, {''.join(part + ', ' for part in parts)})")
+    lines.append(f"    return (flags, {''.join(part + ', ' for part in parts)}), ({_addressed(types)})")
     scope: dict = {}
     exec(compile("\n".join(lines) + "\n", f"<moekit._launch key of {len(types)} arguments>", "exec"), scope)
     if len(_KEY_FUNCTIONS) >= 4096:
         _KEY_FUNCTIONS.clear()
     fn = _KEY_FUNCTIONS[types] = scope["key"]
     return fn
+
+
+_TENSORS_AS_ADDRESSES = True  # off only in tests whose recording kernels look at the launched tensors
+
+
+def _addressed(types: tuple) -> str:
+    """The launch arguments as generated code reads them (``a{i}``, a tensor's address ``p{j}``): a bound launch
+    passes each tensor as its address, which Triton's launcher takes as it is, where for a tensor it calls
+    ``data_ptr()`` and asks the driver what the address is (``cuPointerGetAttribute``, once per tensor per launch).
+    The op's checked call signature has put every tensor on the launch's GPU."""
+    parts, j = [], 0
+    for i, t in enumerate(types):
+        if issubclass(t, torch.Tensor):
+            parts.append(f"p{j}" if _TENSORS_AS_ADDRESSES else f"a{i}")
+            j += 1
+        else:
+            parts.append(f"a{i}")
+    return "".join(p + ", " for p in parts)
 
 
 class _Bound:
@@ -106,7 +124,8 @@ class _Bound:
         self.tail = tail
 
     def launch(self, grid, device: int, args: tuple) -> None:
-        """The compiled kernel on ``device``'s current stream, with ``args`` then the keywords' tail."""
+        """The compiled kernel on ``device``'s current stream, with ``args`` (tensors as their addresses) then the
+        keywords' tail."""
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         self.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), self.function, self.packed_metadata,
@@ -159,7 +178,7 @@ class Launcher:
         types = tuple(map(type, args))
         device = torch._C._cuda_getDevice()  # what torch.cuda.current_device returns, without its Python wrapper
         try:
-            key = _bound_key(device, types, args, kwargs)
+            key, addressed = _bound_key(device, types, args, kwargs)
             bound = self._bound.get(key)
         except (_Unkeyed, TypeError):  # an argument type not keyed here, an unhashable keyword
             return self.fn[grid](*args, **kwargs)
@@ -176,7 +195,7 @@ class Launcher:
                     del self._bound[old]
             self._bound[key] = _Bound(kernel, self._tail(len(args), kwargs))
             return kernel
-        bound.launch(grid, device, args)
+        bound.launch(grid, device, addressed)
         return bound.kernel
 
     def prepare(self, args: tuple, kwargs: dict) -> Prepared | None:
@@ -187,13 +206,13 @@ class Launcher:
         types = tuple(map(type, args))
         device = torch._C._cuda_getDevice()
         try:
-            key = _bound_key(device, types, args, kwargs)
+            key, _ = _bound_key(device, types, args, kwargs)
             bound = self._bound.get(key)
         except (_Unkeyed, TypeError):
             return None
         if bound is None:
             return None
-        return Prepared(bound, device, _aligned_function(types, key[2][0]), self._runtime)
+        return Prepared(bound, device, _addresses_function(types, key[2][0]), self._runtime)
 
     def _tail(self, given: int, kwargs: dict) -> tuple:
         """The values of the parameters after the positional ones, in signature order (keywords or defaults):
@@ -218,15 +237,16 @@ class Prepared:
     The caller keeps the rest of the contract: ``args`` have the types, dtypes and integer values of the prepared
     launch (what an op's checked call signature fixes: shapes, strides, dtypes, options), only addresses change."""
 
-    __slots__ = ("_bound", "_device", "_aligned", "_runtime")
+    __slots__ = ("_bound", "_device", "_addresses", "_runtime")
 
-    def __init__(self, bound: _Bound, device: int, aligned, runtime):
-        self._bound, self._device, self._aligned, self._runtime = bound, device, aligned, runtime
+    def __init__(self, bound: _Bound, device: int, addresses, runtime):
+        self._bound, self._device, self._addresses, self._runtime = bound, device, addresses, runtime
 
     def __call__(self, grid, args: tuple) -> bool:
-        if torch._C._cuda_getDevice() != self._device or not self._aligned(args) or _hooks_set(self._runtime):
+        addressed = self._addresses(args)
+        if addressed is None or torch._C._cuda_getDevice() != self._device or _hooks_set(self._runtime):
             return False
-        self._bound.launch(grid, self._device, args)
+        self._bound.launch(grid, self._device, addressed)
         return True
 
 
@@ -272,39 +292,43 @@ _BUILDERS: dict = {}
 
 
 def _bound_key(device: int, types: tuple, args: tuple, kwargs: dict) -> tuple:
-    """A launch's key among a Launcher's bindings: (device, types, _key_function's key (its first item the tensors'
-    alignment flags), the keywords)."""
-    return (device, types, _key_function(types)(args), kwargs if type(kwargs) is Constants else tuple(kwargs.items()))
+    """(a launch's key among a Launcher's bindings, its arguments with tensors as addresses). The key: (device,
+    types, _key_function's key (its first item the tensors' alignment flags), the keywords)."""
+    key, addressed = _key_function(types)(args)
+    return (device, types, key, kwargs if type(kwargs) is Constants else tuple(kwargs.items())), addressed
 
 
-def _aligned_function(types: tuple, flags: int):
-    """``args -> bool``: whether the tensors among ``args`` (of these types) have the 16-byte alignment ``flags``
-    of :func:`_key_function` (generated once per types and flags, like the key)."""
-    fn = _ALIGNED_FUNCTIONS.get((types, flags))
+def _addresses_function(types: tuple, flags: int):
+    """``args -> args with tensors as addresses``, or None where the tensors among ``args`` (of these types) lack
+    the 16-byte alignment ``flags`` of :func:`_key_function` (generated once per types and flags, like the key)."""
+    fn = _ADDRESSES_FUNCTIONS.get((types, flags))
     if fn is None:
-        if len(_ALIGNED_FUNCTIONS) >= 4096:
-            _ALIGNED_FUNCTIONS.clear()
-        fn = _ALIGNED_FUNCTIONS[(types, flags)] = _make_aligned_function(types, flags)
+        if len(_ADDRESSES_FUNCTIONS) >= 4096:
+            _ADDRESSES_FUNCTIONS.clear()
+        fn = _ADDRESSES_FUNCTIONS[(types, flags)] = _make_addresses_function(types, flags)
     return fn
 
 
-_ALIGNED_FUNCTIONS: dict = {}
+_ADDRESSES_FUNCTIONS: dict = {}
 
 
-def _make_aligned_function(types: tuple, flags: int):
+def _make_addresses_function(types: tuple, flags: int):
     ptrs = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
-    if not ptrs:
-        return lambda args: True
+    lines = ["def addresses(args):"]
+    if types:
+        lines.append(f"    {''.join(f'a{i}, ' for i in range(len(types)))}= args")
+    lines += [f"    p{j} = a{i}.data_ptr()" for j, i in enumerate(ptrs)]
     every = (1 << len(ptrs)) - 1
-    lines = ["def aligned(args):"]
-    if flags == every:  # the common case: every address a multiple of 16
-        lines.append(f"    return not ({' | '.join(f'args[{i}].data_ptr()' for i in ptrs)}) & 15")
-    else:
-        lines.append(f"    return ({' | '.join(f'(args[{i}].data_ptr() & 15 == 0) << {j}' for j, i in enumerate(ptrs))})"
-                     f" == {flags}")
+    if ptrs and flags == every:  # the common case: every address a multiple of 16
+        lines.append(f"    if ({' | '.join(f'p{j}' for j in range(len(ptrs)))}) & 15:")
+        lines.append("        return None")
+    elif ptrs:
+        lines.append(f"    if ({' | '.join(f'(p{j} & 15 == 0) << {j}' for j in range(len(ptrs)))}) != {flags}:")
+        lines.append("        return None")
+    lines.append(f"    return ({_addressed(types)})")
     scope: dict = {}
-    exec(compile("\n".join(lines) + "\n", "<moekit._launch alignment check>", "exec"), scope)
-    return scope["aligned"]
+    exec(compile("\n".join(lines) + "\n", "<moekit._launch addresses>", "exec"), scope)
+    return scope["addresses"]
 
 
 def _hooks_set(runtime) -> bool:

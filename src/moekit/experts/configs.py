@@ -266,6 +266,30 @@ def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "de
     return f"{_triton.gpu_name(device)}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}{fmt}"
 
 
+# A GPU with no entries of its own for a shape runs those tuned on the GPU named here for its compute capability:
+# the same SMs, instructions and shared memory, so every entry compiles and fits; bandwidth and clocks differ.
+TUNED_FOR_CAPABILITY = {(9, 0): "NVIDIA H200"}
+
+
+def serving_key(device: torch.device, dtype: torch.dtype, weight_format: str, shape: str) -> str:
+    """The table key whose entries serve ``shape`` on ``device``: its own GPU's where the table has entries for the
+    shape, else those of the GPU tuned for its compute capability (:data:`TUNED_FOR_CAPABILITY`), else its own
+    (no entries: the heuristic)."""
+    key = table_key(device, dtype, weight_format)
+    if device.type != "cuda":
+        return key
+    return _sibling_key(key, shape, _triton.capability(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _sibling_key(key: str, shape: str, capability: tuple[int, int]) -> str:
+    tuned = TUNED_FOR_CAPABILITY.get(capability)
+    if shipped_entries(key, shape) or tuned is None:
+        return key
+    sibling = tuned + key[key.index("|"):]
+    return sibling if shipped_entries(sibling, shape) else key
+
+
 def shape_key(num_experts: int, n1: int, k1: int) -> str:
     return f"E{num_experts}_N{n1}_K{k1}"
 
@@ -313,7 +337,8 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
     rows GEMV1 (its decode terms one pair per program: gpt-oss-120b's 360 column blocks per pair overflow their sum's
     tile and take the separate kernels) has not been timed against the other; in batch-invariant mode
     (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
-    key, shape = table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1)
+    shape = shape_key(num_experts, n1, k1)
+    key = serving_key(device, dtype, weight_format, shape)
     if _invariant.enabled():
         return _invariant_choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
     rows = not (lora or batched) and dtype in (torch.bfloat16, torch.float16)
@@ -428,5 +453,6 @@ def _whole_warpgroups(g: GemmConfig) -> int:
 def invariant_choice(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
                      dtype: torch.dtype, weight_format: str = "dense") -> tuple[ExpertsConfig, str]:
     """(config, why) that batch-invariant mode runs, whether or not the mode is on (for explain and tests)."""
-    return _invariant_choose(table_key(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens,
-                             num_experts, top_k, n1, k1, weight_format)
+    shape = shape_key(num_experts, n1, k1)
+    return _invariant_choose(serving_key(device, dtype, weight_format, shape), shape, num_tokens, num_experts, top_k,
+                             n1, k1, weight_format)
