@@ -197,6 +197,12 @@ def expert_variants():
             yield f"rows decode {name} BLOCK_N={bn} w{warps}", \
                 lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
+        for bn, bk, stages in ((8, 1024, 3), (16, 1024, 3), (16, 512, 2), (32, 512, 2)):  # GEMM2 per pair (gemv2_rows)
+            cfg = replace(decode, split_slots=True, gemm1=GemmConfig(8, 1024, 4, 3, row_scaled=True),
+                          gemm2=GemmConfig(bn, bk, 4, stages, row_scaled=True))
+            yield f"rows decode, GEMM2 per pair {name} BLOCK_N={bn} BLOCK_K={bk} s{stages}", \
+                lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
+                    x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
 
     # TMA weight boxes: the experts must be back to back (no stride 0); gpt-oss's interleaved rows take paired boxes
     for name in ("qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"):

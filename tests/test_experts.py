@@ -688,9 +688,10 @@ def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapp
     (3, 64, 2.0 ** -20, 1.0, False, "h near 2^-20: below fp16's normal range"),
     (3, 64, 1.0, 2.0 ** 12, False, "one h value 2^12 times the rest: the row's exponent from its largest"),
 ])
-def test_four_bit_decode_row_scaled_gemm2(fmt, T, I, scale, spike, mapped, why):
-    # GEMM2 alone (gemv2_tokens, a loop per slot) with each slot's bf16 h row scaled inside the kernel, against
-    # float64; out poisoned, fp32 (the interpreter rounds fp32 to bf16 toward zero)
+@pytest.mark.parametrize("kernel", ["tokens", "rows"])  # a loop per slot (gemv2_tokens); a program per pair (gemv2_rows)
+def test_four_bit_decode_row_scaled_gemm2(fmt, T, I, scale, spike, mapped, why, kernel):
+    # GEMM2 alone with each slot's bf16 h row scaled inside the kernel, against float64; out poisoned, fp32 (the
+    # interpreter rounds fp32 to bf16 toward zero). H = 160: the rows kernel's last block of 64 rows is partial
     E, H, k = 7, 160, 3
     _, w2, _, b2 = _weights(E, H, I, torch.float32, True)
     q2, _, d2, _ = _quantized(fmt, w2, w2[:, :32, :])
@@ -699,14 +700,22 @@ def test_four_bit_decode_row_scaled_gemm2(fmt, T, I, scale, spike, mapped, why):
     h, b2 = h.bfloat16(), b2.bfloat16()
     ids, emap, local = _decode_pairs(T, E, k, mapped)
     tw = torch.rand(T * k)
-    out = _poisoned((T, H), torch.float32)
-    _experts_triton.gemv2_tokens(h, _experts_triton.WeightOperand.of(q2), b2, tw, ids, emap, 2 * E if mapped else E,
-                                 out, k, GemmConfig(16, 64, row_scaled=True))
     live = (local >= 0).double()
     per_pair = torch.einsum("pi,phi->ph", h.double(), d2.double()[local.clamp(min=0)]) \
         + b2.double()[local.clamp(min=0)]
-    ref = (per_pair * (tw.double() * live)[:, None]).reshape(T, k, H).sum(1)
-    check_close(why, out, ref, FP16X2_SUMS)
+    weighted = per_pair * (tw.double() * live)[:, None]
+    w2 = _experts_triton.WeightOperand.of(q2)
+    if kernel == "rows":  # each pair's weighted row, zeros for skipped pairs (the combine sums every slot)
+        y = _poisoned((T * k, H), torch.float32)
+        _experts_triton.gemv2_rows(h, w2, b2, tw, ids, emap, 2 * E if mapped else E, y,
+                                   GemmConfig(64, 64, row_scaled=True))
+        check_close(why, y, weighted, FP16X2_SUMS)
+        assert (y[local < 0] == 0).all(), "rows of skipped pairs are not zeros"
+        return
+    out = _poisoned((T, H), torch.float32)
+    _experts_triton.gemv2_tokens(h, w2, b2, tw, ids, emap, 2 * E if mapped else E, out, k,
+                                 GemmConfig(16, 64, row_scaled=True))
+    check_close(why, out, weighted.reshape(T, k, H).sum(1), FP16X2_SUMS)
 
 
 def test_row_scaled_is_refused_outside_the_gemv_mode():
@@ -726,6 +735,9 @@ _GPU_4BIT_CONFIGS = {
                                                  mode="gemv"),
     "CUDA-core, row-scaled": ExpertsConfig(16, GemmConfig(8, 1024, row_scaled=True),
                                            GemmConfig(32, 256, row_scaled=True), mode="gemv"),
+    "CUDA-core, row-scaled, GEMM2 per pair": ExpertsConfig(16, GemmConfig(8, 1024, 4, 3, row_scaled=True),
+                                                           GemmConfig(16, 1024, 4, 3, row_scaled=True), mode="gemv",
+                                                           split_slots=True),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 

@@ -27,7 +27,7 @@ from .configs import ExpertsConfig, GemmConfig
 from . import lora as expert_lora
 from .._launch import Constants, Launcher, arg_builder
 from .kernels import align as align_kernels
-from .kernels import fp8_quant, gemv1_rows, moe_gemm, moe_gemv
+from .kernels import fp8_quant, gemv1_rows, gemv2_rows, moe_gemm, moe_gemv
 from .kernels import scaled_fp16 as scaled_fp16_kernels
 
 # Every launch binds its call signature once (moekit._launch): the eager host time of a call.
@@ -37,6 +37,7 @@ gemm2_tokens_kernel = Launcher(moe_gemm.gemm2_tokens_kernel)
 combine_kernel = Launcher(moe_gemm.combine_kernel)
 gemv1_act_kernel = Launcher(moe_gemv.gemv1_act_kernel)
 gemv1_rows_kernel = Launcher(gemv1_rows.gemv1_rows_kernel)
+gemv2_rows_kernel = Launcher(gemv2_rows.gemv2_rows_kernel)
 gemv2_tokens_kernel = Launcher(moe_gemv.gemv2_tokens_kernel)
 scaled_fp16_kernel = Launcher(scaled_fp16_kernels.scaled_fp16_kernel)
 quantize_groups_kernel = Launcher(fp8_quant.quantize_groups_kernel)
@@ -697,6 +698,27 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
     return None if prepared is None else (prepared, grid, packing, _ints(w_args))
 
 
+def gemv2_rows(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, y, cfg: GemmConfig,
+               pdl: bool = False):
+    """GEMM2 per pair on kernels/gemv2_rows.py (GemmConfig.row_scaled with ExpertsConfig.split_slots): y [T*k, H]
+    fp32 <- each pair's router-weighted row (zeros for pairs of other ranks), for :func:`_combine`."""
+    hidden, inter = w.shape[1], w.shape[2]
+    words, sw0, sw1, _, *scales = w.gemv_args()
+    grid = (y.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
+    return gemv2_rows_kernel.launch(grid, (
+        h, h.stride(0), words, sw0, sw1, *scales, *_bias_args(b2, h), weights, ids,
+        expert_map if expert_map is not None else ids, y, y.stride(0), num_global, w.shape[0], hidden, inter,
+    ), _gemv2_rows_constants(w.format, cfg, b2 is not None, expert_map is not None, pdl))
+
+
+@functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
+def _gemv2_rows_constants(weight_format: str, cfg: GemmConfig, has_bias: bool, has_map: bool, pdl: bool) -> Constants:
+    return Constants(
+        HAS_BIAS=has_bias, HAS_MAP=has_map, FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n,
+        BLOCK_K=_gemv_block_k(weight_format, cfg.block_k), XBLOCK=GEMV_ROW_XBLOCK, HALVES_ASM=_PTX, PDL=pdl,
+        launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter,
                 term_args) -> tuple:
     """gemv2_tokens_kernel's runtime arguments (``term_args`` None: no decode terms)."""
@@ -872,7 +894,10 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
                 return DecodePlan(first, second, config, pdl, activation) if plan and first and second else None
             # each pair as a token of one slot (zeros for pairs not computed here), then the slots summed in order
             y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-            gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl)
+            if _row_scaled(config.gemm2, w2, h.dtype):
+                gemv2_rows(h, w2, w2_bias, weights, ids, expert_map, num_global, y, config.gemm2, pdl)
+            else:
+                gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl)
             if lora is not None:
                 expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights)
             _combine(y, ids, out, top_k)
