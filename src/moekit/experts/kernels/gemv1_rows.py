@@ -50,6 +50,25 @@ def _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, 
 
 
 @triton.jit
+def _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr, stride_bn, e64, w_rows, s_rows, bias_rows, row_ok, x_row, stride_xk,
+                 K, x_scale, x_factor, HAS_BIAS: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HALVES_ASM: tl.constexpr):
+    """The rows' dot products with one activation row (scaled by x_scale, x_factor: moe_gemv._row_exponent), their
+    expert's NVFP4 global scale divided out and the bias added: fp32 [rows]."""
+    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+    acc = tl.zeros([w_rows.shape[0], BLOCK_K // GROUP], dtype=tl.float32)
+    for c in range(0, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
+        w, s, xr = _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, K, FORMAT, BLOCK_K)
+        acc += _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM)
+    y = tl.sum(acc, axis=1)
+    if FORMAT == NVFP4:  # the per-expert global scale divides out once
+        y = y / tl.load(gs_ptr + e64)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + bias_rows * stride_bn, mask=row_ok, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
 def gemv1_rows_kernel(
     # as moe_gemv.gemv1_act_kernel's, less its prepared activations: x [T, H] bf16 or fp16 as stored, w13 as int32
     # words of 8 codes [E, 2I, H/8] (rows on whole groups), no K stride
@@ -100,17 +119,8 @@ def gemv1_rows_kernel(
             lora_a2 = w2_decode_cols(lora_a2_ptr, adapter, lora_live, e64, offs_n, ok1, num_local, I, lora_r2,
                                      LORA_R2_PAD)
         x_scale, x_factor = _row_exponent(x_row, stride_xk, K, XBLOCK)
-        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-        acc = tl.zeros([2 * BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32)
-        for c in range(0, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
-            w, s, xr = _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, K, FORMAT,
-                                        BLOCK_K)
-            acc += _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM)
-        y = tl.sum(acc, axis=1)
-        if FORMAT == NVFP4:  # the per-expert global scale divides out once
-            y = y / tl.load(gs_ptr + e64)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + e64 * stride_be + rows * stride_bn, mask=row_ok, other=0.0).to(tl.float32)
+        y = _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows,
+                         row_ok, x_row, stride_xk, K, x_scale, x_factor, HAS_BIAS, FORMAT, BLOCK_K, HALVES_ASM)
         if HAS_DELTA:
             y += tl.load(delta_ptr + pair.to(tl.int64) * stride_dm + rows, mask=row_ok, other=0.0).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .gemv1_rows import _load_rows_chunk
-from .moe_gemm import MXFP4, NVFP4, _pair_expert
-from .moe_gemv import _row_exponent, _row_scaled_sums
+from .gemv1_rows import _stream_rows
+from .moe_gemm import _pair_expert
+from .moe_gemv import _row_exponent
 
 
 @triton.jit
@@ -49,16 +49,8 @@ def gemv2_rows_kernel(
         if PDL:
             gdc_wait()
         h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
-        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-        acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32)
-        for c in range(0, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
-            w, s, hr = _load_rows_chunk(w_ptr, s_ptr, e64 * stride_we + rows * stride_wn,
-                                        e64 * stride_se + rows * stride_sn, n_ok, h_row, 1, c, K, FORMAT, BLOCK_K)
-            acc += _row_scaled_sums(w, s, hr, h_scale, h_factor, FORMAT, HALVES_ASM)
-        y = tl.sum(acc, axis=1)
-        if FORMAT == NVFP4:  # the per-expert global scale divides out once
-            y = y / tl.load(gs_ptr + e64)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + e64 * stride_be + rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
-        y = tl.load(weights_ptr + pair) * y
+        y = tl.load(weights_ptr + pair) * _stream_rows(
+            w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, e64 * stride_we + rows * stride_wn,
+            e64 * stride_se + rows * stride_sn, rows, n_ok, h_row, 1, K, h_scale, h_factor, HAS_BIAS, FORMAT, BLOCK_K,
+            HALVES_ASM)
     tl.store(y_ptr + pair.to(tl.int64) * stride_ym + offs_n, y, mask=n_ok)
