@@ -332,8 +332,16 @@ def test_a_gpu_without_entries_takes_those_tuned_for_its_architecture(monkeypatc
         assert key(h100, "S", "mxfp4") == "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16|mxfp4"  # per format
         assert key(b200, "S") == "NVIDIA B200|triton-3.6.0|bfloat16"              # another architecture: its own
         assert expert_configs.serving_key(torch.device("cpu"), torch.bfloat16, "dense", "S").startswith("cpu|")
+        monkeypatch.setattr(expert_configs, "shape_key", lambda *a: "S")
+        monkeypatch.setattr(expert_configs._triton, "gpu_name", lambda device: names[device.index])
+        expert_configs._choose.cache_clear()
+        cfg, source = expert_configs.choose(1, 128, 4, 5760, 2880, h100, torch.bfloat16)
+        assert cfg == ExpertsConfig.from_dict(entry)                    # explain says whose entry it is
+        assert source.endswith("NVIDIA H100 80GB HBM3 has no entries for this shape: NVIDIA H200's, the same compute "
+                               "capability"), source
     finally:
         expert_configs._sibling_key.cache_clear()
+        expert_configs._choose.cache_clear()
 
 
 def test_configs_round_trip_through_the_table_format():

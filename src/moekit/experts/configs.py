@@ -340,9 +340,19 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
     shape = shape_key(num_experts, n1, k1)
     key = serving_key(device, dtype, weight_format, shape)
     if _invariant.enabled():
-        return _invariant_choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
-    rows = not (lora or batched) and dtype in (torch.bfloat16, torch.float16)
-    return _choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, rows)
+        cfg, source = _invariant_choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+    else:
+        rows = not (lora or batched) and dtype in (torch.bfloat16, torch.float16)
+        cfg, source = _choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, rows)
+    return cfg, source + _borrowed(key, device)
+
+
+def _borrowed(key: str, device: torch.device) -> str:
+    """What :func:`choose`'s source adds where the entries are another GPU's (:func:`serving_key`)."""
+    if device.type != "cuda" or key.startswith(_triton.gpu_name(device) + "|"):
+        return ""
+    return (f"; {_triton.gpu_name(device)} has no entries for this shape: {key.split('|')[0]}'s, the same compute "
+            f"capability")
 
 
 # Batch-invariant configurations. A token's bits depend on the order in which each GEMM adds its K terms and on
