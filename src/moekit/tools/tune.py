@@ -303,6 +303,16 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
                                  "gemv_packed_gemm2_call_us"))
             if spec.top_k > 1:  # GEMM2 per pair, then the combine
                 variants.append(("GEMM2 per pair", lambda c: replace(c, split_slots=True), "gemv_split_slots_call_us"))
+            if spec.top_k > 1 and weight_format in ("mxfp4", "nvfp4"):
+                # GEMM2 per pair on the rows kernel (kernels/gemv2_rows.py): chunks that split w2's K = I in a few
+                # (the H100 A/B of 2026-12-06, benchmarks/results/archive/ab_gemv2_rows_h100_2026-12-06.md: 1024
+                # for gpt-oss-120b's 2880, 256 for qwen3-30b-a3b's 768)
+                bk = 1024 if spec.intermediate_size >= 2048 else 256
+                for bn, stages in ((16, 3), (32, 3), (32, 2)):
+                    variants.append((f"GEMM2 per pair on the rows kernel ({bn} rows, {bk}-code chunks, {stages} stages)",
+                                     lambda c, g=GemmConfig(bn, bk, 4, stages, row_scaled=True): replace(
+                                         c, split_slots=True, gemm2=g),
+                                     f"gemv_split_rows_{bn}_{stages}_call_us"))
             for what, change, key in variants:
                 cfg = change(gemv_cfg)
                 us = problem.whole_call_us(cfg)
