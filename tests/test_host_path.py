@@ -295,7 +295,7 @@ def recording_decode(monkeypatch):
         monkeypatch.setattr(tb, name, _launch.Launcher(_RecordingKernel(getattr(tb, name).fn, log)))
     monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
     served = []
-    for kind in (tb.DecodePlan, tb.CallPlan):
+    for kind in (tb.DecodePlan, tb.CallPlan, tb.BatchedPlan):
         monkeypatch.setattr(kind, "__call__", lambda self, *a, real=kind.__call__: served.append(real(self, *a))
                             or served[-1])
     return log, served
@@ -394,6 +394,65 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
                 assert served == [True] and [n for n, _, _ in log] == ["scaled_fp16_kernel", *kernels]
                 served.clear()
                 del log[:]
+
+
+@pytest.mark.parametrize("weights, words", [
+    ("dense", False),   # two GEMMs over [E, M] rows
+    ("nvfp4", False),   # 4-bit: scales and global scales among the arguments
+    ("mxfp4", True),    # word-decoded tiles: GEMM1 reads x's paired copy (a buffer of the call), h paired for GEMM2
+])
+def test_a_repeated_batched_call_runs_its_plan_with_the_full_paths_launch_arguments(recording_decode, monkeypatch,
+                                                                                    weights, words):
+    # batched_experts (no adapters): the first call of a signature launches in full and keeps a BatchedPlan; the next
+    # calls run it, which must launch what the full path would, argument for argument (as the decode plans above)
+    from moekit.experts import ExpertsConfig, GemmConfig
+    from moekit.experts import triton_backend as tb
+    from moekit.formats import quantize_experts, to_parts
+
+    log, served = recording_decode
+    if words:
+        monkeypatch.setattr(tb, "_w4_words", lambda w, dtype: w.format in ("mxfp4", "nvfp4") and tb._on_words(w.data))
+    config = ExpertsConfig(16, GemmConfig(32, 64, 4, 2), GemmConfig(32, 64, 4, 2))
+    hid, inter, M = 64, 64, 5
+    w13, w2 = torch.randn(E, 2 * inter, hid).half(), torch.randn(E, hid, inter).half()
+    if weights != "dense":
+        w13, w2 = quantize_experts(w13.float(), weights), quantize_experts(w2.float(), weights)
+    b13, b2 = torch.randn(E, 2 * inter), torch.randn(E, hid)
+
+    def call(xb, counts):
+        return batched_experts(xb, counts, w13, w2, w13_bias=b13, w2_bias=b2, backend="triton", config=config)
+
+    xb, counts = torch.randn(E, M, hid).half(), torch.randint(0, M + 1, (E,), dtype=torch.int32)
+    call(xb, counts)                                          # the full path; its launches bound and planned
+    del log[:]
+    x2, counts2 = torch.randn_like(xb), counts.flip(0).contiguous()
+    out = call(x2, counts2)                                   # the plan
+    assert served == [True]
+    served.clear()
+    planned = list(log)
+    del log[:]
+    tb.batched_experts_into(out, x2, counts2, w13, w2, "silu_and_mul", b13, b2, config)  # the full path, bound
+    assert [(n, k) for n, k, _ in planned] == [(n, k) for n, k, _ in log] == [
+        ("gemm1_act_kernel", "bound"), ("gemm2_kernel", "bound")]
+    given = {t.data_ptr() for t in (x2, out, counts2, b13, b2, *to_parts(w13)[1:4], *to_parts(w2)[1:4])
+             if isinstance(t, torch.Tensor)}
+    fwd, bwd = {}, {}  # one buffer of the plan's for each of the full path's
+    for (_, _, got), (_, _, want) in zip(planned, log):
+        assert len(got) == len(want) and got[0] == want[0]  # the grid, then the arguments
+        for g, w in zip(got[1:], want[1:]):
+            if isinstance(w, torch.Tensor):
+                assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+                assert (g.data_ptr() == w.data_ptr()) == (w.data_ptr() in given)
+                assert fwd.setdefault(g.data_ptr(), w.data_ptr()) == w.data_ptr()
+                assert bwd.setdefault(w.data_ptr(), g.data_ptr()) == g.data_ptr()
+            else:
+                assert g == w
+    del log[:]
+    odd = torch.randn(E * M * hid + 1).half()[1:].view(E, M, hid)  # the same signature, 2 bytes off alignment
+    call(odd, counts2)
+    # GEMM1 reads x itself: refused before anything launched, then the full path; word-decoded tiles read x's paired
+    # copy (a fresh buffer): the plan holds
+    assert served == [words] and [n for n, _, _ in log] == ["gemm1_act_kernel", "gemm2_kernel"]
 
 
 def test_a_decode_plan_refuses_a_4bit_stack_whose_words_are_laid_out_otherwise(recording_decode):

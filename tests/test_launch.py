@@ -188,7 +188,7 @@ def test_gpu_repeated_calls_launch_without_jitfunction_run_and_give_the_same_bit
     # Triton's bits: decode (gemv), small and aligned batches, an unaligned view (its own signature), the router
     from triton.runtime.jit import JITFunction
 
-    from moekit import fused_experts, fused_router
+    from moekit import batched_experts, fused_experts, fused_router
 
     torch.manual_seed(0)
     E, H, I, k = 8, 264, 136, 2
@@ -207,9 +207,17 @@ def test_gpu_repeated_calls_launch_without_jitfunction_run_and_give_the_same_bit
         for x in (base[:T * H].view(T, H), base[1:].view(T, H)):  # 16-byte aligned, then not
             ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
             tw = torch.rand(T, k, device="cuda")
-            first = (fused_experts(x, w13, w2, tw, ids), *fused_router(x, gate, top_k=k, method="softmax_topk"))
+            xb = torch.randn(E, -(-T // E), H, device="cuda", dtype=torch.bfloat16)  # the batched format
+            counts = torch.randint(0, xb.shape[1] + 1, (E,), device="cuda", dtype=torch.int32)
+
+            def calls_of():
+                out = batched_experts(xb, counts, w13, w2)
+                valid = torch.arange(xb.shape[1], device="cuda")[None, :] < counts[:, None]
+                return (fused_experts(x, w13, w2, tw, ids), *fused_router(x, gate, top_k=k, method="softmax_topk"),
+                        torch.where(valid[..., None], out, 0))
+            first = calls_of()
             monkeypatch.setattr(JITFunction, "run", counted)
-            again = (fused_experts(x, w13, w2, tw, ids), *fused_router(x, gate, top_k=k, method="softmax_topk"))
+            again = calls_of()
             torch.cuda.synchronize()
             monkeypatch.setattr(JITFunction, "run", original)
             assert calls == [], f"T={T}: {[c.__name__ for c in calls]}"

@@ -380,8 +380,11 @@ def batched_experts(
                         ("batched", backend, config, act_quant, activation))
     decided = _VALIDATED.get(key)
     if decided is not None:  # checked before (see fused_experts)
-        chosen = decided[0]
+        chosen, plan = decided
         out = _fresh_or_disjoint(out, x, w13, w2)
+        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
+        if plan is not None and plan(out, x, expert_num_tokens.contiguous(), w13, w2, w13_bias, w2_bias):
+            return out
     else:
         check_tensor("x", x, ndim=3, dtypes=WEIGHT_DTYPES)
         E, _, H = _check_weights(x, w13, w2, activation, w13_bias, w2_bias)
@@ -393,8 +396,12 @@ def batched_experts(
         out = _options_and_out(x, w13, w2, act_quant, config, out)
         chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation,
                                 lora=lora is not None)
-        _VALIDATED.put(key, (chosen, None))
-    _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
+        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
+        planning = getattr(chosen, "plans", False) and key is not None  # (see fused_experts)
+        plan = chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config,
+                              act_quant, **_lora_args(lora, lora_ids), **({"plan": True} if planning else {}))
+        _VALIDATED.put(key, (chosen, plan if planning else None))
+        return out
     chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config, act_quant,
                    **_lora_args(lora, lora_ids))
     return out

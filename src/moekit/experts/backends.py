@@ -55,8 +55,9 @@ class Backend:
     w13_bias, w2_bias, config, act_quant)`` compute validated calls INTO ``out``. A backend with ``lora``
     also takes expert LoRA (keywords ``lora``, an ExpertsLoRA, and ``lora_ids``, passed only when given);
     one without it is not asked to serve such calls. A backend with ``plans`` takes ``plan=True`` on a checked eager
-    ``fused`` call and may return a plan: ``plan(out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias,
-    expert_map) -> bool`` serves later calls of the same signature (False: it did not; run ``fused``)."""
+    call and may return a plan that serves later calls of the same signature, returning False where it did not (then
+    run the call): ``plan(out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool`` from
+    ``fused``, ``plan(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias) -> bool`` from ``batched``."""
 
     name: str
     rejects: Callable[[ExpertsCall, bool], str | None]
@@ -123,7 +124,7 @@ def _triton_fused(*args, **kwargs):
 def _triton_batched(*args, **kwargs):
     from . import triton_backend
 
-    triton_backend.run_batched(*args, **kwargs)
+    return triton_backend.run_batched(*args, **kwargs)
 
 
 BUILTIN = (

@@ -1098,29 +1098,104 @@ class CallPlan:
         descriptor among its arguments, a kernel not bound)."""
         block_m = None if config.per_pair else config.block_m
         sources = CallSources.of(out, x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, block_m)
-        launches = sources.launches(w13, w2, activation, config, topk_ids.shape[1])
-        steps = []
-        for launcher, (grid, args, constants) in launches:
-            launcher.launch(grid, args, constants)
-            steps.append((launcher, launcher.prepare(args, constants), grid, arg_builder(args, sources), constants))
-        if any(prepared is None or build is None for _, prepared, _, build, _ in steps):
-            return None
-        return cls(tuple(steps), block_m, (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)))
+        steps = _launch_and_prepare(sources.launches(w13, w2, activation, config, topk_ids.shape[1]), sources)
+        return None if steps is None else cls(steps, block_m, (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)))
 
     def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
         w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
         if (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)) != self._words:
             return False
-        sources = CallSources.of(out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, expert_map,
-                                 self._block_m)
-        (_, first, grid, build, _), *rest = self._steps
-        if not first(grid, build(sources)):
+        return _run_prepared(self._steps, CallSources.of(out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
+                                                         expert_map, self._block_m))
+
+
+def _launch_and_prepare(launches: tuple, sources: tuple) -> tuple | None:
+    """Launch each (Launcher, (grid, arguments, constants)) in order; return the steps that repeat them from another
+    call's sources (moekit._launch.arg_builder), or None where a launch cannot be prepared or rebuilt."""
+    steps = []
+    for launcher, (grid, args, constants) in launches:
+        launcher.launch(grid, args, constants)
+        steps.append((launcher, launcher.prepare(args, constants), grid, arg_builder(args, sources), constants))
+    if any(prepared is None or build is None for _, prepared, _, build, _ in steps):
+        return None
+    return tuple(steps)
+
+
+def _run_prepared(steps: tuple, sources: tuple) -> bool:
+    """:func:`_launch_and_prepare`'s steps on ``sources``: False, nothing launched, where the first launch's binding
+    does not hold; a later launch whose binding does not hold goes through its Launcher."""
+    (_, first, grid, build, _), *rest = steps
+    if not first(grid, build(sources)):
+        return False
+    for launcher, prepared, grid, build, constants in rest:
+        args = build(sources)
+        if not prepared(grid, args):
+            launcher.launch(grid, args, constants)
+    return True
+
+
+class BatchedSources(NamedTuple):
+    """The tensors a planned batched call's two GEMMs read (see :class:`CallSources`)."""
+
+    x: torch.Tensor  # [E, M, H] as GEMM1 reads it: a paired_k copy for word-decoded 4-bit weights
+    w13: torch.Tensor
+    w13_scales: torch.Tensor | None
+    w13_global: torch.Tensor | None
+    b13: torch.Tensor | None
+    h: torch.Tensor
+    expert_num_tokens: torch.Tensor
+    w2: torch.Tensor
+    w2_scales: torch.Tensor | None
+    w2_global: torch.Tensor | None
+    b2: torch.Tensor | None
+    out: torch.Tensor
+
+    @classmethod
+    def of(cls, out, x, expert_num_tokens, w13: WeightOperand, w2: WeightOperand, b13, b2) -> "BatchedSources":
+        num_experts, rows_per_expert, _ = x.shape
+        h = torch.empty(num_experts * rows_per_expert, w13.shape[1] // 2, dtype=x.dtype,
+                        device=x.device)  # (activation_buffers' h)
+        x3 = paired_k(x) if _w4_words(w13, x.dtype) else x
+        return cls(x3, *w13.parts(), b13, h, expert_num_tokens, *w2.parts(), b2, out)
+
+    def launches(self, w13: WeightOperand, w2: WeightOperand, activation: str, config: ExpertsConfig) -> tuple:
+        """(Launcher, (grid, arguments, constants)) of GEMM1 and GEMM2: batched_experts_into's launches."""
+        num_experts, rows_per_expert, _ = self.x.shape
+        bm = config.block_m
+        blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
+        rows = RowMap.batched(self.expert_num_tokens)
+        x_paired = self.x if _w4_words(w13, self.x.dtype) else None
+        return ((gemm1_act_kernel, gemm1_launch(self.x, w13, self.b13, self.h, rows, activation, blocks, config.gemm1,
+                                                bm, 0, 1, rows_per_expert, h_paired=_w4_words(w2, self.h.dtype),
+                                                x_paired=x_paired)),
+                (gemm2_kernel, gemm2_launch(self.h, w2, self.b2, self.h, self.out, (self.out.stride(0),
+                                                                                    self.out.stride(1)),
+                                            rows, blocks, config.gemm2, bm, 0, rows_per_expert)))
+
+
+class BatchedPlan:
+    """A batched call (no adapters, no FP8 activations, no TMA boxes) made ready to repeat for calls of one checked
+    signature, as :class:`CallPlan` is: both GEMMs prepared, their arguments rebuilt from the call's
+    :class:`BatchedSources`."""
+
+    __slots__ = ("_steps", "_words")
+
+    def __init__(self, steps: tuple, words: tuple):
+        self._steps, self._words = steps, words
+
+    @classmethod
+    def first_call(cls, out, x, expert_num_tokens, w13: WeightOperand, w2: WeightOperand, b13, b2, activation: str,
+                   config: ExpertsConfig) -> "BatchedPlan | None":
+        """Launch the call in full; return its plan, or None (see :meth:`CallPlan.first_call`)."""
+        sources = BatchedSources.of(out, x, expert_num_tokens, w13, w2, b13, b2)
+        steps = _launch_and_prepare(sources.launches(w13, w2, activation, config), sources)
+        return None if steps is None else cls(steps, (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)))
+
+    def __call__(self, out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias) -> bool:
+        w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
+        if (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)) != self._words:
             return False
-        for launcher, prepared, grid, build, constants in rest:
-            args = build(sources)
-            if not prepared(grid, args):
-                launcher.launch(grid, args, constants)
-        return True
+        return _run_prepared(self._steps, BatchedSources.of(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias))
 
 
 def _combine(y, pair_expert, out, top_k) -> None:
@@ -1139,9 +1214,10 @@ _COMBINE_CONSTANTS = Constants(BLOCK_H=COMBINE_BLOCK_H, num_warps=4)
 
 def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias,
                          config: ExpertsConfig | None = None, act_quant: str | None = None, lora=None,
-                         lora_ids=None) -> None:
+                         lora_ids=None, plan: bool = False) -> "BatchedPlan | None":
     """Batched format, valid rows written into ``out`` [E, M, H] (contiguous); padding rows untouched. ``lora``: as
-    :func:`fused_experts_into`, ``lora_ids`` int32 [E, M]."""
+    :func:`fused_experts_into`, ``lora_ids`` int32 [E, M]. ``plan``: return the call made ready to repeat for calls
+    of the same checked signature where it can be (:class:`BatchedPlan`), else None."""
     num_experts, rows_per_expert, hidden = x.shape
     two_i = w13.shape[1]
     if rows_per_expert == 0:
@@ -1152,6 +1228,8 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
         # Each expert runs up to M rows: the regime of M rows per expert.
         config, _ = expert_configs.choose(rows_per_expert * num_experts, num_experts, 1, two_i, hidden,
                                           x.device, x.dtype, w13.config_format, batched=True)
+    if plan and lora is None and not fp8 and not (config.gemm1.tma or config.gemm2.tma):  # (as fused_experts_into)
+        return BatchedPlan.first_call(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias, activation, config)
     bm = config.block_m
     blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
     h, hs = activation_buffers(num_experts * rows_per_expert, two_i // 2, x.dtype, x.device, fp8)
@@ -1313,10 +1391,11 @@ def run_fused(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_
 
 
 def run_batched(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config=None, act_quant=None,
-                lora=None, lora_ids=None):
+                lora=None, lora_ids=None, plan: bool = False):
+    """``plan``: as :func:`run_fused`'s (:func:`batched_experts_into`'s plan)."""
     if not torch.compiler.is_compiling():
-        batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config, act_quant,
-                             lora, lora_ids)
+        return batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, config,
+                                    act_quant, lora, lora_ids, plan)
     elif config is None and act_quant is None and lora is None and _dense_weights(w13, w2):
         torch.ops.moekit.batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
     else:
