@@ -290,8 +290,9 @@ def recording_decode(monkeypatch):
     monkeypatch.setattr(_launch, "_KEY_FUNCTIONS", {})
     monkeypatch.setattr(_launch, "_ADDRESSES_FUNCTIONS", {})
     log = []
-    for name in ("gemv1_act_kernel", "gemv1_rows_kernel", "gemv2_tokens_kernel", "scaled_fp16_kernel",
-                 "gemm1_act_kernel", "gemm2_tokens_kernel", "align_kernel", "gemm2_kernel", "combine_kernel"):
+    for name in ("gemv1_act_kernel", "gemv1_rows_kernel", "gemv2_tokens_kernel", "gemv2_rows_kernel",
+                 "scaled_fp16_kernel", "gemm1_act_kernel", "gemm2_tokens_kernel", "align_kernel", "gemm2_kernel",
+                 "combine_kernel"):
         monkeypatch.setattr(tb, name, _launch.Launcher(_RecordingKernel(getattr(tb, name).fn, log)))
     monkeypatch.setattr(api, "_VALIDATED", CheckedCalls())
     served = []
@@ -312,6 +313,8 @@ def recording_decode(monkeypatch):
     ("aligned", "mxfp4", None),   # 4-bit, no global scale
     ("aligned-words", "mxfp4", None),   # the GPU's word-decoded 4-bit tiles: x's paired copy, h in paired order
     ("per_pair-words", "nvfp4", None),
+    ("gemv-split", "mxfp4", None),      # GEMV2 per pair into fp32 rows (split_slots), then the combine
+    ("rows-split", "nvfp4", None),      # both GEMVs on the rows kernels: GEMV2 per pair on gemv2_rows
 ])
 def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_arguments(recording_decode, monkeypatch,
                                                                                   mode, weights, gemm2_packed):
@@ -324,13 +327,14 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
     from moekit.formats import quantize_experts, to_parts
 
     log, served = recording_decode
-    words = mode.endswith("-words")
+    words, split = mode.endswith("-words"), mode.endswith("-split")
     if words:  # bf16 on a GPU only: the decision as the GPU makes it, the kernels recorded
-        mode = mode.removesuffix("-words")
         monkeypatch.setattr(tb, "_w4_words", lambda w, dtype: w.format in ("mxfp4", "nvfp4") and tb._on_words(w.data))
+    mode = mode.removesuffix("-words").removesuffix("-split")
     gemm1 = GemmConfig(8, 64, 4, 3, row_scaled=True) if mode == "rows" else GemmConfig(16, 64, 4, 1)
-    config = ExpertsConfig(16, gemm1, GemmConfig(16, 64, 4, 1, slots=0 if gemm2_packed else None, packed=gemm2_packed),
-                           mode="gemv" if mode == "rows" else mode)
+    gemm2 = (GemmConfig(16, 64, 4, 2, row_scaled=True) if mode == "rows" and split else
+             GemmConfig(16, 64, 4, 1, slots=0 if gemm2_packed else None, packed=gemm2_packed))
+    config = ExpertsConfig(16, gemm1, gemm2, mode="gemv" if mode == "rows" else mode, split_slots=split)
     hid, inter = 64, 64  # 4-bit K a multiple of 32
     w13, w2 = torch.randn(E, 2 * inter, hid).half(), torch.randn(E, hid, inter).half()
     if weights != "dense":
@@ -340,6 +344,8 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
                "rows": ["gemv1_rows_kernel", "gemv2_tokens_kernel"],
                "per_pair": ["gemm1_act_kernel", "gemm2_tokens_kernel"],
                "aligned": ["align_kernel", "gemm1_act_kernel", "gemm2_kernel", "combine_kernel"]}[mode]
+    if split:
+        kernels = [kernels[0], "gemv2_rows_kernel" if mode == "rows" else kernels[1], "combine_kernel"]
     if weights != "dense" and mode == "gemv":
         kernels.insert(0, "scaled_fp16_kernel")
     if gemm2_packed:

@@ -699,16 +699,26 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
 
 
 def gemv2_rows(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, y, cfg: GemmConfig,
-               pdl: bool = False):
+               pdl: bool = False, prepare: bool = False):
     """GEMM2 per pair on kernels/gemv2_rows.py (GemmConfig.row_scaled with ExpertsConfig.split_slots): y [T*k, H]
-    fp32 <- each pair's router-weighted row (zeros for pairs of other ranks), for :func:`_combine`."""
-    hidden, inter = w.shape[1], w.shape[2]
-    words, sw0, sw1, _, *scales = w.gemv_args()
-    grid = (y.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
-    return gemv2_rows_kernel.launch(grid, (
-        h, h.stride(0), words, sw0, sw1, *scales, *_bias_args(b2, h), weights, ids,
-        expert_map if expert_map is not None else ids, y, y.stride(0), num_global, w.shape[0], hidden, inter,
-    ), _gemv2_rows_constants(w.format, cfg, b2 is not None, expert_map is not None, pdl))
+    fp32 <- each pair's router-weighted row (zeros for pairs of other ranks), for :func:`_combine`. ``prepare``: as
+    :func:`gemv2_tokens`'s."""
+    w_args = w.gemv_args()
+    grid = (y.shape[0] * _triton.cdiv(w.shape[1], cfg.block_n),)
+    args = _gemv2_rows_args(h, w_args, b2, weights, ids, expert_map, y, num_global, w.shape[0], w.shape[1],
+                            w.shape[2])
+    constants = _gemv2_rows_constants(w.format, cfg, b2 is not None, expert_map is not None, pdl)
+    kernel = gemv2_rows_kernel.launch(grid, args, constants)
+    if not prepare:
+        return kernel
+    prepared = gemv2_rows_kernel.prepare(args, constants)
+    return None if prepared is None else (prepared, grid, None, _ints(w_args))
+
+
+def _gemv2_rows_args(h, w_args, b2, weights, ids, expert_map, y, num_global, num_local, hidden, inter) -> tuple:
+    words, sw0, sw1, _, *scales = w_args
+    return (h, h.stride(0), words, sw0, sw1, *scales, *_bias_args(b2, h), weights, ids,
+            expert_map if expert_map is not None else ids, y, y.stride(0), num_global, num_local, hidden, inter)
 
 
 @functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
@@ -883,7 +893,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         if lora is not None:
             delta = expert_lora.w13_delta(x, xs, lora, lora_ids, pairs)
         if gemv:
-            plan = plan and lora is None and not config.split_slots
+            plan = plan and lora is None
             first = gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl,
                           delta, prepare=plan)
             if not config.split_slots:
@@ -894,14 +904,18 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
                 return DecodePlan(first, second, config, pdl, activation) if plan and first and second else None
             # each pair as a token of one slot (zeros for pairs not computed here), then the slots summed in order
             y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-            if _row_scaled(config.gemm2, w2, h.dtype):
-                gemv2_rows(h, w2, w2_bias, weights, ids, expert_map, num_global, y, config.gemm2, pdl)
+            prepare, rows2 = plan and first is not None, _row_scaled(config.gemm2, w2, h.dtype)
+            if rows2:
+                second = gemv2_rows(h, w2, w2_bias, weights, ids, expert_map, num_global, y, config.gemm2, pdl,
+                                    prepare)
             else:
-                gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl)
+                second = gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl,
+                                      prepare=prepare)
             if lora is not None:
                 expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights)
-            _combine(y, ids, out, top_k)
-            return
+            third = _combine(y, ids, out, top_k, prepare=plan and second is not None)
+            return (DecodePlan(first, second, config, pdl, activation, third, rows2)
+                    if plan and first and second and third else None)
         gemm1(x, w13, w13_bias, h, RowMap.per_pair(ids, expert_map), activation, num_pairs, config.gemm1,
                PER_PAIR_BLOCK_M, num_pairs, top_k, 0, num_global, xs, hs, delta=delta)
         gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
@@ -961,19 +975,23 @@ class _GemmLoRA:
 
 
 class DecodePlan:
-    """A decode call (GEMV1, on either of its kernels, then GEMV2; no adapters) made ready to repeat for calls of one
-    checked signature (the op keeps it with its decision): both launches, and the packing of x and h where the
-    config packs them (scaled_fp16), are prepared (moekit._launch.Prepared), so a repeated call builds only their
-    arguments and buffers. ``__call__`` returns False, having launched nothing, where the first launch's binding
+    """A decode call (GEMV1, on either of its kernels, then GEMV2, or with split slots GEMV2 per pair on either of
+    its kernels and the combine; no adapters) made ready to repeat for calls of one checked signature (the op keeps it
+    with its decision): every launch, and the packing of x and h where the config packs them (scaled_fp16), is
+    prepared (moekit._launch.Prepared), so a repeated call builds only their arguments and buffers. ``__call__`` returns False, having launched nothing, where the first launch's binding
     does not hold; the caller then runs the call in full. A later launch that does not hold runs in full itself."""
 
     __slots__ = ("_gemv1", "_grid1", "_pack1", "_ints1", "_args1", "_gemv2", "_grid2", "_pack2", "_ints2",
-                 "_config", "_pdl", "_activation")
+                 "_config", "_pdl", "_activation", "_combine", "_rows2")
 
-    def __init__(self, first, second, config: ExpertsConfig, pdl: bool, activation: str):
+    def __init__(self, first, second, config: ExpertsConfig, pdl: bool, activation: str, combine=None,
+                 rows2: bool = False):
+        """``combine``: split slots (ExpertsConfig.split_slots): GEMV2 per pair into fp32 rows, then this prepared
+        combine launch; ``rows2``: that GEMV2 on gemv2_rows."""
         (self._gemv1, self._grid1, self._pack1, self._ints1, self._args1) = first
         (self._gemv2, self._grid2, self._pack2, self._ints2) = second
         self._config, self._pdl, self._activation = config, pdl, activation
+        self._combine, self._rows2 = combine, rows2
 
     def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
         top_k = topk_ids.shape[1]
@@ -1002,12 +1020,25 @@ class DecodePlan:
                 return False
             gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, self._activation, top_k, self._config.gemm1,
                   self._pdl)  # (x's packing ran: the call goes on in full)
-        packed = None if self._pack2 is None else self._pack2(h)
-        if (self._pack2 is not None and packed is None) or not self._gemv2(self._grid2, _gemv2_args(
-                _plain_h_args(h) if packed is None else _packed_h_args(*packed), w2_args, w2_bias, h,
-                weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter, None)):
-            gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, self._config.gemm2,
-                         self._pdl)
+        if self._combine is None:
+            target, slots = out, top_k
+        else:  # each pair as a token of one slot, then the combine
+            target, slots = torch.empty(ids.numel(), hidden, dtype=torch.float32, device=x.device), 1
+        if self._rows2:
+            if not self._gemv2(self._grid2, _gemv2_rows_args(h, w2_args, w2_bias, weights, ids, expert_map, target,
+                                                             num_global, num_local, hidden, inter)):
+                gemv2_rows(h, w2, w2_bias, weights, ids, expert_map, num_global, target, self._config.gemm2, self._pdl)
+        else:
+            packed = None if self._pack2 is None else self._pack2(h)
+            if (self._pack2 is not None and packed is None) or not self._gemv2(self._grid2, _gemv2_args(
+                    _plain_h_args(h) if packed is None else _packed_h_args(*packed), w2_args, w2_bias, h,
+                    weights, ids, expert_map, target, slots, num_global, num_local, hidden, inter, None)):
+                gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, target, slots, self._config.gemm2,
+                             self._pdl)
+        if self._combine is not None:
+            grid, args, constants = _combine_launch(target, ids, out, top_k)
+            if not self._combine(grid, args):
+                combine_kernel.launch(grid, args, constants)
         return True
 
 
@@ -1198,9 +1229,12 @@ class BatchedPlan:
         return _run_prepared(self._steps, BatchedSources.of(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias))
 
 
-def _combine(y, pair_expert, out, top_k) -> None:
-    """out[t] = sum over slots j in order of y[t * k + j] (pairs whose pair_expert is -1 skipped)."""
-    combine_kernel.launch(*_combine_launch(y, pair_expert, out, top_k))
+def _combine(y, pair_expert, out, top_k, prepare: bool = False):
+    """out[t] = sum over slots j in order of y[t * k + j] (pairs whose pair_expert is -1 skipped). ``prepare``: return
+    the launch made ready to repeat (moekit._launch.Prepared) or None."""
+    grid, args, constants = _combine_launch(y, pair_expert, out, top_k)
+    combine_kernel.launch(grid, args, constants)
+    return combine_kernel.prepare(args, constants) if prepare else None
 
 
 def _combine_launch(y, pair_expert, out, top_k) -> tuple:
