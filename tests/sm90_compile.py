@@ -197,7 +197,8 @@ def expert_variants():
             yield f"rows decode {name} BLOCK_N={bn} w{warps}", \
                 lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
-        for bn, bk, stages in ((8, 1024, 3), (16, 1024, 3), (16, 512, 2), (32, 512, 2)):  # GEMM2 per pair (gemv2_rows)
+        bk = 1024 if I >= 2048 else 256  # GEMM2 per pair (gemv2_rows): the tuner's candidates (tools/tune.py)
+        for bn, bk, stages in ((8, bk, 3), (16, bk, 3), (32, bk, 3), (32, bk, 2), (16, 512, 2)):
             cfg = replace(decode, split_slots=True, gemm1=GemmConfig(8, 1024, 4, 3, row_scaled=True),
                           gemm2=GemmConfig(bn, bk, 4, stages, row_scaled=True))
             yield f"rows decode, GEMM2 per pair {name} BLOCK_N={bn} BLOCK_K={bk} s{stages}", \

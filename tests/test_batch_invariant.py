@@ -89,7 +89,7 @@ def test_invariant_configs_fix_the_reduction_order_of_a_shape_class_at_every_tok
     steps = set()
     for T in TOKENS:
         for top_k in (1, 2, 8):  # batched calls ask with k=1 at T = E * M
-            cfg, why = C._invariant_choose(key, shape, T, E, top_k, N, K, family)
+            cfg, why = C._invariant_choose((key,), shape, T, E, top_k, N, K, family)
             assert cfg.mode == "aligned" and not cfg.pdl and not cfg.split_slots, why
             assert not cfg.gemm1.half_tails and not cfg.gemm2.half_tails
             steps.add((C._effective_block_k(cfg.gemm1, family, 2), C._effective_block_k(cfg.gemm2, family, 1)))

@@ -306,42 +306,47 @@ def test_a_bucket_without_entry_takes_the_nearest_tuned_one(monkeypatch):
     monkeypatch.setattr(expert_configs, "table_key", lambda *a: "K")
     monkeypatch.setattr(expert_configs, "shape_key", lambda *a: "S")
     expert_configs._choose.cache_clear()
+    expert_configs.served_entries.cache_clear()
     try:
         cfg, source = expert_configs.choose(9000, 128, 4, 5760, 2880, torch.device("cpu"), torch.bfloat16, "mxfp4")
         assert cfg == ExpertsConfig.from_dict(entry) and "T<=4096, the nearest tuned bucket to T<=16384" in source
     finally:
         expert_configs._choose.cache_clear()
+        expert_configs.served_entries.cache_clear()
 
 
-def test_a_gpu_without_entries_takes_those_tuned_for_its_architecture(monkeypatch):
-    entry = ExpertsConfig(16, GemmConfig(16, 256, 4, 1), GemmConfig(16, 256, 4, 1), mode="gemv").to_dict()
-    table = {"NVIDIA H200|triton-3.6.0|bfloat16": {"S": {"1": entry}},
-             "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16": {"OWN": {"1": entry}}}
+def test_a_gpu_takes_the_entries_tuned_for_its_architecture_where_it_has_none(monkeypatch):
+    cfg_of = lambda bn: ExpertsConfig(16, GemmConfig(bn, 256, 4, 1), GemmConfig(bn, 256, 4, 1), mode="gemv")  # noqa: E731
+    h200, own = cfg_of(16), cfg_of(8)
+    table = {"NVIDIA H200|triton-3.6.0|bfloat16": {"S": {"1": h200.to_dict(), "4096": h200.to_dict()}},
+             "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16": {"S": {"1": own.to_dict()}}}
     names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA B200"}
     monkeypatch.setattr(expert_configs, "_table", lambda: table)
     monkeypatch.setattr(expert_configs, "table_key", lambda device, dtype, fmt="dense": (
         f"{names.get(device.index, 'cpu')}|triton-3.6.0|bfloat16" + ("" if fmt == "dense" else f"|{fmt}")))
     monkeypatch.setattr(expert_configs._triton, "capability", lambda device: {0: (9, 0), 1: (10, 0)}[device.index])
-    expert_configs._sibling_key.cache_clear()
+    monkeypatch.setattr(expert_configs, "shape_key", lambda *a: "S")
     h100, b200 = torch.device("cuda", 0), torch.device("cuda", 1)
+    keys = lambda device, fmt="dense": expert_configs.serving_keys(device, torch.bfloat16, fmt)  # noqa: E731
+    assert keys(h100) == ("NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16", "NVIDIA H200|triton-3.6.0|bfloat16")
+    assert keys(h100, "mxfp4")[1] == "NVIDIA H200|triton-3.6.0|bfloat16|mxfp4"     # per format
+    assert keys(b200) == ("NVIDIA B200|triton-3.6.0|bfloat16",)                     # another architecture: its own
+    assert keys(torch.device("cpu")) == ("cpu|triton-3.6.0|bfloat16",)
+    expert_configs._choose.cache_clear()
+    expert_configs.served_entries.cache_clear()
     try:
-        key = lambda device, shape, fmt="dense": expert_configs.serving_key(device, torch.bfloat16, fmt, shape)  # noqa: E731
-        assert key(h100, "S") == "NVIDIA H200|triton-3.6.0|bfloat16"             # same sm_90: the H200's entries
-        assert key(h100, "OWN") == "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16"  # its own entries come first
-        assert key(h100, "NONE") == "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16"  # neither has it: the heuristic
-        assert key(h100, "S", "mxfp4") == "NVIDIA H100 80GB HBM3|triton-3.6.0|bfloat16|mxfp4"  # per format
-        assert key(b200, "S") == "NVIDIA B200|triton-3.6.0|bfloat16"              # another architecture: its own
-        assert expert_configs.serving_key(torch.device("cpu"), torch.bfloat16, "dense", "S").startswith("cpu|")
-        monkeypatch.setattr(expert_configs, "shape_key", lambda *a: "S")
-        monkeypatch.setattr(expert_configs._triton, "gpu_name", lambda device: names[device.index])
-        expert_configs._choose.cache_clear()
-        cfg, source = expert_configs.choose(1, 128, 4, 5760, 2880, h100, torch.bfloat16)
-        assert cfg == ExpertsConfig.from_dict(entry)                    # explain says whose entry it is
-        assert source.endswith("NVIDIA H100 80GB HBM3 has no entries for this shape: NVIDIA H200's, the same compute "
-                               "capability"), source
+        pick = lambda T, device=h100: expert_configs.choose(T, 128, 4, 5760, 2880, device, torch.bfloat16)  # noqa: E731
+        cfg, source = pick(1)
+        assert cfg == own and "borrow" not in source and "no entry" not in source    # its own entry wins its bucket
+        cfg, source = pick(4096)                                                     # a bucket it has none for:
+        assert cfg == h200 and source.endswith("NVIDIA H100 80GB HBM3 has no entry for this bucket: NVIDIA H200's, "
+                                               "the same compute capability"), source
+        cfg, source = pick(16)                                                       # between: the nearest above
+        assert cfg == h200 and "nearest tuned bucket" in source
+        assert pick(4096, b200)[1].startswith("heuristic")                           # nothing for a B200
     finally:
-        expert_configs._sibling_key.cache_clear()
         expert_configs._choose.cache_clear()
+        expert_configs.served_entries.cache_clear()
 
 
 def test_configs_round_trip_through_the_table_format():
@@ -746,6 +751,10 @@ _GPU_4BIT_CONFIGS = {
     "CUDA-core, row-scaled, GEMM2 per pair": ExpertsConfig(16, GemmConfig(8, 1024, 4, 3, row_scaled=True),
                                                            GemmConfig(16, 1024, 4, 3, row_scaled=True), mode="gemv",
                                                            split_slots=True),
+    # GEMM2 per pair as GEMV1's programmatic dependent, after the packed GEMV1 (whose buffers it may overwrite)
+    "CUDA-core, GEMM2 per pair on the rows kernel, dependent": ExpertsConfig(
+        16, GemmConfig(16, 512), GemmConfig(32, 256, 4, 2, row_scaled=True), mode="gemv", split_slots=True,
+        pdl=True),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 
@@ -949,6 +958,11 @@ def test_four_bit_batched_and_expert_map(fmt):
     tid = torch.tensor([[1, 0], [2, 4], [5, 3], [1, 2], [4, 5]], dtype=torch.int32)
     got = fused_experts(x, q13, q2, tw, tid, expert_map=emap, backend="triton")
     check_close("expert_map", got, reference.fused_experts(x, d13, d2, tw, tid, expert_map=emap), TOL[torch.float32])
+    # GEMM2 per pair on the rows kernel (fp16 h): remote pairs' rows of y are zeros the combine adds
+    split = ExpertsConfig(16, GemmConfig(16, 64), GemmConfig(16, 32, row_scaled=True), mode="gemv", split_slots=True)
+    got = fused_experts(x.half(), q13, q2, tw, tid, expert_map=emap, backend="triton", config=split)
+    check_close("expert_map, GEMM2 per pair on the rows kernel", got,
+                reference.fused_experts(x.half(), d13, d2, tw, tid, expert_map=emap), TOL[torch.float16])
 
 
 @pytest.mark.gpu

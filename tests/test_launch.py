@@ -139,6 +139,51 @@ def test_a_prepared_launch_repeats_the_binding_and_refuses_what_it_does_not_hold
     assert odd((1,), (base[2:], 9)) and not odd((1,), (base, 9))
 
 
+class _OnGpu1(torch.Tensor):
+    """A CPU tensor that reports CUDA device 1 (what the launcher's device check reads)."""
+
+    def get_device(self):
+        return 1
+
+
+def test_tensors_of_another_gpu_than_the_current_launch_on_theirs(fake_launcher, monkeypatch):
+    # the op's checks put a call's tensors on one GPU, not on the current one: a bound launch must not run them on
+    # the current GPU (their addresses are another device's), so the launcher switches to theirs, as torch does
+    fn, launcher = fake_launcher
+    current = [0]
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+
+    class Switch:  # torch.cuda.device without a GPU
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+
+    monkeypatch.setattr(torch.cuda, "device", Switch)
+    seen, real = [], _launch.Launcher.launch
+    monkeypatch.setattr(_launch.Launcher, "launch",
+                        lambda self, grid, args, kwargs: seen.append(current[0]) or real(self, grid, args, kwargs))
+    c = _launch.Constants(BLOCK=16)
+    launcher.launch((1,), (torch.empty(64), 9), c)
+    launcher.launch((1,), (torch.empty(64), 9), c)                  # bound on device 0
+    launcher.launch((1,), (torch.empty(64).as_subclass(_OnGpu1), 9), c)
+    assert seen == [0, 0, 0, 1] and current[0] == 0                   # launched again under device 1, then back
+    assert [entry[0] for entry in fn.log] == ["triton", "bound", "triton"]  # device 1's own binding, by Triton
+
+
+def test_a_prepared_launch_refuses_tensors_of_another_gpu(fake_launcher):
+    fn, launcher = fake_launcher
+    x, c = torch.empty(64), _launch.Constants(BLOCK=16)
+    launcher.launch((1,), (x, 9), c)
+    prepared = launcher.prepare((x, 9), c)
+    assert prepared((1,), (x, 9))
+    assert not prepared((1,), (torch.empty(64).as_subclass(_OnGpu1), 9))  # the caller then goes to launch()
+
+
 def test_an_argument_builder_puts_another_calls_tensors_where_the_sources_were():
     a, b, c = torch.zeros(2), torch.ones(3), torch.full((4,), 2.0)
     build = _launch.arg_builder((a, 3, None, 0.5, b, True, a), (b, None, a))

@@ -86,7 +86,9 @@ def _key_function(types: tuple):
         lines.append(f"    flags = {(1 << len(ptrs)) - 1} if not ({every}) & 15 else {each}")
     else:
         lines.append("    flags = 0")
-    lines.append(f"    return (flags, {''.join(part + ', ' for part in parts)}), ({_addressed(types)})")
+    first = next((i for i, t in enumerate(types) if issubclass(t, torch.Tensor)), None)
+    on = "-1" if first is None else f"a{first}.get_device()"
+    lines.append(f"    return (flags, {''.join(part + ', ' for part in parts)}), ({_addressed(types)}), {on}")
     scope: dict = {}
     exec(compile("\n".join(lines) + "\n", f"<moekit._launch key of {len(types)} arguments>", "exec"), scope)
     if len(_KEY_FUNCTIONS) >= 4096:
@@ -102,7 +104,8 @@ def _addressed(types: tuple) -> str:
     """The launch arguments as generated code reads them (``a{i}``, a tensor's address ``p{j}``): a bound launch
     passes each tensor as its address, which Triton's launcher takes as it is, where for a tensor it calls
     ``data_ptr()`` and asks the driver what the address is (``cuPointerGetAttribute``, once per tensor per launch).
-    The op's checked call signature has put every tensor on the launch's GPU."""
+    The op's checks put every tensor of a call on one GPU; a bound launch runs on that GPU (Launcher.launch switches
+    to it where it is not the current one, a prepared launch refuses)."""
     parts, j = [], 0
     for i, t in enumerate(types):
         if issubclass(t, torch.Tensor):
@@ -178,10 +181,13 @@ class Launcher:
         types = tuple(map(type, args))
         device = torch._C._cuda_getDevice()  # what torch.cuda.current_device returns, without its Python wrapper
         try:
-            key, addressed = _bound_key(device, types, args, kwargs)
+            key, addressed, on = _bound_key(device, types, args, kwargs)
             bound = self._bound.get(key)
         except (_Unkeyed, TypeError):  # an argument type not keyed here, an unhashable keyword
             return self.fn[grid](*args, **kwargs)
+        if on != device and on >= 0:  # tensors of another GPU than the current one: launch on theirs, as torch does
+            with torch.cuda.device(on):
+                return self.launch(grid, args, kwargs)
         if bound is None:
             kernel = self.fn[grid](*args, **kwargs)  # compiles if needed, and launches
             if hasattr(kernel, "result"):  # an asynchronous compile's future
@@ -206,7 +212,7 @@ class Launcher:
         types = tuple(map(type, args))
         device = torch._C._cuda_getDevice()
         try:
-            key, _ = _bound_key(device, types, args, kwargs)
+            key, _, _ = _bound_key(device, types, args, kwargs)
             bound = self._bound.get(key)
         except (_Unkeyed, TypeError):
             return None
@@ -231,7 +237,7 @@ class Launcher:
 class Prepared:
     """One call signature's launch made ready to repeat (:meth:`Launcher.prepare`): ``prepared(grid, args)``
     launches the compiled kernel with ``args`` and returns True, or returns False without launching where the
-    binding does not hold (another current device, a tensor whose 16-byte alignment differs from the prepared
+    binding does not hold (another current device or tensors on another GPU, a tensor whose 16-byte alignment differs from the prepared
     launch's, a launch hook set): the caller then launches through :meth:`Launcher.launch`.
 
     The caller keeps the rest of the contract: ``args`` have the types, dtypes and integer values of the prepared
@@ -243,7 +249,7 @@ class Prepared:
         self._bound, self._device, self._addresses, self._runtime = bound, device, addresses, runtime
 
     def __call__(self, grid, args: tuple) -> bool:
-        addressed = self._addresses(args)
+        addressed = self._addresses(args, self._device)
         if addressed is None or torch._C._cuda_getDevice() != self._device or _hooks_set(self._runtime):
             return False
         self._bound.launch(grid, self._device, addressed)
@@ -292,15 +298,17 @@ _BUILDERS: dict = {}
 
 
 def _bound_key(device: int, types: tuple, args: tuple, kwargs: dict) -> tuple:
-    """(a launch's key among a Launcher's bindings, its arguments with tensors as addresses). The key: (device,
-    types, _key_function's key (its first item the tensors' alignment flags), the keywords)."""
-    key, addressed = _key_function(types)(args)
-    return (device, types, key, kwargs if type(kwargs) is Constants else tuple(kwargs.items())), addressed
+    """(a launch's key among a Launcher's bindings, its arguments with tensors as addresses, the first tensor's
+    device index or -1). The key: (device, types, _key_function's key (its first item the tensors' alignment flags),
+    the keywords)."""
+    key, addressed, on = _key_function(types)(args)
+    return (device, types, key, kwargs if type(kwargs) is Constants else tuple(kwargs.items())), addressed, on
 
 
 def _addresses_function(types: tuple, flags: int):
-    """``args -> args with tensors as addresses``, or None where the tensors among ``args`` (of these types) lack
-    the 16-byte alignment ``flags`` of :func:`_key_function` (generated once per types and flags, like the key)."""
+    """``(args, device) -> args with tensors as addresses``, or None where the tensors among ``args`` (of these types)
+    lack the 16-byte alignment ``flags`` of :func:`_key_function` or are not on ``device`` (generated once per types
+    and flags, like the key)."""
     fn = _ADDRESSES_FUNCTIONS.get((types, flags))
     if fn is None:
         if len(_ADDRESSES_FUNCTIONS) >= 4096:
@@ -314,9 +322,11 @@ _ADDRESSES_FUNCTIONS: dict = {}
 
 def _make_addresses_function(types: tuple, flags: int):
     ptrs = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
-    lines = ["def addresses(args):"]
+    lines = ["def addresses(args, device):"]
     if types:
         lines.append(f"    {''.join(f'a{i}, ' for i in range(len(types)))}= args")
+    if ptrs:  # (the op's checks put every tensor of a call on one device; -1: not a CUDA tensor, as in CPU tests)
+        lines += [f"    on = a{ptrs[0]}.get_device()", "    if on != device and on >= 0:", "        return None"]
     lines += [f"    p{j} = a{i}.data_ptr()" for j, i in enumerate(ptrs)]
     every = (1 << len(ptrs)) - 1
     if ptrs and flags == every:  # the common case: every address a multiple of 16

@@ -266,28 +266,33 @@ def table_key(device: torch.device, dtype: torch.dtype, weight_format: str = "de
     return f"{_triton.gpu_name(device)}|triton-{triton.__version__}|{str(dtype).removeprefix('torch.')}{fmt}"
 
 
-# A GPU with no entries of its own for a shape runs those tuned on the GPU named here for its compute capability:
-# the same SMs, instructions and shared memory, so every entry compiles and fits; bandwidth and clocks differ.
+# A GPU's own table entries serve it first; a bucket it has none for takes those tuned on the GPU named here for
+# its compute capability: the same SMs, instructions and shared memory, so every entry compiles and fits; bandwidth
+# and clocks differ (an H100 on the H200's entries against its heuristic: 0.68-0.84x the time at T=1, 0.79-0.94x at
+# T=4096, benchmarks/results/archive/ab_sibling_table_h100_2026-12-06.md).
 TUNED_FOR_CAPABILITY = {(9, 0): "NVIDIA H200"}
 
 
-def serving_key(device: torch.device, dtype: torch.dtype, weight_format: str, shape: str) -> str:
-    """The table key whose entries serve ``shape`` on ``device``: its own GPU's where the table has entries for the
-    shape, else those of the GPU tuned for its compute capability (:data:`TUNED_FOR_CAPABILITY`), else its own
-    (no entries: the heuristic)."""
+def serving_keys(device: torch.device, dtype: torch.dtype, weight_format: str = "dense") -> tuple[str, ...]:
+    """The table keys whose entries serve calls on ``device``, first the one that wins a bucket: its own GPU's, then
+    that of the GPU tuned for its compute capability (:data:`TUNED_FOR_CAPABILITY`) where that is another GPU."""
     key = table_key(device, dtype, weight_format)
     if device.type != "cuda":
-        return key
-    return _sibling_key(key, shape, _triton.capability(device))
+        return (key,)
+    tuned = TUNED_FOR_CAPABILITY.get(_triton.capability(device))
+    if tuned is None or key.startswith(tuned + "|"):
+        return (key,)
+    return key, tuned + key[key.index("|"):]
 
 
-@functools.lru_cache(maxsize=1024)
-def _sibling_key(key: str, shape: str, capability: tuple[int, int]) -> str:
-    tuned = TUNED_FOR_CAPABILITY.get(capability)
-    if shipped_entries(key, shape) or tuned is None:
-        return key
-    sibling = tuned + key[key.index("|"):]
-    return sibling if shipped_entries(sibling, shape) else key
+@functools.lru_cache(maxsize=256)
+def served_entries(keys: tuple[str, ...], shape: str) -> dict[str, tuple[dict, str]]:
+    """{bucket: (entry, its table key)} for ``shape`` under :func:`serving_keys`'s keys: an earlier key's entry wins
+    its bucket, so a GPU tuned for some buckets keeps the borrowed ones for the rest."""
+    merged: dict = {}
+    for key in reversed(keys):
+        merged.update({bucket: (entry, key) for bucket, entry in shipped_entries(key, shape).items()})
+    return merged
 
 
 def shape_key(num_experts: int, n1: int, k1: int) -> str:
@@ -300,18 +305,19 @@ def shipped_entries(key: str, shape: str) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
+def _choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
             weight_format: str, gemv_rows: bool = True):
-    entry = shipped_entries(key, shape)
+    entries = served_entries(keys, shape)
     bucket = token_bucket(num_tokens)
-    if str(bucket) in entry:
-        return ExpertsConfig.from_dict(entry[str(bucket)]), f"tuned for {shape} at T<={bucket} ({key})"
-    near = nearest_tuned_bucket(bucket, [int(b) for b in entry])
-    if near is not None:
-        return (ExpertsConfig.from_dict(entry[str(near)]),
-                f"tuned for {shape} at T<={near}, the nearest tuned bucket to T<={bucket} ({key})")
-    return (heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format, gemv_rows),
-            f"heuristic (no tuned entry for {shape} at or below T<={bucket} in {key!r})")
+    near = bucket if str(bucket) in entries else nearest_tuned_bucket(bucket, [int(b) for b in entries])
+    if near is None:
+        return (heuristic(num_tokens, num_experts, top_k, n1, k1, weight_format, gemv_rows),
+                f"heuristic (no tuned entry for {shape} at or below T<={bucket} in {' or '.join(map(repr, keys))})")
+    entry, key = entries[str(near)]
+    where = f"T<={bucket}" if near == bucket else f"T<={near}, the nearest tuned bucket to T<={bucket}"
+    borrowed = "" if key == keys[0] else (f"; {keys[0].split('|')[0]} has no entry for this bucket: "
+                                          f"{key.split('|')[0]}'s, the same compute capability")
+    return ExpertsConfig.from_dict(entry), f"tuned for {shape} at {where} ({key}){borrowed}"
 
 
 def nearest_tuned_bucket(bucket: int, tuned: list[int]) -> int | None:
@@ -337,22 +343,11 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
     rows GEMV1 (its decode terms one pair per program: gpt-oss-120b's 360 column blocks per pair overflow their sum's
     tile and take the separate kernels) has not been timed against the other; in batch-invariant mode
     (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
-    shape = shape_key(num_experts, n1, k1)
-    key = serving_key(device, dtype, weight_format, shape)
+    keys, shape = serving_keys(device, dtype, weight_format), shape_key(num_experts, n1, k1)
     if _invariant.enabled():
-        cfg, source = _invariant_choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
-    else:
-        rows = not (lora or batched) and dtype in (torch.bfloat16, torch.float16)
-        cfg, source = _choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, rows)
-    return cfg, source + _borrowed(key, device)
-
-
-def _borrowed(key: str, device: torch.device) -> str:
-    """What :func:`choose`'s source adds where the entries are another GPU's (:func:`serving_key`)."""
-    if device.type != "cuda" or key.startswith(_triton.gpu_name(device) + "|"):
-        return ""
-    return (f"; {_triton.gpu_name(device)} has no entries for this shape: {key.split('|')[0]}'s, the same compute "
-            f"capability")
+        return _invariant_choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+    rows = not (lora or batched) and dtype in (torch.bfloat16, torch.float16)
+    return _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, rows)
 
 
 # Batch-invariant configurations. A token's bits depend on the order in which each GEMM adds its K terms and on
@@ -389,12 +384,12 @@ def _effective_block_k(cfg: GemmConfig, weight_format: str, tiles: int) -> int:
     return cfg.block_k
 
 
-def _reduction_steps(key: str, shape: str, num_experts: int, n1: int, k1: int,
+def _reduction_steps(keys: tuple[str, ...], shape: str, num_experts: int, n1: int, k1: int,
                      weight_format: str) -> tuple[int, int, str]:
     """(GEMM1's K step, GEMM2's K step, where they come from) of a shape class: those of its prefill configuration
     (the largest tuned bucket, else the heuristic at many rows per expert), where the GEMMs are compute-bound and
     their tiles matter most; decode sizes are bandwidth-bound and keep their bytes in flight with more stages."""
-    cfg, source = _choose(key, shape, TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format)
+    cfg, source = _choose(keys, shape, TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format)
     if cfg.mode != "aligned":
         cfg = heuristic(TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format)
         source = "heuristic at many rows per expert"
@@ -430,10 +425,10 @@ def _with_block_k(g: GemmConfig, block_k: int, weight_format: str, tiles: int) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _invariant_choose(key: str, shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
-                      weight_format: str):
-    bk1, bk2, steps_source = _reduction_steps(key, shape, num_experts, n1, k1, weight_format)
-    cfg, source = _choose(key, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+def _invariant_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int,
+                      k1: int, weight_format: str):
+    bk1, bk2, steps_source = _reduction_steps(keys, shape, num_experts, n1, k1, weight_format)
+    cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
     if cfg.mode != "aligned":
         tokens = max(num_tokens, _first_aligned_tokens(weight_format))
         default_mode = cfg.mode
@@ -463,6 +458,5 @@ def _whole_warpgroups(g: GemmConfig) -> int:
 def invariant_choice(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
                      dtype: torch.dtype, weight_format: str = "dense") -> tuple[ExpertsConfig, str]:
     """(config, why) that batch-invariant mode runs, whether or not the mode is on (for explain and tests)."""
-    shape = shape_key(num_experts, n1, k1)
-    return _invariant_choose(serving_key(device, dtype, weight_format, shape), shape, num_tokens, num_experts, top_k,
-                             n1, k1, weight_format)
+    return _invariant_choose(serving_keys(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens,
+                             num_experts, top_k, n1, k1, weight_format)

@@ -703,6 +703,8 @@ def gemv2_rows(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, y,
     """GEMM2 per pair on kernels/gemv2_rows.py (GemmConfig.row_scaled with ExpertsConfig.split_slots): y [T*k, H]
     fp32 <- each pair's router-weighted row (zeros for pairs of other ranks), for :func:`_combine`. ``prepare``: as
     :func:`gemv2_tokens`'s."""
+    if h.stride(1) != 1 or y.stride(1) != 1:  # the kernel takes neither column stride
+        raise ValueError(f"gemv2_rows: h and y need unit column strides, got {h.stride()} and {y.stride()}")
     w_args = w.gemv_args()
     grid = (y.shape[0] * _triton.cdiv(w.shape[1], cfg.block_n),)
     args = _gemv2_rows_args(h, w_args, b2, weights, ids, expert_map, y, num_global, w.shape[0], w.shape[1],

@@ -408,7 +408,9 @@ def run(p: argparse.ArgumentParser, args) -> int:
         for T in args.tokens:
             bucket = expert_configs.token_bucket(T)
             print(f"{name} {shape} T<={bucket}", flush=True)
-            shipped = expert_configs.shipped_entries(key, shape)
+            # what serves the shape on this GPU now: its own entries, bucket by bucket over those it borrows
+            shipped = {b: e for b, (e, _) in expert_configs.served_entries(
+                expert_configs.serving_keys(torch.device("cuda"), dtype, family), shape).items()}
             cfg, info = tune(spec, bucket, weights, args.format, args.modes, shipped, args.act_quant)
             entry = cfg.to_dict() | {"measured": info}
             table.setdefault(key, {}).setdefault(shape, {})[str(bucket)] = entry

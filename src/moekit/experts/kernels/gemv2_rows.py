@@ -41,13 +41,13 @@ def gemv2_rows_kernel(
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
+    if PDL:  # every program, those that only write zeros too: y may lie where GEMV1's buffers were freed
+        gdc_wait()
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     if e >= 0:  # pairs of another rank: GEMV1 never wrote their h; their row of y is zeros
         e64 = e.to(tl.int64)
         rows = offs_n.to(tl.int64)
         h_row = h_ptr + pair.to(tl.int64) * stride_hm
-        if PDL:
-            gdc_wait()
         h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
         y = tl.load(weights_ptr + pair) * _stream_rows(
             w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, e64 * stride_we + rows * stride_wn,
