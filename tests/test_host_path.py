@@ -302,6 +302,24 @@ def recording_decode(monkeypatch):
     return log, served
 
 
+def _same_launches(planned: list, full: list, given: tuple) -> None:
+    """A plan's recorded launches against the full path's on the same inputs (``given``: the caller's tensors, or
+    None): the same grids and scalars; the caller's tensors themselves; the call's buffers alike (shape, strides,
+    dtype), one of the plan's for each of the full path's (what a launch writes, the next reads)."""
+    given = {t.data_ptr() for t in given if isinstance(t, torch.Tensor)}
+    fwd, bwd = {}, {}
+    for (_, _, got), (_, _, want) in zip(planned, full, strict=True):
+        assert len(got) == len(want) and got[0] == want[0]  # the grid, then the arguments
+        for g, w in zip(got[1:], want[1:]):
+            if isinstance(w, torch.Tensor):
+                assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+                assert (g.data_ptr() == w.data_ptr()) == (w.data_ptr() in given)
+                assert fwd.setdefault(g.data_ptr(), w.data_ptr()) == w.data_ptr()
+                assert bwd.setdefault(w.data_ptr(), g.data_ptr()) == g.data_ptr()
+            else:
+                assert g == w
+
+
 @pytest.mark.parametrize("mode, weights, gemm2_packed", [
     ("gemv", "dense", None),      # x and h as they are
     ("gemv", "mxfp4", None),      # 4-bit: x packed by scaled_fp16 before GEMV1 (a launch of its own)
@@ -371,19 +389,8 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
                                   config)                         # the full path on the same inputs, bound
             assert [(n, k) for n, k, _ in planned] == [(n, "bound") for n in kernels]
             assert [(n, k) for n, k, _ in log] == [(n, "bound") for n in kernels]
-            given = {t.data_ptr() for t in (x2, out, tw2, ids2, b13, b2, *to_parts(w13)[1:4], *to_parts(w2)[1:4])
-                     if isinstance(t, torch.Tensor)} | ({emap.data_ptr()} if emap is not None else set())
-            fwd, bwd = {}, {}  # one buffer of the plan's for each of the full path's: what a launch writes, the
-            for (_, _, got), (_, _, want) in zip(planned, log):  # next reads
-                assert len(got) == len(want) and got[0] == want[0]  # the grid, then the arguments
-                for g, w in zip(got[1:], want[1:]):
-                    if isinstance(w, torch.Tensor):  # the caller's tensors themselves; the call's buffers alike
-                        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
-                        assert (g.data_ptr() == w.data_ptr()) == (w.data_ptr() in given)
-                        assert fwd.setdefault(g.data_ptr(), w.data_ptr()) == w.data_ptr()
-                        assert bwd.setdefault(w.data_ptr(), g.data_ptr()) == g.data_ptr()
-                    else:
-                        assert g == w
+            _same_launches(planned, log, (x2, out, tw2, ids2, b13, b2, emap, *to_parts(w13)[1:4],
+                                          *to_parts(w2)[1:4]))
             del log[:]
             odd = torch.randn(t * hid + 1).half()[1:].view(t, hid)   # the same signature, 2 bytes off alignment
             call(odd, tw2, ids2, emap)
@@ -440,19 +447,7 @@ def test_a_repeated_batched_call_runs_its_plan_with_the_full_paths_launch_argume
     tb.batched_experts_into(out, x2, counts2, w13, w2, "silu_and_mul", b13, b2, config)  # the full path, bound
     assert [(n, k) for n, k, _ in planned] == [(n, k) for n, k, _ in log] == [
         ("gemm1_act_kernel", "bound"), ("gemm2_kernel", "bound")]
-    given = {t.data_ptr() for t in (x2, out, counts2, b13, b2, *to_parts(w13)[1:4], *to_parts(w2)[1:4])
-             if isinstance(t, torch.Tensor)}
-    fwd, bwd = {}, {}  # one buffer of the plan's for each of the full path's
-    for (_, _, got), (_, _, want) in zip(planned, log):
-        assert len(got) == len(want) and got[0] == want[0]  # the grid, then the arguments
-        for g, w in zip(got[1:], want[1:]):
-            if isinstance(w, torch.Tensor):
-                assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
-                assert (g.data_ptr() == w.data_ptr()) == (w.data_ptr() in given)
-                assert fwd.setdefault(g.data_ptr(), w.data_ptr()) == w.data_ptr()
-                assert bwd.setdefault(w.data_ptr(), g.data_ptr()) == g.data_ptr()
-            else:
-                assert g == w
+    _same_launches(planned, log, (x2, out, counts2, b13, b2, *to_parts(w13)[1:4], *to_parts(w2)[1:4]))
     del log[:]
     odd = torch.randn(E * M * hid + 1).half()[1:].view(E, M, hid)  # the same signature, 2 bytes off alignment
     call(odd, counts2)
