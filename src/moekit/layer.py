@@ -228,7 +228,7 @@ class FusedMoE(nn.Module):
         params = self._parameters  # (see route: the dicts, not __getattr__)
         expert_map = self._buffers.get("expert_map")
         self._check_input(x, expert_map)
-        x2 = x.reshape(-1, spec.hidden_size)
+        x2 = x if x.dim() == 2 else x.reshape(-1, spec.hidden_size)  # (a reshape or view costs a microsecond)
         weights, ids = self.route(x2, replay_ids=replay_ids, record_ids=record_ids)
         w13, w2 = self.expert_weights()
         lora = self.expert_lora()
@@ -247,7 +247,7 @@ class FusedMoE(nn.Module):
         shared_w13 = params.get("shared_w13")
         if shared_w13 is not None:
             out = out + self._shared_expert(x2, shared_w13, params["shared_w2"])
-        return out.view(x.shape)
+        return out if x.dim() == 2 else out.view(x.shape)
 
     @staticmethod
     def _shared_expert(x2: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
