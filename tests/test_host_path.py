@@ -520,3 +520,15 @@ def test_a_contiguous_4bit_stack_at_an_odd_byte_offset_runs_on_the_decode_kernel
     got = fused_experts(x, w13, w2, tw, ids, backend="triton", config=config)
     want = reference.fused_experts(x, w13, w2, tw, ids)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_a_signature_with_an_unhashable_part_is_never_kept():
+    # signatures are hashed by the lookups alone; one holding an unhashable argument (which the checks then refuse)
+    # is neither found nor kept
+    calls = CheckedCalls()
+    key = CheckedCalls.signature((torch.empty(2),), ())
+    calls.put(key, "decision")
+    assert calls.get(key) == "decision"
+    unhashable = (*key, ["a list"])
+    calls.put(unhashable, "other")
+    assert calls.get(unhashable) is None

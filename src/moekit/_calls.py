@@ -75,22 +75,30 @@ class CheckedCalls:
         if torch.compiler.is_compiling():
             return None
         try:
-            key = (*map(_meta, tensors), *map(_option, options), gate.generation(), _invariant.enabled(),
-                   _triton.interpreting())
-            hash(key)
+            return (*map(_meta, tensors), *map(_option, options), gate.generation(), _invariant.enabled(),
+                    _triton.interpreting())
         except TypeError:
             return None
-        return key
 
+    # A signature is hashed by the lookups alone (a nested tuple does not keep its hash): one holding an unhashable
+    # argument (which the checks then refuse) is never kept
     def get(self, key):
-        return None if key is None else self._entries.get(key)
+        if key is None:
+            return None
+        try:
+            return self._entries.get(key)
+        except TypeError:
+            return None
 
     def put(self, key, decision) -> None:
         if key is None:
             return
         if len(self._entries) >= self._limit:
             self._entries.clear()
-        self._entries[key] = decision
+        try:
+            self._entries[key] = decision
+        except TypeError:
+            pass
 
     def clear(self) -> None:
         self._entries.clear()
