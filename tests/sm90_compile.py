@@ -204,6 +204,10 @@ def expert_variants():
             yield f"rows decode, GEMM2 per pair {name} BLOCK_N={bn} BLOCK_K={bk} s{stages}", \
                 lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
+        cfg = replace(cfg, pdl=False)  # GEMM2 without the dependent launch: no first chunk ahead of the wait
+        yield f"rows decode, GEMM2 per pair {name} no PDL", \
+            lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
+                x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
 
     # TMA weight boxes: the experts must be back to back (no stride 0); gpt-oss's interleaved rows take paired boxes
     for name in ("qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"):

@@ -29,6 +29,13 @@ def _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, 
                      FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Chunk ``c`` of a program: (words [rows, groups, words per group], scale bytes [rows, groups], activations
     [groups, group size] as stored). Groups past K are masked (zeros): their loads move no bytes."""
+    w, s = _load_rows_words(w_ptr, s_ptr, w_rows, s_rows, row_ok, c, K, FORMAT, BLOCK_K)
+    return w, s, _load_row_chunk(x_row, stride_xk, c * BLOCK_K, K, FORMAT, BLOCK_K)
+
+
+@triton.jit
+def _load_rows_words(w_ptr, s_ptr, w_rows, s_rows, row_ok, c, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weights of :func:`_load_rows_chunk`'s chunk ``c``: (words, scale bytes)."""
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     WORDS: tl.constexpr = GROUP // 8
     G: tl.constexpr = BLOCK_K // GROUP
@@ -46,18 +53,17 @@ def _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, 
     # (lanes along the groups); loaded as [rows, G], each chunk's sums would cross to it through shared memory.
     s = tl.trans(tl.load(s_ptr + s_rows[None, :] + _opaque(g, K)[:, None], mask=g_ok[:, None] & row_ok[None, :],
                          other=0))
-    return w, s, _load_row_chunk(x_row, stride_xk, c * BLOCK_K, K, FORMAT, BLOCK_K)
+    return w, s
 
 
 @triton.jit
 def _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr, stride_bn, e64, w_rows, s_rows, bias_rows, row_ok, x_row, stride_xk,
-                 K, x_scale, x_factor, HAS_BIAS: tl.constexpr, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HALVES_ASM: tl.constexpr):
+                 K, x_scale, x_factor, acc, first, HAS_BIAS: tl.constexpr, FORMAT: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr):
     """The rows' dot products with one activation row (scaled by x_scale, x_factor: moe_gemv._row_exponent), their
-    expert's NVFP4 global scale divided out and the bias added: fp32 [rows]."""
-    GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
-    acc = tl.zeros([w_rows.shape[0], BLOCK_K // GROUP], dtype=tl.float32)
-    for c in range(0, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
+    expert's NVFP4 global scale divided out and the bias added: fp32 [rows]. ``acc`` [rows, groups per chunk]: the
+    sums of the chunks before ``first``."""
+    for c in range(first, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
         w, s, xr = _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, K, FORMAT, BLOCK_K)
         acc += _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM)
     y = tl.sum(acc, axis=1)
@@ -119,8 +125,11 @@ def gemv1_rows_kernel(
             lora_a2 = w2_decode_cols(lora_a2_ptr, adapter, lora_live, e64, offs_n, ok1, num_local, I, lora_r2,
                                      LORA_R2_PAD)
         x_scale, x_factor = _row_exponent(x_row, stride_xk, K, XBLOCK)
+        GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         y = _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows,
-                         row_ok, x_row, stride_xk, K, x_scale, x_factor, HAS_BIAS, FORMAT, BLOCK_K, HALVES_ASM)
+                         row_ok, x_row, stride_xk, K, x_scale, x_factor,
+                         tl.zeros([2 * BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32), 0, HAS_BIAS, FORMAT, BLOCK_K,
+                         HALVES_ASM)
         if HAS_DELTA:
             y += tl.load(delta_ptr + pair.to(tl.int64) * stride_dm + rows, mask=row_ok, other=0.0).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .gemv1_rows import _stream_rows
-from .moe_gemm import _pair_expert
-from .moe_gemv import _row_exponent
+from .gemv1_rows import _load_rows_words, _stream_rows
+from .moe_gemm import MXFP4, _pair_expert
+from .moe_gemv import _load_row_chunk, _row_exponent, _row_scaled_sums
 
 
 @triton.jit
@@ -41,16 +41,28 @@ def gemv2_rows_kernel(
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
-    if PDL:  # every program, those that only write zeros too: y may lie where GEMV1's buffers were freed
-        gdc_wait()
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     if e >= 0:  # pairs of another rank: GEMV1 never wrote their h; their row of y is zeros
         e64 = e.to(tl.int64)
         rows = offs_n.to(tl.int64)
+        w_rows, s_rows = e64 * stride_we + rows * stride_wn, e64 * stride_se + rows * stride_sn
         h_row = h_ptr + pair.to(tl.int64) * stride_hm
-        h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
+        if PDL:  # the first chunk's weights (GEMV1 does not write them) load before the wait, while GEMV1's last
+            # programs run; its sums join the loop's (0 + a: the same bits)
+            w, s = _load_rows_words(w_ptr, s_ptr, w_rows, s_rows, n_ok, 0, K, FORMAT, BLOCK_K)
+            gdc_wait()
+            h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
+            acc = _row_scaled_sums(w, s, _load_row_chunk(h_row, 1, 0, K, FORMAT, BLOCK_K), h_scale, h_factor, FORMAT,
+                                   HALVES_ASM)
+            first = 1
+        else:
+            h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
+            GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
+            acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32)
+            first = 0
         y = tl.load(weights_ptr + pair) * _stream_rows(
-            w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, e64 * stride_we + rows * stride_wn,
-            e64 * stride_se + rows * stride_sn, rows, n_ok, h_row, 1, K, h_scale, h_factor, HAS_BIAS, FORMAT, BLOCK_K,
-            HALVES_ASM)
+            w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows, n_ok, h_row, 1, K,
+            h_scale, h_factor, acc, first, HAS_BIAS, FORMAT, BLOCK_K, HALVES_ASM)
+    elif PDL:  # these programs only write zeros, but y may lie where GEMV1's buffers were freed: they wait too
+        gdc_wait()
     tl.store(y_ptr + pair.to(tl.int64) * stride_ym + offs_n, y, mask=n_ok)
