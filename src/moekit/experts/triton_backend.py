@@ -671,9 +671,11 @@ def gemv2_packed(cfg: GemmConfig, weight_format: str, h_dtype: torch.dtype, top_
 
 
 def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, out, top_k, cfg: GemmConfig,
-                  pdl: bool = False, terms: expert_lora.DecodeTerms | None = None, prepare: bool = False):
+                  pdl: bool = False, terms: expert_lora.DecodeTerms | None = None, prepare: bool = False,
+                  w_args: tuple | None = None):
     """``pdl``: launched as the previous grid's (gemv1's) programmatic dependent. ``terms``: as :func:`gemv1`'s.
-    ``prepare``: as :func:`gemv1`'s (h's packing; no terms)."""
+    ``prepare``: as :func:`gemv1`'s (h's packing; no terms). ``w_args``: ``w.gemv_args()`` made before GEMV1 (where
+    it copies the words, the copy must not come between GEMV1 and its dependent)."""
     hidden, inter = w.shape[1], w.shape[2]
     packed, block_k, constants = _gemv2_constants(w.format, h.dtype, cfg, top_k, b2 is not None,
                                                   expert_map is not None, pdl)
@@ -686,7 +688,7 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
     if terms is not None:
         constants = {**constants, **terms.gemv2_constants}
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
-    w_args = w.gemv_args()
+    w_args = w.gemv_args() if w_args is None else w_args
     args = _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, w.shape[0], hidden,
                        inter, terms.gemv2_args if terms else None)
     kernel = gemv2_tokens_kernel.launch(grid, args, constants)
@@ -699,13 +701,13 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
 
 
 def gemv2_rows(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, y, cfg: GemmConfig,
-               pdl: bool = False, prepare: bool = False):
+               pdl: bool = False, prepare: bool = False, w_args: tuple | None = None):
     """GEMM2 per pair on kernels/gemv2_rows.py (GemmConfig.row_scaled with ExpertsConfig.split_slots): y [T*k, H]
-    fp32 <- each pair's router-weighted row (zeros for pairs of other ranks), for :func:`_combine`. ``prepare``: as
-    :func:`gemv2_tokens`'s."""
+    fp32 <- each pair's router-weighted row (zeros for pairs of other ranks), for :func:`_combine`. ``prepare``,
+    ``w_args``: as :func:`gemv2_tokens`'s (under PDL it reads its first weights before waiting for GEMV1)."""
     if h.stride(1) != 1 or y.stride(1) != 1:  # the kernel takes neither column stride
         raise ValueError(f"gemv2_rows: h and y need unit column strides, got {h.stride()} and {y.stride()}")
-    w_args = w.gemv_args()
+    w_args = w.gemv_args() if w_args is None else w_args
     grid = (y.shape[0] * _triton.cdiv(w.shape[1], cfg.block_n),)
     args = _gemv2_rows_args(h, w_args, b2, weights, ids, expert_map, y, num_global, w.shape[0], w.shape[1],
                             w.shape[2])
@@ -879,6 +881,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         gemv = config.gemv and not fp8
         dependent = _triton.dependent_launches(x.device)
         pdl = gemv and config.pdl and dependent
+        w2_args = w2.gemv_args() if gemv else None  # (before GEMV1: a copy of the words must not follow it)
         if lora is not None and gemv and not config.split_slots:
             # the adapters' terms inside the two GEMVs: one launch of their own at most (the rows GEMV1 takes one
             # pair per program)
@@ -890,7 +893,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
             gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl,
                   terms=terms)
             gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, pdl,
-                         terms=terms)
+                         terms=terms, w_args=w2_args)
             return
         if lora is not None:
             delta = expert_lora.w13_delta(x, xs, lora, lora_ids, pairs)
@@ -900,7 +903,8 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
                           delta, prepare=plan)
             if not config.split_slots:
                 second = gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2,
-                                      pdl, prepare=plan and first is not None)  # (launched kernels where not plan)
+                                      pdl, prepare=plan and first is not None,
+                                      w_args=w2_args)  # (launched kernels where not plan)
                 if lora is not None:
                     expert_lora.w2_add(h, hs, lora, lora_ids, pairs, out, weights, per_token=True)
                 return DecodePlan(first, second, config, pdl, activation) if plan and first and second else None
@@ -909,10 +913,10 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
             prepare, rows2 = plan and first is not None, _row_scaled(config.gemm2, w2, h.dtype)
             if rows2:
                 second = gemv2_rows(h, w2, w2_bias, weights, ids, expert_map, num_global, y, config.gemm2, pdl,
-                                    prepare)
+                                    prepare, w_args=w2_args)
             else:
                 second = gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, y, 1, config.gemm2, pdl,
-                                      prepare=prepare)
+                                      prepare=prepare, w_args=w2_args)
             if lora is not None:
                 expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights)
             third = _combine(y, ids, out, top_k, prepare=plan and second is not None)
@@ -1029,14 +1033,15 @@ class DecodePlan:
         if self._rows2:
             if not self._gemv2(self._grid2, _gemv2_rows_args(h, w2_args, w2_bias, weights, ids, expert_map, target,
                                                              num_global, num_local, hidden, inter)):
-                gemv2_rows(h, w2, w2_bias, weights, ids, expert_map, num_global, target, self._config.gemm2, self._pdl)
+                gemv2_rows(h, w2, w2_bias, weights, ids, expert_map, num_global, target, self._config.gemm2, self._pdl,
+                           w_args=w2_args)
         else:
             packed = None if self._pack2 is None else self._pack2(h)
             if (self._pack2 is not None and packed is None) or not self._gemv2(self._grid2, _gemv2_args(
                     _plain_h_args(h) if packed is None else _packed_h_args(*packed), w2_args, w2_bias, h,
                     weights, ids, expert_map, target, slots, num_global, num_local, hidden, inter, None)):
                 gemv2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, target, slots, self._config.gemm2,
-                             self._pdl)
+                             self._pdl, w_args=w2_args)
         if self._combine is not None:
             grid, args, constants = _combine_launch(target, ids, out, top_k)
             if not self._combine(grid, args):
