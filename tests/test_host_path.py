@@ -499,6 +499,12 @@ def test_a_call_whose_config_asks_for_tma_boxes_keeps_no_plan(recording_decode):
         for _ in range(3):
             fused_experts(x, w13, w2, tw, ids, backend="triton", config=config)
         assert served == [] and log  # launched in full every time
+    del log[:]
+    config = ExpertsConfig(16, GemmConfig(16, 64, 4, 1), GemmConfig(16, 64, 4, 1, tma=True))  # the batched format
+    xb, counts = torch.randn(E, 4, hid).half(), torch.full((E,), 3, dtype=torch.int32)
+    for _ in range(3):
+        batched_experts(xb, counts, w13, w2, backend="triton", config=config)
+    assert served == [] and len(log) == 6
 
 
 def test_a_contiguous_4bit_stack_at_an_odd_byte_offset_runs_on_the_decode_kernels():
