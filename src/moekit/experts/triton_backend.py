@@ -1116,60 +1116,71 @@ class CallSources(NamedTuple):
                 (combine_kernel, _combine_launch(self.y, self.pair_expert, self.out, top_k)))
 
 
-class CallPlan:
+class _SourcedPlan:
+    """Launches made ready to repeat, their arguments rebuilt from each call's sources (moekit._launch.arg_builder):
+    what :class:`CallPlan` and :class:`BatchedPlan` share. The 4-bit stacks' word layout is kept with them: a stack's
+    storage offset decides it, which the call signature does not fix."""
+
+    __slots__ = ("_steps", "_words")
+
+    def __init__(self, steps: tuple, words: tuple):
+        self._steps, self._words = steps, words
+
+    @staticmethod
+    def _launch(launches: tuple, sources: tuple, w13: WeightOperand, w2: WeightOperand, dtype) -> tuple | None:
+        """Launch each (Launcher, (grid, arguments, constants)) in order; return (steps that repeat them from another
+        call's sources, the words' layout), or None where a launch cannot be prepared or rebuilt (a TMA descriptor
+        among its arguments, a kernel not bound)."""
+        steps = []
+        for launcher, (grid, args, constants) in launches:
+            launcher.launch(grid, args, constants)
+            steps.append((launcher, launcher.prepare(args, constants), grid, arg_builder(args, sources), constants))
+        if any(prepared is None or build is None for _, prepared, _, build, _ in steps):
+            return None
+        return tuple(steps), (_w4_words(w13, dtype), _w4_words(w2, dtype))
+
+    def _serve(self, w13: WeightOperand, w2: WeightOperand, dtype, sources) -> bool:
+        """The steps on the sources ``sources()`` makes: False, nothing launched, where the words' layout changed or
+        the first launch's binding does not hold; a later launch whose binding does not hold goes through its
+        Launcher."""
+        if (_w4_words(w13, dtype), _w4_words(w2, dtype)) != self._words:
+            return False
+        made = sources()
+        (_, first, grid, build, _), *rest = self._steps
+        if not first(grid, build(made)):
+            return False
+        for launcher, prepared, grid, build, constants in rest:
+            args = build(made)
+            if not prepared(grid, args):
+                launcher.launch(grid, args, constants)
+        return True
+
+
+class CallPlan(_SourcedPlan):
     """A tensor-core call (the per-pair GEMMs, or the aligned path with its one-program align; no adapters, no FP8
     activations) made ready to repeat for calls of one checked signature, as :class:`DecodePlan` is: every launch
-    prepared, its arguments rebuilt from the call's :class:`CallSources` (moekit._launch.arg_builder). ``__call__``
-    returns False, having launched nothing, where the first launch's binding does not hold or the 4-bit words'
-    alignment changed (which the signature does not fix); a later launch that does not hold goes through its
-    Launcher."""
+    prepared, its arguments rebuilt from the call's :class:`CallSources`. ``__call__`` returns False, having launched
+    nothing, where the first launch's binding does not hold or the 4-bit words' layout changed."""
 
-    __slots__ = ("_steps", "_block_m", "_words")
+    __slots__ = ("_block_m",)
 
-    def __init__(self, steps: tuple, block_m: int | None, words: tuple):
-        self._steps, self._block_m, self._words = steps, block_m, words
+    def __init__(self, steps: tuple, words: tuple, block_m: int | None):
+        super().__init__(steps, words)
+        self._block_m = block_m
 
     @classmethod
     def first_call(cls, out, x, w13: WeightOperand, w2: WeightOperand, topk_weights, topk_ids, b13, b2, expert_map,
                    activation: str, config: ExpertsConfig) -> "CallPlan | None":
-        """Launch the call in full; return its plan, or None where a launch cannot be prepared or rebuilt (a TMA
-        descriptor among its arguments, a kernel not bound)."""
+        """Launch the call in full; return its plan, or None where a launch cannot be prepared or rebuilt."""
         block_m = None if config.per_pair else config.block_m
         sources = CallSources.of(out, x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, block_m)
-        steps = _launch_and_prepare(sources.launches(w13, w2, activation, config, topk_ids.shape[1]), sources)
-        return None if steps is None else cls(steps, block_m, (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)))
+        made = cls._launch(sources.launches(w13, w2, activation, config, topk_ids.shape[1]), sources, w13, w2, x.dtype)
+        return None if made is None else cls(*made, block_m)
 
     def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
         w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
-        if (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)) != self._words:
-            return False
-        return _run_prepared(self._steps, CallSources.of(out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
-                                                         expert_map, self._block_m))
-
-
-def _launch_and_prepare(launches: tuple, sources: tuple) -> tuple | None:
-    """Launch each (Launcher, (grid, arguments, constants)) in order; return the steps that repeat them from another
-    call's sources (moekit._launch.arg_builder), or None where a launch cannot be prepared or rebuilt."""
-    steps = []
-    for launcher, (grid, args, constants) in launches:
-        launcher.launch(grid, args, constants)
-        steps.append((launcher, launcher.prepare(args, constants), grid, arg_builder(args, sources), constants))
-    if any(prepared is None or build is None for _, prepared, _, build, _ in steps):
-        return None
-    return tuple(steps)
-
-
-def _run_prepared(steps: tuple, sources: tuple) -> bool:
-    """:func:`_launch_and_prepare`'s steps on ``sources``: False, nothing launched, where the first launch's binding
-    does not hold; a later launch whose binding does not hold goes through its Launcher."""
-    (_, first, grid, build, _), *rest = steps
-    if not first(grid, build(sources)):
-        return False
-    for launcher, prepared, grid, build, constants in rest:
-        args = build(sources)
-        if not prepared(grid, args):
-            launcher.launch(grid, args, constants)
-    return True
+        return self._serve(w13, w2, x.dtype, lambda: CallSources.of(out, x, w13, w2, w13_bias, w2_bias, topk_weights,
+                                                                   topk_ids, expert_map, self._block_m))
 
 
 class BatchedSources(NamedTuple):
@@ -1211,29 +1222,25 @@ class BatchedSources(NamedTuple):
                                             rows, blocks, config.gemm2, bm, 0, rows_per_expert)))
 
 
-class BatchedPlan:
+class BatchedPlan(_SourcedPlan):
     """A batched call (no adapters, no FP8 activations, no TMA boxes) made ready to repeat for calls of one checked
     signature, as :class:`CallPlan` is: both GEMMs prepared, their arguments rebuilt from the call's
     :class:`BatchedSources`."""
 
-    __slots__ = ("_steps", "_words")
-
-    def __init__(self, steps: tuple, words: tuple):
-        self._steps, self._words = steps, words
+    __slots__ = ()
 
     @classmethod
     def first_call(cls, out, x, expert_num_tokens, w13: WeightOperand, w2: WeightOperand, b13, b2, activation: str,
                    config: ExpertsConfig) -> "BatchedPlan | None":
         """Launch the call in full; return its plan, or None (see :meth:`CallPlan.first_call`)."""
         sources = BatchedSources.of(out, x, expert_num_tokens, w13, w2, b13, b2)
-        steps = _launch_and_prepare(sources.launches(w13, w2, activation, config), sources)
-        return None if steps is None else cls(steps, (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)))
+        made = cls._launch(sources.launches(w13, w2, activation, config), sources, w13, w2, x.dtype)
+        return None if made is None else cls(*made)
 
     def __call__(self, out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias) -> bool:
         w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
-        if (_w4_words(w13, x.dtype), _w4_words(w2, x.dtype)) != self._words:
-            return False
-        return _run_prepared(self._steps, BatchedSources.of(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias))
+        return self._serve(w13, w2, x.dtype,
+                           lambda: BatchedSources.of(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias))
 
 
 def _combine(y, pair_expert, out, top_k, prepare: bool = False):
