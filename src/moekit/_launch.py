@@ -237,8 +237,8 @@ class Launcher:
 class Prepared:
     """One call signature's launch made ready to repeat (:meth:`Launcher.prepare`): ``prepared(grid, args)``
     launches the compiled kernel with ``args`` and returns True, or returns False without launching where the
-    binding does not hold (another current device or tensors on another GPU, a tensor whose 16-byte alignment differs from the prepared
-    launch's, a launch hook set): the caller then launches through :meth:`Launcher.launch`.
+    binding does not hold (another current device or tensors on another GPU, a tensor whose 16-byte alignment differs
+    from the prepared launch's, a launch hook set): the caller then launches through :meth:`Launcher.launch`.
 
     The caller keeps the rest of the contract: ``args`` have the types, dtypes and integer values of the prepared
     launch (what an op's checked call signature fixes: shapes, strides, dtypes, options), only addresses change."""

@@ -338,9 +338,9 @@ def gemm1(*args, **kwargs):
 def gemm1_launch(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_blocks, cfg: GemmConfig, block_m,
                  num_pairs, top_k, rows_per_expert, num_global=0, x_scales=None, h_scales=None, h_paired=False,
                  delta=None, delta_wait=False, x_paired=None) -> tuple:
-    """GEMM1's (grid, arguments, constants). FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h`` receives codes and
-    ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a word-decoded GEMM2).
-    ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py);
+    """GEMM1's (grid, arguments, constants). FP8 weights: x3 holds E4M3 codes with ``x_scales`` [rows, H/128]; ``h``
+    receives codes and ``h_scales`` [rows, I/128]. ``h_paired``: h's columns in paired_k's order (for a
+    word-decoded GEMM2). ``delta`` [rows, 2I] (h's rows, w13's row order): added before the activation (LoRA, experts/lora.py);
     ``delta_wait``: launched as the delta kernel's programmatic dependent (it waits for it before the epilogue),
     which must then be the launch right before this one: ``x_paired``, x3's paired_k copy made before the delta
     kernel, where the word-decoded 4-bit tiles read one (:func:`x_for_gemm1`)."""
@@ -396,8 +396,9 @@ def gemm2(*args, **kwargs):
 
 def gemm2_launch(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_blocks, cfg: GemmConfig, block_m,
                  num_pairs, rows_per_expert, h_scales=None, delta=None, delta_wait=False) -> tuple:
-    """GEMM2's (grid, arguments, constants). Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens). ``delta`` (y's layout): added to the
-    sums before the router weight (LoRA on w2, experts/lora.py w2_delta); ``delta_wait``: as :func:`gemm1`'s."""
+    """GEMM2's (grid, arguments, constants). Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens).
+    ``delta`` (y's layout): added to the sums before the router weight (LoRA on w2, experts/lora.py w2_delta);
+    ``delta_wait``: as :func:`gemm1`'s."""
     if rows.mode == ROWS_PER_PAIR:
         raise ValueError("gemm2: per-pair rows run gemm2_tokens")
     cfg = w.config(cfg)
@@ -984,8 +985,9 @@ class DecodePlan:
     """A decode call (GEMV1, on either of its kernels, then GEMV2, or with split slots GEMV2 per pair on either of
     its kernels and the combine; no adapters) made ready to repeat for calls of one checked signature (the op keeps it
     with its decision): every launch, and the packing of x and h where the config packs them (scaled_fp16), is
-    prepared (moekit._launch.Prepared), so a repeated call builds only their arguments and buffers. ``__call__`` returns False, having launched nothing, where the first launch's binding
-    does not hold; the caller then runs the call in full. A later launch that does not hold runs in full itself."""
+    prepared (moekit._launch.Prepared), so a repeated call builds only their arguments and buffers. ``__call__``
+    returns False, having launched nothing, where the first launch's binding does not hold; the caller then runs the
+    call in full. A later launch that does not hold runs in full itself."""
 
     __slots__ = ("_gemv1", "_grid1", "_pack1", "_ints1", "_args1", "_gemv2", "_grid2", "_pack2", "_ints2",
                  "_config", "_pdl", "_activation", "_combine", "_rows2")

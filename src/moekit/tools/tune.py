@@ -309,7 +309,8 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
                 # for gpt-oss-120b's 2880, 256 for qwen3-30b-a3b's 768)
                 bk = 1024 if spec.intermediate_size >= 2048 else 256
                 for bn, stages in ((16, 3), (32, 3), (32, 2)):
-                    variants.append((f"GEMM2 per pair on the rows kernel ({bn} rows, {bk}-code chunks, {stages} stages)",
+                    variants.append((f"GEMM2 per pair on the rows kernel ({bn} rows, {bk}-code chunks, "
+                                     f"{stages} stages)",
                                      lambda c, g=GemmConfig(bn, bk, 4, stages, row_scaled=True): replace(
                                          c, split_slots=True, gemm2=g),
                                      f"gemv_split_rows_{bn}_{stages}_call_us"))
