@@ -21,6 +21,9 @@ where T's own bucket has none; options follow as above (``table@16+half``). ``FI
 bucket N of a tuner output (``moekit tune --out``), for this preset's shape and weight format: how a retune's
 picks, decode modes included, are A/B'd against the table before they are merged. ``heuristic`` is
 expert_configs.heuristic's config at the run's T (what a shape without table entries gets).
+
+``--layouts packed pairs`` runs every config on 4-bit stacks in both byte layouts (``moekit.formats.prepare``); the
+"pairs" rows are named ``CONFIG [pairs]`` and compared with the table config on the stacks as stored.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from moekit.tools.bench.timing import graph_time_us
 from moekit.experts.configs import ExpertsConfig, GemmConfig
 from moekit.experts import fused_experts
 from moekit.experts.configs import config_family
+from moekit.formats import prepare
 from moekit.tools.tune import random_weights
 
 
@@ -118,12 +122,17 @@ def main(argv=None) -> None:
                    help="FP8 activations (implied by FP8 weights; with mxfp4 weights: W4A8)")
     p.add_argument("--tokens", nargs="+", type=int, default=[4096])
     p.add_argument("--config", nargs="+", default=["table"])
+    p.add_argument("--layouts", nargs="+", default=["packed"], choices=["packed", "pairs"],
+                   help="4-bit byte layouts to run each config on (pairs: moekit.formats.prepare)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "ab_configs.json")
     args = p.parse_args(argv)
     spec = presets.get(args.preset)
     act_quant = "fp8_group" if args.weights.startswith("fp8") else args.act_quant
     fmt = config_family(args.weights, act_quant)  # before the weights: a pair without kernels fails at once
     layers = random_weights(spec, layers=2, weight_format=args.weights)
+    by_layout = {"packed": layers}
+    if "pairs" in args.layouts:
+        by_layout["pairs"] = [(prepare(w13), prepare(w2)) for w13, w2 in layers]
 
     def at_tokens(n: int) -> ExpertsConfig:  # the table's config (or the heuristic) for n tokens
         return expert_configs.choose(n, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,
@@ -146,15 +155,19 @@ def main(argv=None) -> None:
         heur = expert_configs.heuristic(T, spec.num_experts, spec.top_k, 2 * spec.intermediate_size, spec.hidden_size,
                                         fmt)
         print(f"T={T} table: {table}", flush=True)
-        for text in ["table"] + [c for c in args.config if c != "table"]:
+        runs = [(text, layout) for text in ["table"] + [c for c in args.config if c != "table"]
+                for layout in ["packed"] + [lay for lay in args.layouts if lay != "packed"]]
+        for text, layout in runs:
             config = parse_config(text, table, at_tokens, tuned, heur)
+            stacks = by_layout[layout]
+            name = text if layout == "packed" else f"{text} [{layout}]"
             try:
-                diff = ((call(*layers[0], config).float() - ref).norm() / ref.norm()).item()
-                us = graph_time_us([lambda w=w: call(*w, config) for w in layers], replays=10, warmup=2)  # per call
+                diff = ((call(*stacks[0], config).float() - ref).norm() / ref.norm()).item()
+                us = graph_time_us([lambda w=w: call(*w, config) for w in stacks], replays=10, warmup=2)  # per call
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is a result too
                 us, diff = float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"
-            rows.append({"T": T, "config": text, "us": us, "rel_diff_vs_table": diff})
-            print(f"T={T:6d} {text:40s} {us:10.1f} us   diff vs table {diff}", flush=True)
+            rows.append({"T": T, "config": name, "layout": layout, "us": us, "rel_diff_vs_table": diff})
+            print(f"T={T:6d} {name:40s} {us:10.1f} us   diff vs table {diff}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "preset": args.preset,
             "weights": args.weights + (f" + {act_quant} activations" if act_quant and fmt == "w4a8" else "")}

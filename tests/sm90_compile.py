@@ -11,6 +11,7 @@ or spill.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from dataclasses import replace
@@ -35,6 +36,7 @@ LOOP_SPILLS_MEASURED = {
     # W4A8 GEMM1 at 128-row blocks on 16 warps (128 registers): 3737 us at T=4096 against 5194 for 64-row blocks
     # without spills (benchmarks/results/archive/w4a8_configs_2026-12-04.md, 2026-12-04)
     ("w4a8 gpt-oss-120b T=4096", "gemm1_act_kernel"),
+    ("w4a8 gpt-oss-120b T=4096 [pairs]", "gemm1_act_kernel"),  # the same tile on prepared codes (no reorder left)
     # the same tile in batch-invariant mode (only its half tails off)
     ("invariant mxfp4+w4a8 gpt-oss-120b T=4096", "gemm1_act_kernel"),
     ("invariant mxfp4+w4a8 gpt-oss-120b T=16384", "gemm1_act_kernel"),
@@ -132,26 +134,30 @@ def expert_variants():
         counts = torch.zeros(spec.num_experts, dtype=torch.int32)
         yield f"batched {name} M=64", lambda xb=xb, c=counts, w13=w13, w2=w2, b13=b13, b2=b2, s=spec: batched_experts(
             xb, c, w13, w2, activation=s.activation, w13_bias=b13, w2_bias=b2, backend="triton")
-    from moekit.formats import mxfp4, nvfp4
+    from moekit.formats import mxfp4, nvfp4, prepare
 
-    for name, mod in (("gpt-oss-120b", mxfp4), ("qwen3-30b-a3b", nvfp4)):  # W4A16: each model's 4-bit format
+    for (name, mod), layout in itertools.product((("gpt-oss-120b", mxfp4), ("qwen3-30b-a3b", nvfp4)),
+                                                 ("packed", "pairs")):  # W4A16: each model's 4-bit format
         spec = presets.get(name)
         E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
         one13, one2 = mod.quantize(torch.randn(1, 2 * I, H)), mod.quantize(torch.randn(1, H, I))
+        if layout == "pairs":
+            one13, one2 = prepare(one13), prepare(one2)
         q13, q2 = (_expand_quantized(mod, one13, E), _expand_quantized(mod, one2, E))
         b13, b2 = (torch.empty(E, 2 * I, dtype=torch.bfloat16), torch.empty(E, H, dtype=torch.bfloat16)) \
             if spec.expert_bias else (None, None)
+        tag = "" if layout == "packed" else " [pairs]"
         for T in (1, 16, 1024):
             x = torch.empty(T, H, dtype=torch.bfloat16)
             ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
-            yield f"{mod.__name__.split('.')[-1]} {name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: \
+            yield f"{mod.__name__.split('.')[-1]} {name} T={T}{tag}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: \
                 fused_experts(x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13,
                               w2_bias=b2, backend="triton")
         if mod is mxfp4:  # W4A8: the heuristic's three regimes (16-, 64-, 128-row blocks)
             for T in (16, 1024, 4096):
                 x = torch.empty(T, H, dtype=torch.bfloat16)
                 ids = torch.zeros(T, spec.top_k, dtype=torch.int32)
-                yield f"w4a8 {name} T={T}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: fused_experts(
+                yield f"w4a8 {name} T={T}{tag}", lambda x=x, ids=ids, q13=q13, q2=q2, b13=b13, b2=b2, s=spec: fused_experts(
                     x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13, w2_bias=b2,
                     act_quant="fp8_group", backend="triton")
     from moekit.formats import fp8
@@ -407,9 +413,9 @@ def _expand_quantized(mod, one, num_experts):
     """A 4-bit stack of one expert repeated (stride 0): shapes for compiling, not gigabytes."""
     grow = lambda t: t.expand(num_experts, *t.shape[1:])  # noqa: E731
     if mod.__name__.endswith("mxfp4"):
-        return mod.MXFP4Tensor(grow(one.data), grow(one.scales), (num_experts, *one.shape[1:]))
+        return mod.MXFP4Tensor(grow(one.data), grow(one.scales), (num_experts, *one.shape[1:]), one.layout)
     return mod.NVFP4Tensor(grow(one.data), grow(one.scales), one.global_scale.expand(num_experts),
-                           (num_experts, *one.shape[1:]))
+                           (num_experts, *one.shape[1:]), layout=one.layout)
 
 
 def main() -> int:

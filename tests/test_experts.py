@@ -566,19 +566,28 @@ def test_gpu_dependent_launch_decode_in_a_graph(fmt):
 
 
 # --------------------------------------------------------------------------- 4-bit weights (W4A16)
-def _quantized(fmt, w13, w2):
-    from moekit.formats import mxfp4, nvfp4
+def _quantized(fmt, w13, w2, layout="packed"):
+    """(w13, w2 quantized, in the byte ``layout``; both dequantized to fp32)."""
+    from moekit.formats import mxfp4, nvfp4, prepare
 
     if fmt == "mxfp4":
         q13, q2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
-        return q13, q2, mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
-    q13, q2 = nvfp4.quantize(w13, scale_dims=1), nvfp4.quantize(w2, scale_dims=1)
-    return q13, q2, nvfp4.dequantize(q13, torch.float32), nvfp4.dequantize(q2, torch.float32)
+        d13, d2 = mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
+    else:
+        q13, q2 = nvfp4.quantize(w13, scale_dims=1), nvfp4.quantize(w2, scale_dims=1)
+        d13, d2 = nvfp4.dequantize(q13, torch.float32), nvfp4.dequantize(q2, torch.float32)
+    if layout == "pairs":
+        q13, q2 = prepare(q13), prepare(q2)
+    return q13, q2, d13, d2
+
+
+LAYOUTS = ["packed", "pairs"]  # 4-bit codes as checkpoints store them, and moekit's prepared layout
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T,E,H,I,k,act,biases,why", [
     (1, 6, 64, 32, 2, "swiglu_oai", True, "per-pair decode mode, gpt-oss activation"),
     (4, 7, 64, 64, 6, "silu_and_mul", False, "CUDA-core decode kernels (4-bit heuristic up to 16 tokens), prime E, k=6"),
@@ -586,11 +595,12 @@ def _quantized(fmt, w13, w2):
     (0, 5, 64, 32, 2, "silu_and_mul", False, "no tokens: nothing launched, nothing read"),
     (129, 5, 64, 64, 3, "silu_and_mul", True, "tensor-core tiles with the weight as A: a partial last row block"),
 ])
-def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backend, dtype, T, E, H, I, k, act, biases, why):
+def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backend, dtype, layout, T, E, H, I, k, act,
+                                                                    biases, why):
     if backend == "torch" and dtype == torch.float16:
         pytest.skip("the torch backend computes in fp32 whatever the input dtype")
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
-    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2, layout)
     x = torch.randn(T, H).to(dtype)
     tw, tid = _routes(T, E, k)
     b13, b2 = (None, None) if b13 is None else (b13.to(dtype), b2.to(dtype))
@@ -608,11 +618,12 @@ def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backen
     (True, 2, 3),      # two slots per GEMM1 program and GEMM2 step: the second group's second slot is empty
     (True, 4, 6),      # four, k = 6 not a power of two: the second group's last two are empty
 ])
-def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k, layout):
     # block_k 32: one MXFP4 group / two NVFP4 groups per K step; H = 160 ends on a partial chunk pair
     E, H, I, T = 7, 160, 96, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
-    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2, layout)
     x = torch.randn(T, H + 3)[:, 3:]                                  # strided, offset rows
     tw, tid = _routes(T, E, k)
     cfg = ExpertsConfig(16, GemmConfig(16, 32, slots=slots), GemmConfig(32, 32, slots=slots), mode="gemv" if gemv else "per_pair")
@@ -632,12 +643,13 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k):
     ("rows", "rows", False, "both GEMMs row-scaled: no preparation launch at all"),
     (None, "rows", True, "GEMM2 row-scaled per pair, the slots summed by the combine"),
 ])
-def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, why):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_four_bit_decode_with_16_bit_activations(fmt, packed, packed2, split, why, layout):
     # H = 160: five MXFP4 / ten NVFP4 groups, the last K chunk partial; I = 64: GEMM2's K in two chunks; fp16 (the
     # interpreter's bf16 dots are wrong, and the CUDA-core kernels take fp16 and bf16 alike)
     E, H, I, T, k = 7, 160, 64, 3, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, True)
-    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2, layout)
     x = (torch.randn(T, H + 3)[:, 3:] * 4).half()                    # strided, offset rows
     tw, tid = _routes(T, E, k)
     b13, b2 = b13.half(), b2.half()
@@ -672,13 +684,17 @@ def _decode_pairs(T, E, k, mapped):
     (3, 32, 16, 1.0, 2.0 ** 12, False, "one activation 2^12 times the rest: the token's exponent from its largest"),
 ])
 @pytest.mark.parametrize("k", [3, 6])  # 6: not a power of two
-def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapped, why, k):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapped, why, k, layout):
     # GEMM1 alone on kernels/gemv1_rows.py against float64: H = 160 in chunks of 64 codes (the last partial), bf16
     # activations (no tl.dot here, whose bf16 the interpreter gets wrong), h poisoned, rows of skipped pairs untouched.
     # The budget is the fp16x2 group sums' (an fp16 rounding per product and add, relative to the group's size).
     E, H = 7, 160
     w13, _, b13, _ = _weights(E, H, I, torch.float32, True)
-    q13, _, d13, _ = _quantized(fmt, w13, w13[:, :, :32])
+    # pre-activations of the order of 1 whatever x's scale: swiglu_oai's clamp at 7 turns an error of 2^-11 of a 2^20
+    # sum (which the fp16 products are allowed) into a wrong output wherever the gate lies near the clamp
+    w13 = w13 / scale
+    q13, _, d13, _ = _quantized(fmt, w13, w13[:, :, :32], layout)
     x = torch.randn(T, H + 3)[:, 3:] * scale                          # strided, offset rows
     x[:, 7] *= spike
     x, b13 = x.bfloat16(), b13.bfloat16()
@@ -702,12 +718,13 @@ def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapp
     (3, 64, 1.0, 2.0 ** 12, False, "one h value 2^12 times the rest: the row's exponent from its largest"),
 ])
 @pytest.mark.parametrize("kernel", ["tokens", "rows"])  # a loop per slot (gemv2_tokens); a program per pair (gemv2_rows)
-def test_four_bit_decode_row_scaled_gemm2(fmt, T, I, scale, spike, mapped, why, kernel):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_four_bit_decode_row_scaled_gemm2(fmt, T, I, scale, spike, mapped, why, kernel, layout):
     # GEMM2 alone with each slot's bf16 h row scaled inside the kernel, against float64; out poisoned, fp32 (the
     # interpreter rounds fp32 to bf16 toward zero). H = 160: the rows kernel's last block of 64 rows is partial
     E, H, k = 7, 160, 3
     _, w2, _, b2 = _weights(E, H, I, torch.float32, True)
-    q2, _, d2, _ = _quantized(fmt, w2, w2[:, :32, :])
+    q2, _, d2, _ = _quantized(fmt, w2, w2[:, :32, :], layout)
     h = torch.randn(T * k, I) * scale
     h[:, 5] *= spike
     h, b2 = h.bfloat16(), b2.bfloat16()
@@ -761,22 +778,23 @@ _GPU_4BIT_CONFIGS = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(_GPU_4BIT_CONFIGS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt,T,E,H,I,k,act,biases,why", [
     ("mxfp4", 1, 128, 2880, 2880, 4, "swiglu_oai", True, "gpt-oss-120b decode, its checkpoint format"),
     ("mxfp4", 16, 128, 2880, 2880, 4, "swiglu_oai", True, "gpt-oss-120b, 16 tokens"),
     ("nvfp4", 3, 128, 2048, 768, 8, "silu_and_mul", False, "qwen3-30b-a3b decode"),
     ("nvfp4", 9, 7, 208, 80, 6, "silu_and_mul", True, "prime E, k=6, K=80 ends mid-chunk"),
 ])
-def test_gpu_four_bit_kernels(mode, fmt, T, E, H, I, k, act, biases, why):
+def test_gpu_four_bit_kernels(mode, layout, fmt, T, E, H, I, k, act, biases, why):
     w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, biases, "cuda")
-    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2, layout)
     x = torch.randn(T, H + 8, device="cuda", dtype=torch.bfloat16)[:, 8:]
     tw, tid = _routes(T, E, k, "cuda")
     out = _poisoned((T, H), torch.bfloat16, "cuda")
     fused_experts(x, q13, q2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2, out=out,
                   config=_GPU_4BIT_CONFIGS[mode])
     ref = reference.fused_experts(x, d13, d2, tw, tid, activation=act, w13_bias=b13, w2_bias=b2)
-    check_close(f"{why} ({mode})", out, ref, TOL[torch.bfloat16])
+    check_close(f"{why} ({mode}, {layout})", out, ref, TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
@@ -817,6 +835,7 @@ def _byte_offset_copy(q):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("layout", LAYOUTS)  # "pairs": the word decode gives natural K order (no paired_k copy)
 @pytest.mark.parametrize("config", [ExpertsConfig(32, GemmConfig(32, 64), GemmConfig(32, 64)), None],
                          ids=["aligned 32-row blocks", "table or heuristic"])
 @pytest.mark.parametrize("T", [
@@ -826,12 +845,12 @@ def _byte_offset_copy(q):
     128,  # a power of two
     129,  # one past it: a tail block
 ])
-def test_gpu_four_bit_word_decode_equals_byte_decode(fmt, config, T):
+def test_gpu_four_bit_word_decode_equals_byte_decode(fmt, layout, config, T):
     # the tensor-core GEMMs decode whole int32 words of codes where rows start on words, bytes elsewhere: the same
     # tile values (NVFP4's words carry 2^-8, undone in the epilogue), so the same bits; prime E, k = 3
     E, H, I, k = 5, 160, 96, 3
     w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, True, "cuda")
-    q13, q2, d13, d2 = _quantized(fmt, w13, w2)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2, layout)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     tw, tid = _routes(T, E, k, "cuda")
     outs = []
@@ -1245,6 +1264,7 @@ def _recoded(q):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T,E,H,I,k,act,biases,config,why", [
     (9, 4, 256, 128, 2, "swiglu_oai", True, None, "two K steps along H, gpt-oss activation, biases"),
     (0, 4, 256, 128, 2, "silu_and_mul", False, None, "no tokens"),
@@ -1257,11 +1277,11 @@ def _recoded(q):
     (40, 6, 128, 256, 2, "silu_and_mul", False, ExpertsConfig(32, GemmConfig(64, 64), GemmConfig(32, 64)),
      "aligned 32-row blocks, GEMM2 tiles of 32 rows, I in two 128-groups"),
 ])
-def test_w4a8_matches_the_reference(backend, dtype, T, E, H, I, k, act, biases, config, why):
+def test_w4a8_matches_the_reference(backend, dtype, layout, T, E, H, I, k, act, biases, config, why):
     if backend == "torch" and dtype == torch.float16:
         pytest.skip("the torch backend computes in fp32 whatever the input dtype")
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
-    q13, q2, _, _ = _quantized("mxfp4", w13, w2)
+    q13, q2, _, _ = _quantized("mxfp4", w13, w2, layout)
     b13, b2 = (None, None) if b13 is None else (b13.to(dtype), b2.to(dtype))
     _check_fp8_activations(why, q13, q2, b13, b2, T, E, k, act, backend, config, dtype)
 
@@ -1323,9 +1343,10 @@ def test_w4a8_oracle():
     (64, 8, 256, 256, 2, "swiglu_oai", False, ExpertsConfig(16, GemmConfig(64, 128), GemmConfig(32, 128, 4, 2)),
      "16-row blocks, 32-row GEMM2 tiles"),
 ])
-def test_gpu_w4a8(T, E, H, I, k, act, biases, config, why):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_w4a8(T, E, H, I, k, act, biases, config, why, layout):
     w13, w2, b13, b2 = _weights(E, H, I, torch.bfloat16, biases, "cuda")
-    q13, q2, _, _ = _quantized("mxfp4", w13, w2)
+    q13, q2, _, _ = _quantized("mxfp4", w13, w2, layout)
     x = torch.randn(T, H + 8, device="cuda", dtype=torch.bfloat16)[:, 8:]
     tw, tid = _routes(T, E, k, "cuda")
     out = _poisoned((T, H), torch.bfloat16, "cuda")

@@ -360,22 +360,66 @@ def test_expert_of_a_quantized_stack_is_its_slice_of_the_whole_dequantization(fm
 
 
 @pytest.mark.parametrize("recipe", ["dense", "mxfp4", "nvfp4", "nvfp4_swizzled", "fp8_block", "fp8_channel",
-                                    "fp8_tensor"])
+                                    "fp8_tensor", "mxfp4_pairs", "nvfp4_swizzled_pairs"])
 def test_a_weight_taken_apart_for_an_op_schema_comes_back_the_same(recipe):
-    # torch.compile's ops carry weights as parts: every field must survive the trip, the layout flag included
-    from moekit.formats import from_parts, quantize_experts, to_parts
+    # torch.compile's ops carry weights as parts: every field must survive the trip, the layout flags included
+    from moekit.formats import from_parts, prepare, quantize_experts, to_parts
 
     w = torch.randn(3, 64, 128)
-    if recipe == "nvfp4_swizzled":
+    if recipe.startswith("nvfp4_swizzled"):
         q = nvfp4.quantize(w, swizzled=True, scale_dims=1)
     else:
-        q = w if recipe == "dense" else quantize_experts(w, recipe)
+        q = w if recipe == "dense" else quantize_experts(w, recipe.removesuffix("_pairs"))
+    if recipe.endswith("_pairs"):
+        q = prepare(q)
     back = from_parts(*to_parts(q))
     assert type(back) is type(q)
     if recipe == "dense":
         assert back is q
         return
-    for field in ("data", "scales", "scale", "global_scale", "shape", "swizzled", "granularity"):
+    for field in ("data", "scales", "scale", "global_scale", "shape", "swizzled", "granularity", "layout"):
         if hasattr(q, field):
             a, b = getattr(q, field), getattr(back, field)
             assert (a is b) if isinstance(a, torch.Tensor) else a == b, field
+
+
+def test_pairs_layout_puts_neighbouring_elements_in_nibbles_j_and_j_plus_4():
+    # the prepared layout, bit for bit (docs/formats.md): nibble j of each little-endian int32 word holds element
+    # 2j, nibble j + 4 element 2j + 1; every code in every position, rows of several words
+    codes = (torch.arange(6 * 64).reshape(6, 64) * 7 + torch.arange(64) // 8) % 16
+    packed = fp4.pack(codes.to(torch.uint8))
+    pairs = fp4.to_pairs(packed)
+    words = pairs.view(torch.int32).long() & 0xFFFFFFFF
+    for j in range(4):
+        assert torch.equal((words >> (4 * j)) & 15, codes.reshape(6, 8, 8)[..., 2 * j].long()), j
+        assert torch.equal((words >> (4 * j + 16)) & 15, codes.reshape(6, 8, 8)[..., 2 * j + 1].long()), j
+    assert torch.equal(fp4.from_pairs(pairs), packed)
+    odd = torch.randint(0, 256, (3, 40), dtype=torch.uint8)[:, 3:35]      # strided, offset rows
+    assert torch.equal(fp4.from_pairs(fp4.to_pairs(odd)), odd)
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        fp4.to_pairs(torch.zeros(2, 6, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="packed"):
+        fp4.to_pairs(torch.zeros(2, 8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4", "nvfp4_swizzled"])
+def test_prepared_stacks_hold_the_same_values_and_give_the_checkpoint_bytes_back(recipe):
+    from moekit.formats import dequantize, expert, prepare, quantize_experts, unprepare
+
+    w = torch.randn(4, 48, 256)
+    q = nvfp4.quantize(w, swizzled=True, scale_dims=1) if recipe == "nvfp4_swizzled" else quantize_experts(w, recipe)
+    p = prepare(q)
+    assert p.layout == "pairs" and q.layout == "packed" and not torch.equal(p.data, q.data)
+    assert p.scales is q.scales and prepare(p) is p and unprepare(q) is q    # one copy of the codes, made once
+    assert torch.equal(unprepare(p).data, q.data) and torch.equal(p.codes(), q.codes())
+    assert torch.equal(dequantize(p), dequantize(q)) and torch.equal(expert(p, 3), expert(q, 3))
+    if recipe == "mxfp4":
+        assert all(torch.equal(a, b) for a, b in zip(mxfp4.to_gpt_oss(p), mxfp4.to_gpt_oss(q)))
+        assert torch.equal(mxfp4.to_e4m3(p)[0].view(torch.uint8), mxfp4.to_e4m3(q)[0].view(torch.uint8))
+    else:
+        assert torch.equal(nvfp4.to_modelopt(p)["weight"], q.data)
+    dense, fp8_stack = torch.randn(2, 8, 128), quantize_experts(torch.randn(2, 8, 128), "fp8_block")
+    assert prepare(dense) is dense and prepare(fp8_stack) is fp8_stack
+    with pytest.raises(ValueError, match="layout must be one of"):
+        mxfp4.MXFP4Tensor(q.data, q.scales, q.shape, "paired") if recipe == "mxfp4" else \
+            nvfp4.NVFP4Tensor(q.data, q.scales, q.global_scale, q.shape, q.swizzled, "paired")

@@ -163,3 +163,41 @@ def test_the_gate_checks_fp8_activations_against_their_own_reference(op, weights
     if op == "fused":
         passed, detail = gate_case.check(Backend(broken.__name__, _fused_only, "broken", broken), call)
         assert not passed and "rms_rel" in detail
+
+
+def _reads_codes_as_packed(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    import dataclasses
+
+    as_stored = [dataclasses.replace(w, layout="packed") for w in (w13, w2)]   # prepared bytes read as stored
+    fused_torch(out, x, *as_stored, tw, ids, act, b13, b2, emap)
+
+
+def test_the_gate_checks_each_byte_layout_of_4_bit_codes():
+    # a backend right on the checkpoints' byte layout and wrong on moekit's prepared one ("pairs") passes the check
+    # of the first and is refused for the second: the layout is part of the shape class
+    from moekit.formats import prepare, quantize_experts
+
+    broken = Backend("reads_codes_as_packed", _fused_only, "broken", _reads_codes_as_packed)
+    backends.register(broken)
+    gate.reset()
+    gate.set_verification(True)
+    try:
+        E, H, I, T = 5, 64, 32, 7
+        q13, q2 = quantize_experts(torch.randn(E, 2 * I, H) * 0.2, "mxfp4"), quantize_experts(torch.randn(E, H, I) * 0.2, "mxfp4")
+        x, tw = torch.randn(T, H), torch.rand(T, 2)
+        ids = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1).int()
+        ref = reference.fused_experts(x, q13, q2, tw, ids)
+        check_close("packed codes", fused_experts(x, q13, q2, tw, ids), ref, Tolerance(1e-5, 1e-5))
+        with pytest.warns(RuntimeWarning, match="backend 'reads_codes_as_packed' failed its accuracy check"):
+            got = fused_experts(x, prepare(q13), prepare(q2), tw, ids)
+        check_close("prepared codes, the reference served", got, ref, Tolerance(1e-5, 1e-5))
+        verdicts = {detail: passed for (name, key), (passed, detail) in gate.results().items()
+                    if name == broken.name}
+        assert sorted(verdicts.values()) == [False, True]
+        call = backends.ExpertsCall.of(x, prepare(q13), w2=prepare(q2))
+        assert call.layout == "pairs" and "'pairs' byte layout" in backends.explain(call)
+        assert backends.ExpertsCall.of(x, q13, w2=prepare(q2)).layout == "packed/pairs"
+    finally:
+        backends.unregister(broken.name)
+        gate.set_verification(False)
+        gate.reset()

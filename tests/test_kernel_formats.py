@@ -76,14 +76,15 @@ def test_bf16_scale_decoders_are_exact_for_every_byte():
 
 @triton.jit
 def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr,
-                 WORDS: tl.constexpr = False):
+                 WORDS: tl.constexpr = False, PAIRS: tl.constexpr = False):
     rows = tl.arange(0, 16).to(tl.int64)
     tile = moe_gemm._w4_tile(w_ptr, s_ptr, None, rows, rows < 16, 0, 128, 64, 128 // (32 if FORMAT == 1 else 16),
-                             FORMAT, 128, DTYPE, HALVES_ASM, WORDS=WORDS)
+                             FORMAT, 128, DTYPE, HALVES_ASM, WORDS=WORDS, PAIRS=PAIRS)
     tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], tile)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", fp4.LAYOUTS)  # the byte layouts: the byte decodes reorder "pairs", words do not
 @pytest.mark.parametrize("fmt,dtype,why", [
     ("nvfp4", torch.bfloat16, "the bf16-bits decode (code * 2^-126, times 2^126, times the scale) the GPU kernels run"),
     ("mxfp4", torch.bfloat16, "the bf16-bits decode with E8M0 scales (exact for every exponent)"),
@@ -92,7 +93,7 @@ def _w4_tile_all(w_ptr, s_ptr, out_ptr, FORMAT: tl.constexpr, DTYPE: tl.constexp
     ("nvfp4", "words", "the bf16 decode a word of 8 codes at a time, one multiply (tile = weight * 2^-8)"),
     ("mxfp4", "words", "the bf16 decode a word of 8 codes at a time, two multiplies"),
 ])
-def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dtype, why):
+def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, layout, fmt, dtype, why):
     from moekit.formats import mxfp4, nvfp4
 
     if not _triton.can_launch(torch.device(device)):
@@ -114,10 +115,13 @@ def test_four_bit_weight_tile_is_exact_for_every_code_and_scale(device, fmt, dty
         expect = mxfp4.dequantize(mxfp4.MXFP4Tensor(packed, scales, (16, 128)), torch.float64)
     out = torch.full((16, 128), float("nan"), dtype=dtype, device=device)
     tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
-    _w4_tile_all[(1,)](packed.to(device), scales.to(device), out, FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype,
-                       HALVES_ASM=device == "cuda", WORDS=words)
-    if words:  # the word decode's column order, which paired_k gives the other operand
-        expect = paired_k(expect / (moe_gemm.W4_WORDS_NVFP4_SHIFT.value if fmt == "nvfp4" else 1))
+    _w4_tile_all[(1,)](fp4.to_layout(packed, layout).to(device), scales.to(device), out,
+                       FORMAT=1 if fmt == "mxfp4" else 2, DTYPE=tl_dtype, HALVES_ASM=device == "cuda", WORDS=words,
+                       PAIRS=layout == "pairs")
+    if words:  # (NVFP4's words carry 2^-8)
+        expect = expect / (moe_gemm.W4_WORDS_NVFP4_SHIFT.value if fmt == "nvfp4" else 1)
+    if words and layout == "packed":  # the word decode's column order, which paired_k gives the other operand
+        expect = paired_k(expect)
     assert torch.equal(out.cpu().double(), expect.to(dtype).double()), why
 
 
@@ -170,12 +174,13 @@ def test_four_bit_word_bits_place_codes_as_the_byte_decode(device):
 
 
 @triton.jit
-def _gemv_group_sums(w_ptr, s_ptr, x_ptr, out_ptr, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
+def _gemv_group_sums(w_ptr, s_ptr, x_ptr, out_ptr, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr,
+                     PAIRS: tl.constexpr):
     # 32 rows x one 256-wide K chunk: the CUDA-core decode kernels' per-group sums, before their K loop adds them
     rows = tl.arange(0, 32)
     GROUPS: tl.constexpr = 256 // (32 if FORMAT == 1 else 16)
     w, s = moe_gemv._load_chunk(w_ptr, s_ptr, rows, rows < 32, 0, 256, 32, 1, GROUPS, FORMAT, 256)
-    xv = moe_gemv._load_x(x_ptr, 0, 256, 1, True, FORMAT, 256)
+    xv = moe_gemv._load_x(x_ptr, 0, 256, 1, True, FORMAT, 256, PAIRS)
     part = moe_gemv._chunk_sums(w, s, xv, FORMAT, HALVES_ASM)
     tl.store(out_ptr + rows[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :], part)
 
@@ -194,12 +199,13 @@ def _every_scale(fmt, packed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", fp4.LAYOUTS)  # the activations arranged for either byte layout (_load_x)
 @pytest.mark.parametrize("fmt,why", [
     ("mxfp4", "every E8M0 scale 0..255 once: 2^-127 (subnormal), 2^114..2^127 (whose product with the fp16 "
               "codes' 2^14 leaves fp32), NaN"),
     ("nvfp4", "every E4M3 scale byte twice, NaN codes included"),
 ])
-def test_gemv_group_sums_for_every_scale(device, fmt, why):
+def test_gemv_group_sums_for_every_scale(device, layout, fmt, why):
     if not _triton.can_launch(torch.device(device)):
         pytest.skip("no Triton launch here")
     g = torch.Generator().manual_seed(7)
@@ -209,8 +215,8 @@ def test_gemv_group_sums_for_every_scale(device, fmt, why):
     scales, w, group = _every_scale(fmt, packed)
     expect = (w * x.double()).reshape(32, 256 // group, group).sum(-1)
     out = torch.full((32, 256 // group), float("nan"), device=device)
-    _gemv_group_sums[(1,)](packed.view(torch.int32).to(device), scales.to(device), x.to(device), out,
-                           FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda")
+    _gemv_group_sums[(1,)](fp4.to_layout(packed, layout).view(torch.int32).to(device), scales.to(device), x.to(device),
+                           out, FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda", PAIRS=layout == "pairs")
     got = out.cpu().double()
     nan = torch.isnan(expect)
     assert torch.equal(torch.isnan(got), nan), why
@@ -232,11 +238,12 @@ def _gemv_group_sums_fp16x2(w_ptr, s_ptr, x_ptr, e_ptr, out_ptr, FORMAT: tl.cons
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", fp4.LAYOUTS)  # scaled_fp16 pairs the activations for either byte layout
 @pytest.mark.parametrize("fmt,why", [
     ("mxfp4", "every E8M0 scale 0..255 once (2^-127 .. 2^127, NaN), activation groups 2^-100 .. 2^-20"),
     ("nvfp4", "every E4M3 scale byte twice, NaN codes included, activation groups 2^-100 .. 2^-20"),
 ])
-def test_packed_group_sums_for_every_scale(device, fmt, why):
+def test_packed_group_sums_for_every_scale(device, layout, fmt, why):
     """fp16x2 products and fp16 sums inside a group: within 2^-9 of the group's sum of |terms| (32 roundings of
     2^-11 at most), whatever the scale and the activations' magnitude; sums below fp32's normal range (2^-126)
     may flush to zero (a scale and an activation exponent both near 2^-127 multiply out of fp32)."""
@@ -253,12 +260,12 @@ def test_packed_group_sums_for_every_scale(device, fmt, why):
     scales, w, group = _every_scale(fmt, packed)
     if fmt == "nvfp4":
         w = w * 2.0 ** 60  # the activations' 2^-60 back: NVFP4's scales are too small to keep the sums inside fp32
-    pairs, exps = scaled_fp16(x.reshape(1, 256).to(device))
+    pairs, exps = scaled_fp16(x.reshape(1, 256).to(device), w4_pairs=layout == "pairs")
     terms = (w * x.double()).reshape(32, 256 // group, group)
     expect = terms.sum(-1)
     out = torch.full((32, 256 // group), float("nan"), device=device)
-    _gemv_group_sums_fp16x2[(1,)](packed.view(torch.int32).to(device), scales.to(device), pairs.view(torch.int32),
-                                  exps, out, FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda")
+    _gemv_group_sums_fp16x2[(1,)](fp4.to_layout(packed, layout).view(torch.int32).to(device), scales.to(device),
+                                  pairs.view(torch.int32), exps, out, FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda")
     got = out.cpu().double()
     if fmt == "nvfp4":
         got = got * 2.0 ** 60
@@ -270,13 +277,14 @@ def test_packed_group_sums_for_every_scale(device, fmt, why):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", fp4.LAYOUTS)
 @pytest.mark.parametrize("K,multiple,dtype,why", [
     (256, 32, torch.bfloat16, "whole groups; bf16 values held exactly"),
     (80, 32, torch.float16, "K ends mid-program: 96 slots, the last 16 zeros"),
     (40, 32, torch.float32, "fp32 rounds to fp16's 11 bits under its group's exponent"),
     (80, 512, torch.bfloat16, "padded to a decode chunk: 432 zeros past K, every padding group's byte written"),
 ])
-def test_scaled_fp16_activations(device, K, multiple, dtype, why):
+def test_scaled_fp16_activations(device, layout, K, multiple, dtype, why):
     from moekit.experts.triton_backend import scaled_fp16
 
     if not _triton.can_launch(torch.device(device)):
@@ -287,13 +295,18 @@ def test_scaled_fp16_activations(device, K, multiple, dtype, why):
     x[2, :8] = float("inf")
     x[3, 3] = float("nan")
     x = x.to(dtype)
-    pairs, exps = scaled_fp16(x.to(device), multiple)
+    pairs, exps = scaled_fp16(x.to(device), multiple, w4_pairs=layout == "pairs")
     kp = -(-K // multiple) * multiple
     assert pairs.shape == (5, kp) and exps.shape == (5, kp // 32), why
     assert torch.all(exps.cpu()[:, -(-K // 32):] == 1), why  # padding groups: finite factors for unmasked readers
     slot = torch.arange(kp)
-    pair = (slot % 32) // 2  # pair-major per 32-block: int32 pair 4j + w holds elements 8w + j and 8w + j + 4
-    k = (slot & -32) + 8 * (pair % 4) + pair // 4 + 4 * (slot & 1)
+    # pair-major per 32-block: int32 pair 4j + w holds the activations of nibbles j and j + 4 of word w, elements
+    # 8w + j and 8w + j + 4 ("packed" bytes) or 8w + 2j and 8w + 2j + 1 ("pairs")
+    pair = (slot % 32) // 2
+    if layout == "pairs":
+        k = (slot & -32) + 8 * (pair % 4) + 2 * (pair // 4) + (slot & 1)
+    else:
+        k = (slot & -32) + 8 * (pair % 4) + pair // 4 + 4 * (slot & 1)
     wide = torch.zeros(5, kp + 8, dtype=torch.float64)
     wide[:, :K] = x.double()
     values = wide[:, k]  # x in the pair order, zeros past K

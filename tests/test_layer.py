@@ -68,11 +68,18 @@ def test_quantized_experts_serve_the_layer_and_survive_a_state_dict_round_trip(f
     ref = reference.moe_layer(x, layer.gate.weight, d13, d2, layer.spec)
     with torch.no_grad():
         check_close(fmt, layer(x), ref, Tolerance(1e-4, 1e-5))
-    twin = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
-    twin.load_quantized_experts(q13, q2)                  # same buffers' shapes, then the saved values
-    twin.load_state_dict(layer.state_dict())
-    with torch.no_grad():
-        assert torch.equal(twin(x), layer(x))
+    assert layer.expert_weights()[0].layout == "pairs"    # prepared once, at load
+    saved = layer.state_dict()
+    assert torch.equal(saved["w13_data"], q13.data) and torch.equal(saved["w2_data"], q2.data)  # checkpoint bytes
+    for prepare in (True, False):  # a layer keeping prepared codes, and one keeping them as given
+        twin = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+        twin.load_quantized_experts(q13, q2, prepare=prepare)  # same buffers' shapes, then the saved values
+        twin.w13_data.zero_()
+        twin.load_state_dict(saved)
+        assert twin.expert_weights()[0].layout == ("pairs" if prepare else "packed")
+        with torch.no_grad():
+            assert torch.equal(twin(x), layer(x)), prepare
+        assert torch.equal(twin.state_dict()["w13_data"], q13.data)
     with pytest.raises(TypeError, match="must both be MXFP4Tensor, NVFP4Tensor or FP8Tensor"):
         layer.load_quantized_experts(torch.zeros(1), q2)
     with pytest.raises(ValueError, match="w13 must have shape"):

@@ -12,7 +12,8 @@ from ._checks import check_shape, check_tensor
 from .experts import ExpertsLoRA, check_act_quant, fused_experts
 from .experts.lora import check_call as check_lora
 from .formats import TYPES as QUANTIZED_TYPES
-from .formats import format_of
+from .formats import format_of, fp4
+from .formats import prepare as prepare_weights
 from .presets import MoESpec
 from .routing import GateLinear, fused_router
 
@@ -60,6 +61,8 @@ class FusedMoE(nn.Module):
         self._quantized_meta: dict[str, dict] = {}
         self._quantized = None  # (the buffers it was built from, (w13, w2))
         self._lora = None  # (the buffers it was built from, the ExpertsLoRA)
+        self.register_state_dict_post_hook(_stored_codes)
+        self.register_load_state_dict_pre_hook(_prepared_codes)
         self.reset_parameters()
 
     @classmethod
@@ -106,7 +109,7 @@ class FusedMoE(nn.Module):
             targets[name].copy_(value)
 
     @torch.no_grad()
-    def load_quantized_experts(self, w13, w2, *, act_quant: str | None = "auto") -> None:
+    def load_quantized_experts(self, w13, w2, *, act_quant: str | None = "auto", prepare: bool = True) -> None:
         """Keep the experts in a low-precision format: :class:`moekit.formats.mxfp4.MXFP4Tensor`,
         :class:`moekit.formats.nvfp4.NVFP4Tensor` or :class:`moekit.formats.fp8.FP8Tensor` (per
         tensor, per channel or DeepSeek-V3's 128x128 blocks), both of one format, shapes
@@ -118,6 +121,10 @@ class FusedMoE(nn.Module):
         ``"fp8_group"`` for FP8 weights (W8A8 on FP8 tensor cores, as DeepSeek-V3 runs), None for
         4-bit weights (W4A16: dequantized inside the kernels). None with FP8 weights is W8A16 (the
         torch backend dequantizes them).
+
+        prepare: keep 4-bit experts in moekit's kernel-native byte layout (:func:`moekit.formats.prepare`: a new
+        tensor of codes, made here once; the tensors passed in are left as they are). ``state_dict()`` gives and
+        ``load_state_dict()`` takes the codes as checkpoints store them ("packed") either way.
         """
         fmt = format_of(w13)
         if fmt == "dense" or format_of(w2) != fmt:
@@ -130,6 +137,8 @@ class FusedMoE(nn.Module):
             expect = self._expert_shapes[name]
             if tuple(q.shape) != expect:
                 raise ValueError(f"{name} must have shape {expect}, got {tuple(q.shape)}")
+        if prepare:
+            w13, w2 = prepare_weights(w13), prepare_weights(w2)
         for name, q in (("w13", w13), ("w2", w2)):
             for part in _QUANTIZED_PARTS.values():  # a format loaded before may have left other parts
                 for field in part:
@@ -137,7 +146,8 @@ class FusedMoE(nn.Module):
             self._parameters.pop(name, None)
             for field in _QUANTIZED_PARTS[fmt]:
                 self.register_buffer(f"{name}_{field}", getattr(q, field))
-            self._quantized_meta[name] = {k: getattr(q, k) for k in ("shape", "swizzled", "granularity") if hasattr(q, k)}
+            self._quantized_meta[name] = {k: getattr(q, k) for k in ("shape", "swizzled", "granularity", "layout")
+                                          if hasattr(q, k)}
         self.weight_format = fmt
         self.act_quant = act_quant
         self._quantized = None
@@ -281,3 +291,24 @@ class FusedMoE(nn.Module):
         s = self.spec
         return (f"{s.name}: H={s.hidden_size}, I={s.intermediate_size}, E={s.num_experts}, k={s.top_k}, "
                 f"routing={s.routing}, activation={s.activation}, shared={s.num_shared_experts}")
+
+
+def _pairs_codes(module: FusedMoE) -> list[str]:
+    """The buffers of ``module`` that hold 4-bit codes in the "pairs" byte layout."""
+    return [f"{name}_data" for name, meta in module._quantized_meta.items() if meta.get("layout") == "pairs"
+            and module.weight_format in ("mxfp4", "nvfp4")]
+
+
+def _stored_codes(module: FusedMoE, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook: prepared 4-bit codes leave the module as checkpoints store them."""
+    for name in _pairs_codes(module):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = fp4.from_pairs(state_dict[prefix + name])
+
+
+def _prepared_codes(module: FusedMoE, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: checkpoint codes enter a module that keeps them prepared in its layout."""
+    for name in _pairs_codes(module):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:  # else load_state_dict names the mismatch
+            state_dict[prefix + name] = fp4.to_pairs(value)

@@ -35,9 +35,9 @@ def _check_config(config) -> None:
 
 
 def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None, *,
-                   op: str = "fused", activation: str = "silu_and_mul", lora: bool = False):
+                   op: str = "fused", activation: str = "silu_and_mul", lora: bool = False, w2=None):
     """The :class:`moekit.experts.backends.Backend` that serves this call (the oracle explains why)."""
-    return select_backend(ExpertsCall.of(x, w13, act_quant, op=op, activation=activation, lora=lora), backend)
+    return select_backend(ExpertsCall.of(x, w13, act_quant, op=op, activation=activation, lora=lora, w2=w2), backend)
 
 
 def _check_quantized(name, w, ndim, device):
@@ -292,7 +292,8 @@ def fused_experts(
             _check_map_values(expert_map, E, topk_ids)
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
         out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
-        chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None)
+        chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None,
+                                w2=w2)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
         planning = getattr(chosen, "plans", False) and key is not None  # kept with a checked signature only
         plan = chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias,
@@ -394,7 +395,7 @@ def batched_experts(
         check_shape("expert_num_tokens", expert_num_tokens, (E,))
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
         out = _options_and_out(x, w13, w2, act_quant, config, out)
-        chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation,
+        chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, w2=w2,
                                 lora=lora is not None)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
         planning = getattr(chosen, "plans", False) and key is not None  # (see fused_experts)

@@ -35,12 +35,14 @@ class ExpertsCall:
     op: str = "fused"  # "fused" (standard format) or "batched"
     activation: str = "silu_and_mul"
     lora: bool = False  # expert LoRA adapters (moekit.experts.ExpertsLoRA) ride along
+    layout: str = "packed"  # 4-bit codes' byte layout (formats.fp4): "packed", "pairs", or "w13's/w2's" where they differ
 
     @classmethod
     def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
-           activation: str = "silu_and_mul", lora: bool = False) -> "ExpertsCall":
+           activation: str = "silu_and_mul", lora: bool = False, w2=None) -> "ExpertsCall":
         tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
-        return cls(format_of(w13), x.dtype, x.device, tokens, act_quant, op, activation, lora)
+        return cls(format_of(w13), x.dtype, x.device, tokens, act_quant, op, activation, lora,
+                   call_layout(w13, w13 if w2 is None else w2))
 
     def shape_class(self) -> "ExpertsCall":
         """What the verification gate checks once: the call without its token count."""
@@ -212,12 +214,19 @@ def _select_auto(call: ExpertsCall) -> Backend:
     raise ValueError("no backend supports this call: " + "; ".join(reasons))
 
 
+def call_layout(w13, w2) -> str:
+    """ExpertsCall.layout of a call on these stacks."""
+    l13, l2 = getattr(w13, "layout", "packed"), getattr(w2, "layout", "packed")
+    return l13 if l13 == l2 else f"{l13}/{l2}"
+
+
 def explain(call: ExpertsCall, backend: str = "auto") -> str:
     """One line per candidate, in priority order: taken, rejected (why), or not reached."""
     _check_call(call)
     chosen = select_backend(call, backend).name
     act = str(call.act_dtype).removeprefix("torch.") + (f" rounded to {call.act_quant}" if call.act_quant else "")
-    lines = [f"experts call: {call.weight_format} weights, {act} activations{', LoRA' if call.lora else ''}, "
+    codes = "" if call.layout == "packed" else f" (codes in the {call.layout!r} byte layout)"
+    lines = [f"experts call: {call.weight_format} weights{codes}, {act} activations{', LoRA' if call.lora else ''}, "
              f"{call.device}, T={call.num_tokens}, backend={backend!r}"
              + (", batch-invariant mode (triton: aligned kernels, one K step per shape at every T; torch: matmuls "
                 f"of {_invariant.ROWS_PER_MATMUL} rows)" if _invariant.enabled() else "")]

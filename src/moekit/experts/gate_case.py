@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import _invariant, gate, reference
-from ..formats import FP8_ACTIVATION_FORMATS, dequantize, quantize_experts
+from ..formats import FP8_ACTIVATION_FORMATS, dequantize, prepare, quantize_experts
 from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
 from .lora import ExpertsLoRA
 
@@ -38,7 +38,8 @@ def _key(backend, call) -> tuple:
 def _describe(call) -> str:
     dtype = str(call.act_dtype).removeprefix("torch.")
     lora = ", LoRA" if call.lora else ""
-    return f"{call.op} experts, {call.weight_format} weights{lora}, {dtype}, {call.activation}, {call.device}"
+    codes = "" if call.layout == "packed" else f" ({call.layout} codes)"
+    return f"{call.op} experts, {call.weight_format} weights{codes}{lora}, {dtype}, {call.activation}, {call.device}"
 
 
 def _lora_case(call, gen, E, H, I, rows):
@@ -66,6 +67,8 @@ def _case(call, gen):
         fmt = "fp8_block" if call.weight_format == "fp8" else call.weight_format
         w13, w2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
         ref13, ref2 = dequantize(w13), dequantize(w2)
+        l13, l2 = (call.layout.split("/") * 2)[:2]  # the call's byte layouts of w13 and w2
+        w13, w2 = (prepare(w13) if l13 == "pairs" else w13), (prepare(w2) if l2 == "pairs" else w2)
     biases = (rnd(E, 2 * I).mul(0.1).to(dt), rnd(E, H).mul(0.1).to(dt))
     return E, H, w13, w2, ref13, ref2, biases
 

@@ -93,6 +93,7 @@ class WeightOperand:
     shape: tuple[int, ...]
     blocked: bool = False  # FP8: 128x128 block scales [E, N/128, K/128] (else one scale per output column)
     fp8_act: bool = False  # MXFP4 for FP8 activations (W4A8): recoded to E4M3 in the kernels
+    pairs: bool = False  # 4-bit codes in the "pairs" byte layout (formats.prepare; the kernels' W4_PAIRS)
 
     @property
     def format_id(self) -> int:
@@ -123,16 +124,17 @@ class WeightOperand:
         if fp8_act and fmt != "mxfp4":
             raise ValueError(f"FP8 activations run with FP8 or MXFP4 weights (W8A8, W4A8), got {fmt}")
         data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
+        pairs = w.layout == "pairs"
         if fmt == "mxfp4" and fp8_act:  # read as int32 words of 8 codes: rows and experts start on whole words
             if not _on_words(data):
                 data = data.contiguous()
-            return cls(data, w.scales, data, fmt, tuple(w.shape), fp8_act=True)
+            return cls(data, w.scales, data, fmt, tuple(w.shape), fp8_act=True, pairs=pairs)
         if fmt == "mxfp4":
-            return cls(data, w.scales, data, fmt, tuple(w.shape))
+            return cls(data, w.scales, data, fmt, tuple(w.shape), pairs=pairs)
         # The kernels read linear [E, N, K/16] scale bytes (a swizzled stack is unswizzled once, by the tensor).
         scales = w.linear_scales().view(torch.uint8)
         gs = w.global_scale.float().reshape(-1).expand(w.shape[0]).contiguous()
-        return cls(data, scales, gs, fmt, tuple(w.shape))
+        return cls(data, scales, gs, fmt, tuple(w.shape), pairs=pairs)
 
     @classmethod
     def _fp8(cls, w) -> "WeightOperand":
@@ -311,6 +313,13 @@ def _w4_words(w: WeightOperand, dtype: torch.dtype) -> bool:
             and _on_words(w.data))
 
 
+def _k_paired(w: WeightOperand, dtype: torch.dtype) -> bool:
+    """The word-decoded tiles of ``w`` come in _paired_columns' K order, so their other operand must too (paired_k,
+    h_paired): "packed" bytes. In the "pairs" byte layout the decode gives natural K order, and x and h are read as
+    they are."""
+    return _w4_words(w, dtype) and not w.pairs
+
+
 def paired_k(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of x [..., K] (K % 8 == 0) with each 8 columns in the order 0, 4, 1, 5, 2, 6, 3, 7: the K
     order of the word-decoded 4-bit tiles (kernels/moe_gemm.py _paired_columns), which their other operand
@@ -322,7 +331,7 @@ def x_for_gemm1(x3: torch.Tensor, w: WeightOperand) -> torch.Tensor | None:
     """The paired_k copy of x that gemm1 reads for word-decoded 4-bit weights, or None (it reads x): made before a
     LoRA delta kernel, so that GEMM1, that kernel's programmatic dependent, reads before its wait only what
     launches before the delta kernel wrote."""
-    return paired_k(x3) if _w4_words(w, x3.dtype) else None
+    return paired_k(x3) if _k_paired(w, x3.dtype) else None
 
 
 def _x_strides(x3: torch.Tensor) -> tuple[int, int, int]:
@@ -345,10 +354,11 @@ def gemm1_launch(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_b
     which must then be the launch right before this one: ``x_paired``, x3's paired_k copy made before the delta
     kernel, where the word-decoded 4-bit tiles read one (:func:`x_for_gemm1`)."""
     words = _w4_words(w, x3.dtype)
-    if words:  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its pairs as they are
+    if _k_paired(w, x3.dtype):  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its
+        # pairs as they are
         x3 = x_paired if x_paired is not None else paired_k(x3)
     elif x_paired is not None:
-        raise ValueError("gemm1: x_paired is for word-decoded 4-bit weights only")
+        raise ValueError("gemm1: x_paired is for word-decoded 4-bit weights in the \"packed\" byte layout only")
     cfg = w.config(cfg, tiles=2)  # gate and up
     inter, hidden = w.shape[1] // 2, w.shape[2]
     step, up_off = _gate_up(activation, inter)
@@ -361,7 +371,7 @@ def gemm1_launch(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_b
     d, sd0, sd1, sd2, *scales = w.args()
     constants = _gemm1_constants(b13 is not None, rows.mode, rows.expert_map is not None, activation, x3.dtype,
                                  w.format_id, w.format, w.blocked, cfg, block_m, hidden, tile_scale, tma, paired, words,
-                                 h_paired, delta is not None, delta_wait)
+                                 h_paired, delta is not None, delta_wait, w.pairs)
     return grid, (
         x3, *_x_strides(x3),
         d, sd0, sd1, sd2, w_desc, *scales,
@@ -379,14 +389,14 @@ def gemm1_launch(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_b
 def _gemm1_constants(has_bias: bool, rows_mode: int, has_map: bool, activation: str, dtype: torch.dtype,
                      format_id: int, weight_format: str, blocked: bool, cfg: GemmConfig, block_m: int, hidden: int,
                      tile_scale: bool, tma: bool, paired: bool, words: bool, h_paired: bool, has_delta: bool,
-                     delta_wait: bool) -> Constants:
+                     delta_wait: bool, pairs: bool = False) -> Constants:
     return Constants(
         HAS_BIAS=has_bias, ROWS=rows_mode, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation],
         DOT_PRECISION=_precision(dtype), FORMAT=format_id, HAS_DELTA=has_delta, **_delta_wait(delta_wait),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_BLOCKED=blocked,
         HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale, EVEN_K=hidden % cfg.block_k == 0, W_TMA=tma, PAIRED=paired,
         HALF_TAILS=_half_tails(cfg, rows_mode, block_m), SCALES_AHEAD=_scales_ahead(cfg, weight_format),
-        W4_WORDS=words, H_PAIRED=h_paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W4_WORDS=words, H_PAIRED=h_paired, W4_PAIRS=pairs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemm2(*args, **kwargs):
@@ -408,7 +418,7 @@ def gemm2_launch(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, n
     d, sd0, sd1, sd2, *scales = w.args()
     constants = _gemm2_constants(b2 is not None, rows.mode, h.dtype, w.format_id, w.format, w.blocked, cfg, block_m,
                                  inter, _tile_scale(w, cfg.block_n), tma, _w4_words(w, h.dtype), delta is not None,
-                                 delta_wait)
+                                 delta_wait, w.pairs)
     return grid, (
         h, h.stride(0), *_scale_args(h_scales, h),
         d, sd0, sd1, sd2, w_desc, *scales,
@@ -425,13 +435,13 @@ def gemm2_launch(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, n
 @functools.lru_cache(maxsize=4096)  # (see _gemm1_constants)
 def _gemm2_constants(has_bias: bool, rows_mode: int, dtype: torch.dtype, format_id: int, weight_format: str,
                      blocked: bool, cfg: GemmConfig, block_m: int, inter: int, tile_scale: bool, tma: bool, words: bool,
-                     has_delta: bool, delta_wait: bool) -> Constants:
+                     has_delta: bool, delta_wait: bool, pairs: bool = False) -> Constants:
     return Constants(
         HAS_BIAS=has_bias, ROWS=rows_mode, DOT_PRECISION=_precision(dtype), FORMAT=format_id, HAS_DELTA=has_delta,
         **_delta_wait(delta_wait), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_BLOCKED=blocked, HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale, EVEN_K=inter % cfg.block_k == 0, W_TMA=tma,
         HALF_TAILS=_half_tails(cfg, rows_mode, block_m), SCALES_AHEAD=_scales_ahead(cfg, weight_format),
-        W4_WORDS=words, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W4_WORDS=words, W4_PAIRS=pairs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _delta_wait(wait: bool) -> dict:
@@ -458,16 +468,16 @@ def gemm2_tokens_launch(h, w: WeightOperand, b2, weights, ids, expert_map, num_g
         out, out.stride(0),
         top_k, num_global, w.shape[0], hidden, inter,
     ), _gemm2_tokens_constants(b2 is not None, expert_map is not None, h.dtype, w.format_id, w.blocked,
-                               _tile_scale(w, cfg.block_n), inter % cfg.block_k == 0, cfg)
+                               _tile_scale(w, cfg.block_n), inter % cfg.block_k == 0, cfg, w.pairs)
 
 
 @functools.lru_cache(maxsize=1024)  # (see _gemm1_constants)
 def _gemm2_tokens_constants(has_bias: bool, has_map: bool, dtype: torch.dtype, format_id: int, blocked: bool,
-                            tile_scale: bool, even_k: bool, cfg: GemmConfig) -> Constants:
+                            tile_scale: bool, even_k: bool, cfg: GemmConfig, pairs: bool = False) -> Constants:
     return Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, DOT_PRECISION=_precision(dtype), FORMAT=format_id, W_BLOCKED=blocked,
         HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale, EVEN_K=even_k, BLOCK_M=PER_PAIR_BLOCK_M, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, W4_PAIRS=pairs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, top_k, cfg: GemmConfig,
@@ -482,7 +492,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     if _row_scaled(cfg, w, x.dtype):
         w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
         constants = _gemv1_rows_constants(w.format, cfg, activation, b13 is not None, expert_map is not None,
-                                          delta is not None, pdl)
+                                          delta is not None, pdl, w.pairs)
         if terms is not None:
             terms.launch_shrink()
             constants = {**constants, **terms.gemv1_constants}
@@ -495,11 +505,11 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
         prepared = None if delta is not None or terms is not None else gemv1_rows_kernel.prepare(args, constants)
         return None if prepared is None else (prepared, grid, None, _ints(w_args), _gemv1_rows_args)
     slots, packed, block_k, constants = _gemv1_constants(w.format, x.dtype, cfg, top_k, activation, b13 is not None,
-                                                         expert_map is not None, delta is not None, pdl)
+                                                         expert_map is not None, delta is not None, pdl, w.pairs)
     programs = ids.numel() // top_k * _triton.cdiv(top_k, slots) * _triton.cdiv(inter, cfg.block_n)
     packing = None
     if packed:  # whole chunks: the kernel's loads need no mask
-        (pairs, exps), packing = scaled_fp16_prepared(x, block_k, prepare=prepare)
+        (pairs, exps), packing = scaled_fp16_prepared(x, block_k, prepare=prepare, w4_pairs=w.pairs)
         x_args = _packed_x_args(pairs, exps)
     else:
         x_args = _plain_x_args(x)
@@ -551,7 +561,8 @@ def _gemv1_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_gl
 # they are (a dict of a dozen keywords built and hashed on every launch cost microseconds of eager host time)
 @functools.lru_cache(maxsize=1024)
 def _gemv1_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, top_k: int, activation: str,
-                     has_bias: bool, has_map: bool, has_delta: bool, pdl: bool) -> tuple[int, bool, int, Constants]:
+                     has_bias: bool, has_map: bool, has_delta: bool, pdl: bool,
+                     pairs: bool = False) -> tuple[int, bool, int, Constants]:
     """(pairs per program, packed operands, K chunk, constants) of gemv1_act_kernel."""
     slots = gemv1_slots(cfg, top_k)
     packed = cfg.packed is not False and _fp16x2_operands(weight_format, dtype)
@@ -559,7 +570,7 @@ def _gemv1_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, to
     return slots, packed, block_k, Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation], HAS_DELTA=has_delta,
         FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n, BLOCK_K=block_k, HALVES_ASM=_PTX, PDL=pdl,
-        SLOTS=slots, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SLOTS=slots, PACKED=packed, W4_PAIRS=pairs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemv1_slots(cfg: GemmConfig, top_k: int) -> int:
@@ -598,27 +609,29 @@ def _gemv1_rows_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, n
 
 @functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
 def _gemv1_rows_constants(weight_format: str, cfg: GemmConfig, activation: str, has_bias: bool, has_map: bool,
-                          has_delta: bool, pdl: bool) -> Constants:
+                          has_delta: bool, pdl: bool, pairs: bool = False) -> Constants:
     """gemv1_rows_kernel's constexprs and launch options (GemmConfig.row_scaled)."""
     return Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation], FORMAT=FORMAT_IDS[weight_format],
         BLOCK_N=cfg.block_n, BLOCK_K=_gemv_block_k(weight_format, cfg.block_k), XBLOCK=GEMV_ROW_XBLOCK,
-        HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=has_delta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=has_delta, W4_PAIRS=pairs, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
 
 
-def scaled_fp16(x2d: torch.Tensor, multiple: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_fp16(x2d: torch.Tensor, multiple: int = 32, w4_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, K] -> (fp16 [rows, Kp] pair-major per 32-block, uint8 exponents [rows, Kp / 32]) with Kp = K rounded
     up to ``multiple`` (a multiple of 32, at least one; the decode kernels pass their K chunk, so that they read
     whole chunks without masks): slot s of a row, p = (s % 32) // 2, holds x[(s & -32) + 8 (p % 4) + p // 4 +
-    4 (s & 1)] * 2^(127 - u), u its group's byte (see kernels/scaled_fp16.py); zeros (and u = 1) past K. The
-    packed 4-bit decode's operand."""
-    return scaled_fp16_prepared(x2d, multiple, prepare=False)[0]
+    4 (s & 1)] * 2^(127 - u), or with ``w4_pairs`` (weights in the "pairs" byte layout) x[(s & -32) + 8 (p % 4) +
+    2 (p // 4) + (s & 1)], u its group's byte (see kernels/scaled_fp16.py); zeros (and u = 1) past K. The packed
+    4-bit decode's operand."""
+    return scaled_fp16_prepared(x2d, multiple, prepare=False, w4_pairs=w4_pairs)[0]
 
 
-def scaled_fp16_prepared(x2d: torch.Tensor, multiple: int = 32, prepare: bool = True):
+def scaled_fp16_prepared(x2d: torch.Tensor, multiple: int = 32, prepare: bool = True, w4_pairs: bool = False):
     """:func:`scaled_fp16`, and (``prepare``) its launch made ready to repeat on rows of the same signature
     (:class:`PreparedScaling`; None where it cannot be, or nothing was launched)."""
     if multiple <= 0 or multiple % 32:
@@ -631,12 +644,13 @@ def scaled_fp16_prepared(x2d: torch.Tensor, multiple: int = 32, prepare: bool = 
         return (pairs, exps), None
     grid = (rows, _triton.cdiv(kp, SCALED_FP16_BLOCK))
     args = _scaled_fp16_args(x2d, pairs, exps)
-    scaled_fp16_kernel.launch(grid, args, _SCALED_FP16_CONSTANTS)
-    prepared = scaled_fp16_kernel.prepare(args, _SCALED_FP16_CONSTANTS) if prepare else None
+    constants = _SCALED_FP16_CONSTANTS[w4_pairs]
+    scaled_fp16_kernel.launch(grid, args, constants)
+    prepared = scaled_fp16_kernel.prepare(args, constants) if prepare else None
     return (pairs, exps), None if prepared is None else PreparedScaling(prepared, grid, kp)
 
 
-_SCALED_FP16_CONSTANTS = Constants(BLOCK=SCALED_FP16_BLOCK, num_warps=4)
+_SCALED_FP16_CONSTANTS = {pairs: Constants(BLOCK=SCALED_FP16_BLOCK, PAIRS=pairs, num_warps=4) for pairs in (False, True)}
 
 
 def _scaled_fp16_args(x2d, pairs, exps) -> tuple:
@@ -679,10 +693,10 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
     it copies the words, the copy must not come between GEMV1 and its dependent)."""
     hidden, inter = w.shape[1], w.shape[2]
     packed, block_k, constants = _gemv2_constants(w.format, h.dtype, cfg, top_k, b2 is not None,
-                                                  expert_map is not None, pdl)
+                                                  expert_map is not None, pdl, w.pairs)
     packing = None
     if packed:
-        (pairs, exps), packing = scaled_fp16_prepared(h, block_k, prepare=prepare)
+        (pairs, exps), packing = scaled_fp16_prepared(h, block_k, prepare=prepare, w4_pairs=w.pairs)
         h_args = _packed_h_args(pairs, exps)
     else:
         h_args = _plain_h_args(h)
@@ -712,7 +726,7 @@ def gemv2_rows(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, y,
     grid = (y.shape[0] * _triton.cdiv(w.shape[1], cfg.block_n),)
     args = _gemv2_rows_args(h, w_args, b2, weights, ids, expert_map, y, num_global, w.shape[0], w.shape[1],
                             w.shape[2])
-    constants = _gemv2_rows_constants(w.format, cfg, b2 is not None, expert_map is not None, pdl)
+    constants = _gemv2_rows_constants(w.format, cfg, b2 is not None, expert_map is not None, pdl, w.pairs)
     kernel = gemv2_rows_kernel.launch(grid, args, constants)
     if not prepare:
         return kernel
@@ -727,11 +741,12 @@ def _gemv2_rows_args(h, w_args, b2, weights, ids, expert_map, y, num_global, num
 
 
 @functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
-def _gemv2_rows_constants(weight_format: str, cfg: GemmConfig, has_bias: bool, has_map: bool, pdl: bool) -> Constants:
+def _gemv2_rows_constants(weight_format: str, cfg: GemmConfig, has_bias: bool, has_map: bool, pdl: bool,
+                          pairs: bool = False) -> Constants:
     return Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n,
         BLOCK_K=_gemv_block_k(weight_format, cfg.block_k), XBLOCK=GEMV_ROW_XBLOCK, HALVES_ASM=_PTX, PDL=pdl,
-        launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W4_PAIRS=pairs, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter,
@@ -744,7 +759,7 @@ def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num
 
 @functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)
 def _gemv2_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, top_k: int, has_bias: bool,
-                     has_map: bool, pdl: bool) -> tuple[bool, int, Constants]:
+                     has_map: bool, pdl: bool, pairs: bool = False) -> tuple[bool, int, Constants]:
     """(packed operands, K chunk, constants) of gemv2_tokens_kernel."""
     row_scaled = cfg.row_scaled and _fp16x2_operands(weight_format, dtype)
     slots = 0 if row_scaled else _gemv_slots(cfg, top_k, 1 if weight_format in FLAT_SLOT_FORMATS else 0)
@@ -752,7 +767,7 @@ def _gemv2_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, to
     block_k = _gemv_block_k(weight_format, cfg.block_k)
     return packed, block_k, Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        HALVES_ASM=_PTX, SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK,
+        HALVES_ASM=_PTX, SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK, W4_PAIRS=pairs,
         launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -935,7 +950,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     h, hs = activation_buffers(blocks * bm, two_i // 2, dtype, x.device, fp8)
     y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
     rows = RowMap.aligned(block_expert, sorted_pairs)
-    h_paired = _w4_words(w2, h.dtype)
+    h_paired = _k_paired(w2, h.dtype)
     terms = None if lora is None else _GemmLoRA(
         lora, lora_ids, expert_lora.Rows("aligned", blocks * bm, top_k, bm, num_pairs, block_expert, sorted_pairs),
         y, w2, x.device)
@@ -1089,7 +1104,7 @@ class CallSources(NamedTuple):
             aligned = (*align_buffers(num_pairs, blocks, block_m, x.device),
                        torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device))
         h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # (activation_buffers' h)
-        x3 = paired_k(x) if _w4_words(w13, x.dtype) else x
+        x3 = paired_k(x) if _k_paired(w13, x.dtype) else x
         return cls(x3, *w13.parts(), b13, h, ids, expert_map, *aligned, *w2.parts(), b2, weights, out)
 
     def launches(self, w13: WeightOperand, w2: WeightOperand, activation: str, config: ExpertsConfig,
@@ -1097,7 +1112,7 @@ class CallSources(NamedTuple):
         """(Launcher, (grid, arguments, constants)) of each launch, in order: the per-pair GEMMs, or the one-program
         align, the aligned GEMMs and the combine; the same as fused_experts_into's full path."""
         num_pairs = self.ids.numel()
-        x_paired = self.x if _w4_words(w13, self.x.dtype) else None
+        x_paired = self.x if _k_paired(w13, self.x.dtype) else None
         if self.pair_expert is None:
             num_global = self.expert_map.shape[0] if self.expert_map is not None else w13.shape[0]
             return ((gemm1_act_kernel, gemm1_launch(
@@ -1111,7 +1126,7 @@ class CallSources(NamedTuple):
         return ((align_kernel, align_launch(self.ids, self.expert_map, self.pair_expert, self.sorted_pairs,
                                             self.block_expert, w13.shape[0], bm)),
                 (gemm1_act_kernel, gemm1_launch(self.x, w13, self.b13, self.h, rows, activation, blocks, config.gemm1,
-                                                bm, num_pairs, top_k, 0, h_paired=_w4_words(w2, self.h.dtype),
+                                                bm, num_pairs, top_k, 0, h_paired=_k_paired(w2, self.h.dtype),
                                                 x_paired=x_paired)),
                 (gemm2_kernel, gemm2_launch(self.h, w2, self.b2, self.weights, self.y, (0, self.y.stride(0)), rows,
                                             blocks, config.gemm2, bm, num_pairs, 0)),
@@ -1206,7 +1221,7 @@ class BatchedSources(NamedTuple):
         num_experts, rows_per_expert, _ = x.shape
         h = torch.empty(num_experts * rows_per_expert, w13.shape[1] // 2, dtype=x.dtype,
                         device=x.device)  # (activation_buffers' h)
-        x3 = paired_k(x) if _w4_words(w13, x.dtype) else x
+        x3 = paired_k(x) if _k_paired(w13, x.dtype) else x
         return cls(x3, *w13.parts(), b13, h, expert_num_tokens, *w2.parts(), b2, out)
 
     def launches(self, w13: WeightOperand, w2: WeightOperand, activation: str, config: ExpertsConfig) -> tuple:
@@ -1215,9 +1230,9 @@ class BatchedSources(NamedTuple):
         bm = config.block_m
         blocks = num_experts * _triton.cdiv(rows_per_expert, bm)
         rows = RowMap.batched(self.expert_num_tokens)
-        x_paired = self.x if _w4_words(w13, self.x.dtype) else None
+        x_paired = self.x if _k_paired(w13, self.x.dtype) else None
         return ((gemm1_act_kernel, gemm1_launch(self.x, w13, self.b13, self.h, rows, activation, blocks, config.gemm1,
-                                                bm, 0, 1, rows_per_expert, h_paired=_w4_words(w2, self.h.dtype),
+                                                bm, 0, 1, rows_per_expert, h_paired=_k_paired(w2, self.h.dtype),
                                                 x_paired=x_paired)),
                 (gemm2_kernel, gemm2_launch(self.h, w2, self.b2, self.h, self.out, (self.out.stride(0),
                                                                                     self.out.stride(1)),
@@ -1288,7 +1303,7 @@ def batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bia
         xq, xs = fp8_groups(x.reshape(num_experts * rows_per_expert, hidden))
         x = xq.view(num_experts, rows_per_expert, hidden)
     rows = RowMap.batched(expert_num_tokens)
-    h_paired = _w4_words(w2, h.dtype)
+    h_paired = _k_paired(w2, h.dtype)
     terms = None if lora is None else _GemmLoRA(  # (as in fused_experts_into)
         lora, lora_ids, expert_lora.Rows("batched", num_experts * rows_per_expert, block_m=bm,
                                          expert_num_tokens=expert_num_tokens, rows_per_expert=rows_per_expert),

@@ -6,12 +6,14 @@ These are host-side format routines (quantize at load time, dequantize for refer
 fallbacks); they run on any device with plain torch.
 """
 
+import dataclasses
+
 import torch
 
 from . import fp4, fp8, mxfp4, nvfp4
 
 __all__ = ["FP8_ACTIVATION_FORMATS", "RECIPES", "WEIGHT_FORMATS", "dequantize", "expert", "format_of", "fp4", "fp8",
-           "from_parts", "mxfp4", "nvfp4", "quantize_experts", "recipe_format", "to_parts"]
+           "from_parts", "mxfp4", "nvfp4", "prepare", "quantize_experts", "recipe_format", "to_parts", "unprepare"]
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
 """What an expert stack can be: a plain tensor, or one of the quantized types below."""
@@ -38,7 +40,8 @@ def format_of(w) -> str:
 def to_parts(w) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None, str, list[int]]:
     """(format, data, scales, global_scale, tag, shape): a weight as tensors and plain values, which a
     torch.library op's schema can carry (it takes no objects); :func:`from_parts` rebuilds it. ``tag``: an FP8
-    weight's granularity, "swizzled" for an NVFP4 weight with swizzled scales, else empty. The rebuilt object is
+    weight's granularity; for 4-bit weights the comma-joined flags "pairs" (that byte layout) and "swizzled" (an
+    NVFP4 weight's swizzled scales), empty without either. The rebuilt object is
     new on every call, so a swizzled NVFP4 stack is unswizzled in every compiled call (a copy kept across calls
     could live in the private memory pool of the CUDA graph that made it): compiled code should hold linear
     scales (``NVFP4Tensor(w.data, w.linear_scales(), w.global_scale, w.shape)``)."""
@@ -47,9 +50,10 @@ def to_parts(w) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | 
         return fmt, w, None, None, "", list(w.shape)
     if fmt == "fp8":
         return fmt, w.data, w.scale, None, w.granularity, list(w.data.shape)
+    flags = ["pairs"] if w.layout == "pairs" else []
     if fmt == "mxfp4":
-        return fmt, w.data, w.scales, None, "", list(w.shape)
-    return fmt, w.data, w.scales, w.global_scale, "swizzled" if w.swizzled else "", list(w.shape)
+        return fmt, w.data, w.scales, None, ",".join(flags), list(w.shape)
+    return fmt, w.data, w.scales, w.global_scale, ",".join(flags + ["swizzled"] * w.swizzled), list(w.shape)
 
 
 def from_parts(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, global_scale: torch.Tensor | None,
@@ -59,10 +63,12 @@ def from_parts(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, global
         return data
     if fmt == "fp8":
         return fp8.FP8Tensor(data, scales, tag)
+    flags = tag.split(",") if fmt in ("mxfp4", "nvfp4") else []
+    layout = "pairs" if "pairs" in flags else "packed"
     if fmt == "mxfp4":
-        return mxfp4.MXFP4Tensor(data, scales, tuple(shape))
+        return mxfp4.MXFP4Tensor(data, scales, tuple(shape), layout)
     if fmt == "nvfp4":
-        return nvfp4.NVFP4Tensor(data, scales, global_scale, tuple(shape), swizzled=tag == "swizzled")
+        return nvfp4.NVFP4Tensor(data, scales, global_scale, tuple(shape), swizzled="swizzled" in flags, layout=layout)
     raise ValueError(f"format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
 
 
@@ -99,11 +105,12 @@ def expert(w, e: int, dtype=None):
     if isinstance(w, fp8.FP8Tensor):
         return fp8.dequantize(fp8.expert(w, e), dtype)
     if isinstance(w, mxfp4.MXFP4Tensor):
-        return mxfp4.dequantize(mxfp4.MXFP4Tensor(w.data[e:e + 1], w.scales[e:e + 1], (1, *w.shape[1:])), dtype)[0]
+        one = mxfp4.MXFP4Tensor(w.data[e:e + 1], w.scales[e:e + 1], (1, *w.shape[1:]), w.layout)
+        return mxfp4.dequantize(one, dtype)[0]
     if isinstance(w, nvfp4.NVFP4Tensor):
         gs = w.global_scale
         gs = gs.reshape(-1)[e].reshape(1, *([1] * (gs.dim() - 1))) if gs.numel() > 1 else gs
-        one = nvfp4.NVFP4Tensor(w.data[e:e + 1], w.scales[e:e + 1], gs, (1, *w.shape[1:]), w.swizzled)
+        one = nvfp4.NVFP4Tensor(w.data[e:e + 1], w.scales[e:e + 1], gs, (1, *w.shape[1:]), w.swizzled, w.layout)
         return nvfp4.dequantize(one, dtype)[0]
     raise TypeError(f"cannot take an expert of a {type(w).__name__}")
 
@@ -129,3 +136,27 @@ def quantize_experts(w, weight_format: str):
     if weight_format == "mxfp4":
         return mxfp4.MXFP4Tensor(data, scales, tuple(w.shape))
     return nvfp4.NVFP4Tensor(data, scales, torch.cat([p.global_scale for p in parts]), tuple(w.shape))
+
+
+def _relaid(w, layout: str):
+    """A 4-bit weight with its codes in byte ``layout`` (``w`` itself when it has that layout; other formats as
+    they are): the same scales, new code bytes."""
+    if format_of(w) not in ("mxfp4", "nvfp4") or w.layout == layout:
+        return w
+    data = fp4.to_layout(fp4.to_packed(w.data, w.layout), layout)
+    return dataclasses.replace(w, data=data, layout=layout)
+
+
+def prepare(w):
+    """A weight in moekit's kernel-native layout, made once when weights load: an MXFP4 or NVFP4 stack gets its
+    codes in the "pairs" byte layout (:mod:`moekit.formats.fp4`), which the bf16 tensor-core GEMMs read without a
+    reordered copy of their activations and the decode kernels pair with activations as they lie in memory. The
+    same values, bit for bit (:func:`unprepare` gives the checkpoint's bytes back); every moekit op takes either
+    layout. Dense and FP8 weights are returned as they are. A new tensor of code bytes: drop the old one to keep
+    one copy."""
+    return _relaid(w, "pairs")
+
+
+def unprepare(w):
+    """Inverse of :func:`prepare`: a 4-bit weight with its codes in the checkpoints' "packed" byte layout."""
+    return _relaid(w, "packed")

@@ -62,3 +62,10 @@ def check_format(name: str, t, cls, dtype) -> None:
         raise TypeError(f"{name} must be a {cls.__name__}, got {type(t).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+
+def check_layout(owner: str, layout) -> None:
+    """A 4-bit tensor's byte layout: one of fp4.LAYOUTS."""
+    from .fp4 import LAYOUTS
+    if layout not in LAYOUTS:
+        raise ValueError(f"{owner}.layout must be one of {LAYOUTS}, got {layout!r}")

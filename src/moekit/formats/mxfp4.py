@@ -15,7 +15,8 @@ import torch
 
 from .._checks import check_tensor
 from . import fp4
-from ._common import blocks, check_block_multiple, check_field, check_format, check_quantize_input, shape_tuple
+from ._common import (blocks, check_block_multiple, check_field, check_format, check_layout, check_quantize_input,
+                      shape_tuple)
 
 BLOCK = 32
 BIAS = 127
@@ -28,20 +29,28 @@ E4M3_NAN_STEP = 16  # the table row of a NaN scale
 
 @dataclass(frozen=True)
 class MXFP4Tensor:
-    """data: uint8 [..., K/2] packed codes; scales: uint8 [..., K/32] E8M0 exponents."""
+    """data: uint8 [..., K/2] packed codes, in the byte ``layout`` "packed" (checkpoints') or "pairs" (moekit's
+    kernel-native layout, see :mod:`moekit.formats.fp4`; :func:`moekit.formats.prepare` makes it); scales: uint8
+    [..., K/32] E8M0 exponents."""
 
     data: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, ...]
+    layout: str = "packed"
 
     def __post_init__(self) -> None:
         # Checked when built, so that no kernel or reference ever sees parts that disagree.
         shape = shape_tuple("MXFP4Tensor", self.shape)
         object.__setattr__(self, "shape", shape)
         check_block_multiple("MXFP4Tensor", shape, BLOCK)
+        check_layout("MXFP4Tensor", self.layout)
         lead, k = shape[:-1], shape[-1]
         check_field("MXFP4Tensor", "data", self.data, (torch.uint8,), (*lead, k // 2))
         check_field("MXFP4Tensor", "scales", self.scales, (torch.uint8,), (*lead, k // BLOCK), self.data.device)
+
+    def codes(self) -> torch.Tensor:
+        """uint8 [..., K]: every element's code, in element order (whatever the layout)."""
+        return fp4.unpack(fp4.to_packed(self.data, self.layout))
 
     def scales_e8m0(self) -> torch.Tensor:
         """The scales as torch.float8_e8m0fnu (same bytes)."""
@@ -71,7 +80,7 @@ def dequantize(t: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     """e2m1(q) * 2^(s - 127); a scale byte of 255 gives NaN for its block. Exact in fp32 up to its
     range (codes of 4 and 6 under the two largest scales leave it: inf) and exact in float64."""
     check_format("t", t, MXFP4Tensor, dtype)
-    values = blocks(fp4.decode(fp4.unpack(t.data)), BLOCK)
+    values = blocks(fp4.decode(t.codes()), BLOCK)
     if dtype == torch.float64:
         values = values.double()
     s = t.scales.to(torch.int32).unsqueeze(-1)
@@ -111,7 +120,7 @@ def to_e4m3(t: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     2^-15 of the row's largest possible weight 6 * 2^(r - 127). A NaN scale gives NaN codes (its row's r is 255).
     Negative codes of magnitude 0 give +0."""
     r, step = e4m3_step(t)
-    codes = blocks(fp4.unpack(t.data), BLOCK).long()  # [..., K/32, 32]
+    codes = blocks(t.codes(), BLOCK).long()  # [..., K/32, 32]
     table = e4m3_steps(t.data.device)[step]  # [..., K/32, 8]
     byte = torch.gather(table, -1, codes & 7)
     byte = torch.where((codes >= 8) & (byte != 0), byte | 0x80, byte)
@@ -145,5 +154,7 @@ def from_gpt_oss(blocks_u8: torch.Tensor, scales: torch.Tensor) -> MXFP4Tensor:
 
 
 def to_gpt_oss(t: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`from_gpt_oss`: (blocks [..., N, K/32, 16], scales [..., N, K/32])."""
-    return t.data.reshape(*t.data.shape[:-1], -1, BLOCK // 2), t.scales
+    """Inverse of :func:`from_gpt_oss`: (blocks [..., N, K/32, 16], scales [..., N, K/32]), the checkpoint's
+    "packed" bytes whatever ``t``'s layout."""
+    data = fp4.to_packed(t.data, t.layout)
+    return data.reshape(*data.shape[:-1], -1, BLOCK // 2), t.scales

@@ -15,7 +15,8 @@ import torch
 
 from .._checks import check_tensor, tensor_version
 from . import fp4
-from ._common import blocks, check_block_multiple, check_field, check_format, check_quantize_input, shape_tuple
+from ._common import (blocks, check_block_multiple, check_field, check_format, check_layout, check_quantize_input,
+                      shape_tuple)
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -24,8 +25,8 @@ SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
 
 @dataclass(frozen=True)
 class NVFP4Tensor:
-    """data: uint8 [..., K/2] (packed codes); scales: float8_e4m3fn [..., K/16], or when
-    ``swizzled`` uint8 [..., ceil(R/128)*128 * ceil(C/4)*4] in the 128x4 layout (R = rows of the
+    """data: uint8 [..., K/2] (packed codes, in the byte ``layout`` "packed" or "pairs" as MXFP4Tensor's);
+    scales: float8_e4m3fn [..., K/16], or when ``swizzled`` uint8 [..., ceil(R/128)*128 * ceil(C/4)*4] in the 128x4 layout (R = rows of the
     last-but-one axis, C = K/16; padding zero); global_scale: float32, shape [] or the leading
     dims it was computed over (e.g. [E]), broadcast as global_scale[..., None, None]."""
 
@@ -34,6 +35,7 @@ class NVFP4Tensor:
     global_scale: torch.Tensor
     shape: tuple[int, ...]
     swizzled: bool = False
+    layout: str = "packed"
 
     def __post_init__(self) -> None:
         # Checked when built, so that no kernel or reference ever sees parts that disagree.
@@ -42,6 +44,7 @@ class NVFP4Tensor:
         if not isinstance(self.swizzled, bool):
             raise TypeError(f"NVFP4Tensor.swizzled must be a bool, got {type(self.swizzled).__name__}")
         check_block_multiple("NVFP4Tensor", shape, BLOCK)
+        check_layout("NVFP4Tensor", self.layout)
         lead, k = shape[:-1], shape[-1]
         check_field("NVFP4Tensor", "data", self.data, (torch.uint8,), (*lead, k // 2))
         device = self.data.device
@@ -59,6 +62,10 @@ class NVFP4Tensor:
                 or (gs.dim() == len(shape) and gs.shape[-1] != 1)):
             raise ValueError(f"NVFP4Tensor.global_scale must be a scalar or broadcast over the leading dims of "
                              f"shape {shape} (e.g. one per expert), got shape {tuple(gs.shape)}")
+
+    def codes(self) -> torch.Tensor:
+        """uint8 [..., K]: every element's code, in element order (whatever the layout)."""
+        return fp4.unpack(fp4.to_packed(self.data, self.layout))
 
     def linear_scales(self) -> torch.Tensor:
         """float8_e4m3fn [..., K/16], whatever the stored layout (swizzled scales are unswizzled once per
@@ -123,7 +130,7 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """e2m1(q) * sf / gs in fp32, then ``dtype``; shape t.shape."""
     check_format("t", t, NVFP4Tensor, dtype)
-    values = blocks(fp4.decode(fp4.unpack(t.data)), BLOCK)
+    values = blocks(fp4.decode(t.codes()), BLOCK)
     sf = t.linear_scales().float().unsqueeze(-1)
     out = values * sf / _expand(t.global_scale.float(), values.dim())
     return out.reshape(t.shape).to(dtype)
@@ -167,8 +174,8 @@ def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------- ModelOpt edge
 def to_modelopt(t: NVFP4Tensor) -> dict[str, torch.Tensor]:
-    """{"weight": uint8 [..., K/2], "weight_scale": e4m3 [..., K/16], "weight_scale_2": 1 / gs}."""
-    return {"weight": t.data, "weight_scale": t.linear_scales(), "weight_scale_2": 1.0 / t.global_scale}
+    """{"weight": uint8 [..., K/2] ("packed" bytes), "weight_scale": e4m3 [..., K/16], "weight_scale_2": 1 / gs}."""
+    return {"weight": fp4.to_packed(t.data, t.layout), "weight_scale": t.linear_scales(), "weight_scale_2": 1.0 / t.global_scale}
 
 
 def from_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,

@@ -59,13 +59,13 @@ def _load_rows_words(w_ptr, s_ptr, w_rows, s_rows, row_ok, c, K, FORMAT: tl.cons
 @triton.jit
 def _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr, stride_bn, e64, w_rows, s_rows, bias_rows, row_ok, x_row, stride_xk,
                  K, x_scale, x_factor, acc, first, HAS_BIAS: tl.constexpr, FORMAT: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr):
+                 BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr, PAIRS: tl.constexpr = False):
     """The rows' dot products with one activation row (scaled by x_scale, x_factor: moe_gemv._row_exponent), their
     expert's NVFP4 global scale divided out and the bias added: fp32 [rows]. ``acc`` [rows, groups per chunk]: the
     sums of the chunks before ``first``."""
     for c in range(first, tl.cdiv(K, BLOCK_K)):  # num_stages keeps the next chunks' loads in flight
         w, s, xr = _load_rows_chunk(w_ptr, s_ptr, w_rows, s_rows, row_ok, x_row, stride_xk, c, K, FORMAT, BLOCK_K)
-        acc += _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM)
+        acc += _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT, HALVES_ASM, PAIRS)
     y = tl.sum(acc, axis=1)
     if FORMAT == NVFP4:  # the per-expert global scale divides out once
         y = y / tl.load(gs_ptr + e64)
@@ -94,6 +94,7 @@ def gemv1_rows_kernel(
     LORA_W13: tl.constexpr = False, LORA_W2: tl.constexpr = False, LORA_WAIT: tl.constexpr = False,
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
     LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
+    W4_PAIRS: tl.constexpr = False,  # codes in the "pairs" byte layout (formats/fp4.py)
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -129,7 +130,7 @@ def gemv1_rows_kernel(
         y = _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows,
                          row_ok, x_row, stride_xk, K, x_scale, x_factor,
                          tl.zeros([2 * BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32), 0, HAS_BIAS, FORMAT, BLOCK_K,
-                         HALVES_ASM)
+                         HALVES_ASM, W4_PAIRS)
         if HAS_DELTA:
             y += tl.load(delta_ptr + pair.to(tl.int64) * stride_dm + rows, mask=row_ok, other=0.0).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))

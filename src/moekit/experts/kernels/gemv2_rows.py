@@ -35,6 +35,7 @@ def gemv2_rows_kernel(
     XBLOCK: tl.constexpr,  # h values per step of the row's largest-|h| scan
     HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # launched as GEMV1's programmatic dependent: wait for its grid before reading h
+    W4_PAIRS: tl.constexpr = False,  # codes in the "pairs" byte layout (formats/fp4.py)
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pair = tl.program_id(0) // num_n
@@ -53,7 +54,7 @@ def gemv2_rows_kernel(
             gdc_wait()
             h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
             acc = _row_scaled_sums(w, s, _load_row_chunk(h_row, 1, 0, K, FORMAT, BLOCK_K), h_scale, h_factor, FORMAT,
-                                   HALVES_ASM)
+                                   HALVES_ASM, W4_PAIRS)
             first = 1
         else:
             h_scale, h_factor = _row_exponent(h_row, 1, K, XBLOCK)
@@ -62,7 +63,7 @@ def gemv2_rows_kernel(
             first = 0
         y = tl.load(weights_ptr + pair) * _stream_rows(
             w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows, n_ok, h_row, 1, K,
-            h_scale, h_factor, acc, first, HAS_BIAS, FORMAT, BLOCK_K, HALVES_ASM)
+            h_scale, h_factor, acc, first, HAS_BIAS, FORMAT, BLOCK_K, HALVES_ASM, W4_PAIRS)
     elif PDL:  # these programs only write zeros, but y may lie where GEMV1's buffers were freed: they wait too
         gdc_wait()
     tl.store(y_ptr + pair.to(tl.int64) * stride_ym + offs_n, y, mask=n_ok)

@@ -255,11 +255,13 @@ def _bf16_halves(t, first, then):
 @triton.jit
 def _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
              DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-             SCALES_GIVEN: tl.constexpr = False, WORDS: tl.constexpr = False):
+             SCALES_GIVEN: tl.constexpr = False, WORDS: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """[BLOCK_N, BLOCK_K] tile (the N rows ``rows``, K along columns) of a 4-bit expert weight in DTYPE:
     codes times their block scale (codes ``s`` from _w4_scales with SCALES_GIVEN, else loaded here; the NVFP4
     global scale is divided out in the epilogue). The bytes are K-contiguous. WORDS (bf16 on the GPU, rows and
-    experts starting on whole int32 words): _w4_words_bf16's decode."""
+    experts starting on whole int32 words): _w4_words_bf16's decode, its columns in _paired_columns order, or in
+    natural K order when PAIRS (codes in the "pairs" byte layout). The byte decodes give natural K order in
+    either layout (PAIRS: _element_order)."""
     BLOCK_N: tl.constexpr = rows.shape[0]
     GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
     if WORDS:
@@ -290,20 +292,31 @@ def _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.co
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
         vals = tl.reshape(_e2m1_values(codes), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * scale[:, :, None]
         tile = tl.reshape(vals, [BLOCK_N, BLOCK_K]).to(DTYPE)
+    if PAIRS and not WORDS:
+        tile = _element_order(tile)
     return tile
+
+
+@triton.jit
+def _element_order(t):
+    """[N, K]: the columns of t [N, K], decoded in nibble order from codes in the "pairs" byte layout (nibble
+    4a + i of a word holds element 2i + a), in element order."""
+    N: tl.constexpr = t.shape[0]
+    K: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(t, [N, K // 8, 2, 4]), (0, 1, 3, 2)), [N, K])
 
 
 @triton.jit
 def _w4_dot(acc_t, a, w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HALVES_ASM: tl.constexpr, EVEN_K: tl.constexpr,
-            SCALES_GIVEN: tl.constexpr, WORDS: tl.constexpr):
+            SCALES_GIVEN: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr):
     """acc_t [BLOCK_N, BLOCK_M] + W [BLOCK_N, BLOCK_K] @ a^T for a 4-bit weight: the weight is the
     tensor cores' register operand (Hopper reads only that one from registers), so its codes are
     decoded in registers; at the tuned configs the compiler then moves the decoded tile into the MMA's
     register layout through shared memory (STS.128 + LDSM per step, offline sm_90 SASS).
     (tl.dot_scaled's own E2M1 upcast, tried for MXFP4, was 1.1-1.5x slower on the H200.)"""
     w = _w4_tile(w_e, s_e, s, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, a.dtype, HALVES_ASM, EVEN_K,
-                 SCALES_GIVEN, WORDS)
+                 SCALES_GIVEN, WORDS, PAIRS)
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
@@ -355,8 +368,9 @@ def _quad(t):
 
 @triton.jit
 def _w4a8_tile(w_e, s_e, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               EMULATED: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] E4M3 tile of an MXFP4 weight (EMULATED: its fp32 values), natural K order: code c of a
+               EMULATED: tl.constexpr, PAIRS: tl.constexpr = False):
+    """[BLOCK_N, BLOCK_K] E4M3 tile of an MXFP4 weight (EMULATED: its fp32 values), natural K order whatever the
+    byte layout (PAIRS: codes in the "pairs" layout): code c of a
     32-group with scale byte s in row n (largest byte r) becomes E4M3(e2m1(c) * 2^(6 - d)), d = r - s, so the
     weight is the tile times 2^(r - 133) (_w4a8_row_scale, in the epilogue). Row d of the step table
     (formats.mxfp4.e4m3_steps: 8 bytes, one per magnitude; exact for d <= 14, zeros past it) is made per group
@@ -374,6 +388,8 @@ def _w4a8_tile(w_e, s_e, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl
         byte = tl.where(mag < 4, lo[:, :, None] >> (8 * mag), hi[:, :, None] >> (8 * (mag - 4))) & 0xFF
         byte = tl.where((codes >= 8) & (byte != 0), byte | 0x80, byte)
         tile = tl.reshape(_e4m3_values(byte), [BLOCK_N, BLOCK_K])
+        if PAIRS:
+            tile = _element_order(tile)
     else:
         first, then = tl.inline_asm_elementwise(
             """{
@@ -396,15 +412,20 @@ def _w4a8_tile(w_e, s_e, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl
             }""",
             "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r", [_quad(q), _quad(lo), _quad(hi)],
             dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
-        # [N, K/8, 4 codes, 2 halves] -> code 4 * half + i of each word at column 8 w + 4 half + i
-        tile = tl.reshape(tl.permute(tl.join(first, then), (0, 1, 3, 2)), [BLOCK_N, BLOCK_K])
+        # [N, K/8, 4 codes, 2 halves]: nibble 4 * half + i of each word, element 4 * half + i ("packed", moved to
+        # column 8 w + 4 half + i) or element 2 i + half ("pairs", in place)
+        if PAIRS:
+            tile = tl.reshape(tl.join(first, then), [BLOCK_N, BLOCK_K])
+        else:
+            tile = tl.reshape(tl.permute(tl.join(first, then), (0, 1, 3, 2)), [BLOCK_N, BLOCK_K])
     return tile
 
 
 @triton.jit
 def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
                  FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HALVES_ASM: tl.constexpr = False,
-                 EVEN_K: tl.constexpr = False, w_desc=None, desc_row=0, W_TMA: tl.constexpr = False, r=None):
+                 EVEN_K: tl.constexpr = False, w_desc=None, desc_row=0, W_TMA: tl.constexpr = False, r=None,
+                 PAIRS: tl.constexpr = False):
     """[BLOCK_K, BLOCK_N] tile (K rows, the N columns ``rows``) of one expert's weight in DTYPE (W4A8: E4M3
     recoded from MXFP4 under row exponents ``r``, _w4a8_tile).
 
@@ -425,10 +446,10 @@ def _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn,
                                     mask=_and_k(n_ok[None, :], offs_k, K, 0, EVEN_K), other=0)).to(DTYPE)
     elif FORMAT >= W4A8:
         tile = tl.trans(_w4a8_tile(w_e, s_e, r, rows, n_ok, k0, K, stride_wn, stride_sn, BLOCK_K, EVEN_K,
-                                   FORMAT == W4A8_EMULATED))
+                                   FORMAT == W4A8_EMULATED, PAIRS))
     else:
         tile = tl.trans(_w4_tile(w_e, s_e, None, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K, DTYPE,
-                                 HALVES_ASM, EVEN_K))
+                                 HALVES_ASM, EVEN_K, PAIRS=PAIRS))
     return tile
 
 
@@ -582,6 +603,7 @@ def _gemm1_rows(
     H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order (for a word-decoded GEMM2)
     HAS_DELTA: tl.constexpr = False,  # LoRA on w13 (kernels/lora.py): its term per row, added like the bias
     DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent: wait before reading it
+    W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     """gemm1_act_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, ids_ptr,
@@ -631,9 +653,9 @@ def _gemm1_rows(
                                              SCALES_AHEAD)
                 su, s_up = _w4_step_scales(s_up, s_e, up_rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
                 acc_gate = _w4_dot(acc_gate, a, w_e, s_e, sg, gate_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT,
-                                   BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS)
+                                   BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS, W4_PAIRS)
                 acc_up = _w4_dot(acc_up, a, w_e, s_e, su, up_rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT,
-                                 BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS)
+                                 BLOCK_K, DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS, W4_PAIRS)
             elif PAIRED:
                 w_pair = _weight_tile(w_e, s_e, pair_rows, pair_rows < 2 * I, k0, K, stride_wn, stride_wk, stride_sn,
                                       FORMAT, BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc,
@@ -642,10 +664,10 @@ def _gemm1_rows(
             else:
                 w_gate = _weight_tile(w_e, s_e, gate_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
                                       BLOCK_K, a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate, W_TMA=W_TMA,
-                                      r=r_gate)
+                                      r=r_gate, PAIRS=W4_PAIRS)
                 w_up = _weight_tile(w_e, s_e, up_rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K,
                                     a.dtype, EVEN_K=EVEN_K, w_desc=w_desc, desc_row=desc_gate + up_offset, W_TMA=W_TMA,
-                                    r=r_up)
+                                    r=r_up, PAIRS=W4_PAIRS)
                 if FORMAT >= FP8:
                     a_scale = tl.load(xs_ptr + xs_rows + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, s_e, gate_rows, gate_first, n_ok, k0, stride_sn,
@@ -722,6 +744,7 @@ def gemm1_act_kernel(
     H_PAIRED: tl.constexpr = False,  # h's columns in _paired_columns order
     HAS_DELTA: tl.constexpr = False,  # LoRA on w13: delta rows added before the activation
     DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent
+    W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Each expert's last block of the aligned list is half padding or more about half the time at
@@ -736,7 +759,7 @@ def gemm1_act_kernel(
                     ids_ptr, expert_map_ptr, num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
                     I, K, gate_step, up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M,
                     BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED,
-                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA, DELTA_WAIT)
+                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA, DELTA_WAIT, W4_PAIRS)
     else:
         _gemm1_rows(BLOCK_M, pid_m, pid_n,
                     x_ptr, stride_xe, stride_xm, stride_xk, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
@@ -745,7 +768,7 @@ def gemm1_act_kernel(
                     ids_ptr, expert_map_ptr, num_pairs, top_k, rows_per_expert, num_m_blocks, num_global, num_local,
                     I, K, gate_step, up_offset, HAS_BIAS, ROWS, HAS_MAP, ACTIVATION, DOT_PRECISION, FORMAT, BLOCK_M,
                     BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, PAIRED,
-                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA, DELTA_WAIT)
+                    SCALES_AHEAD, W4_WORDS, H_PAIRED, HAS_DELTA, DELTA_WAIT, W4_PAIRS)
     # Every program waits, those without rows too: this grid then ends after the delta kernel's, whose buffers the
     # launches after it may reuse (a second wait returns at once)
     if DELTA_WAIT:
@@ -776,6 +799,7 @@ def _gemm2_rows(
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time (_w4_words_bf16)
     HAS_DELTA: tl.constexpr = False,
     DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent: wait before reading it
+    W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
     e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
@@ -801,12 +825,12 @@ def _gemm2_rows(
             if FORMAT == MXFP4 or FORMAT == NVFP4:
                 s_now, s_w = _w4_step_scales(s_w, s_e, rows, n_ok, k0, K, stride_sn, FORMAT, BLOCK_K, SCALES_AHEAD)
                 acc = _w4_dot(acc, a, w_e, s_e, s_now, rows, n_ok, k0, K, stride_wn, stride_sn, FORMAT, BLOCK_K,
-                              DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS)
+                              DOT_PRECISION, HALVES_ASM, EVEN_K, SCALES_AHEAD, W4_WORDS, W4_PAIRS)
             else:
                 w = _weight_tile(w_e, s_e, rows, n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT, BLOCK_K, a.dtype,
                                  EVEN_K=EVEN_K, w_desc=w_desc,
                                  desc_row=(e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32), W_TMA=W_TMA,
-                                 r=r_w)
+                                 r=r_w, PAIRS=W4_PAIRS)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + h_rows * stride_hs + k0 // FP8_GROUP, mask=row_ok, other=0.0)
                     acc = _fp8_step(acc, a, w, a_scale, s_e, rows, pid_n * BLOCK_N, n_ok, k0, stride_sn, W_BLOCKED,
@@ -862,6 +886,7 @@ def gemm2_kernel(
     W4_WORDS: tl.constexpr = False,  # 4-bit, bf16: codes decoded a word at a time
     HAS_DELTA: tl.constexpr = False,  # LoRA on w2: delta rows added before the router weight
     DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent
+    W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     # half tail blocks: as in gemm1_act_kernel
@@ -873,7 +898,7 @@ def gemm2_kernel(
                     stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
                     rows_per_expert, num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
                     BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS,
-                    HAS_DELTA, DELTA_WAIT)
+                    HAS_DELTA, DELTA_WAIT, W4_PAIRS)
     else:
         _gemm2_rows(BLOCK_M, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
@@ -881,7 +906,7 @@ def gemm2_kernel(
                     stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
                     rows_per_expert, num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
                     BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS,
-                    HAS_DELTA, DELTA_WAIT)
+                    HAS_DELTA, DELTA_WAIT, W4_PAIRS)
     if DELTA_WAIT:  # every program (see gemm1_act_kernel)
         gdc_wait()
 
@@ -900,6 +925,7 @@ def gemm2_tokens_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_BLOCKED: tl.constexpr = False, HALVES_ASM: tl.constexpr = False, W_TILE_SCALE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
+    W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     """Decode GEMM2 per token: its k slots in order, each a weighted expert product, summed in
     registers and written once (no per-slot buffer, no combine launch). Row 0 of each tile is the
@@ -922,7 +948,7 @@ def gemm2_tokens_kernel(
                 a = tl.load(h_row + tl.zeros([BLOCK_M, 1], tl.int64) + offs_k[None, :],
                             mask=_and_k(row0, offs_k, K, 1, EVEN_K), other=0.0)
                 w = _weight_tile(w_e, s_e, offs_n.to(tl.int64), n_ok, k0, K, stride_wn, stride_wk, stride_sn, FORMAT,
-                                 BLOCK_K, a.dtype, HALVES_ASM, EVEN_K, r=r_w)
+                                 BLOCK_K, a.dtype, HALVES_ASM, EVEN_K, r=r_w, PAIRS=W4_PAIRS)
                 if FORMAT >= FP8:
                     a_scale = tl.load(hs_ptr + pair.to(tl.int64) * stride_hs + k0 // FP8_GROUP + tl.zeros([BLOCK_M], tl.int64))
                     acc = _fp8_step(acc, a, w, a_scale, s_e, offs_n.to(tl.int64), (tl.program_id(0) % num_n) * BLOCK_N,

@@ -60,20 +60,24 @@ def _opaque(g, K):
 
 
 @triton.jit
-def _load_x(x_row, k0, K, stride_xk, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_x(x_row, k0, K, stride_xk, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False):
     """One activation chunk (zeros unless ``ok``), read contiguously: dense [BLOCK_K]; 4-bit
-    [groups, words, 2, 2, 2]: element 8w + 4h + 2a + b at [.., w, a, b, h] (h: the half of the word)."""
+    [groups, words, 2 (a), 2 (b), 2 (h)] holding the activation of nibble 2a + b + 4h of each word (h: the half of
+    the word): element 8w + 4h + 2a + b, or with PAIRS (codes in the "pairs" byte layout) element 8w + 4a + 2b + h,
+    the chunk as it lies in memory."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     xv = tl.load(x_row + offs_k * stride_xk, mask=(offs_k < K) & ok, other=0.0)
     if FORMAT != DENSE:
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         # converted before the rearrangement: once per element, not once per thread that uses it
-        xv = tl.permute(tl.reshape(xv.to(tl.float32), [BLOCK_K // GROUP, GROUP // 8, 2, 2, 2]), (0, 1, 3, 4, 2))
+        xv = tl.reshape(xv.to(tl.float32), [BLOCK_K // GROUP, GROUP // 8, 2, 2, 2])
+        if not PAIRS:
+            xv = tl.permute(xv, (0, 1, 3, 4, 2))
     return xv
 
 
 @triton.jit
-def _load_slots_x(x_rows, k0, K, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_slots_x(x_rows, k0, K, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False):
     """_load_x for several rows [SLOTS] (pointers; contiguous rows): [SLOTS, ...] with each row laid
     out as _load_x lays out one."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -82,7 +86,8 @@ def _load_slots_x(x_rows, k0, K, ok, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         SLOTS: tl.constexpr = x_rows.shape[0]
         xv = tl.reshape(xv.to(tl.float32), [SLOTS, BLOCK_K // GROUP, GROUP // 8, 2, 2, 2])
-        xv = tl.permute(xv, (0, 1, 2, 4, 5, 3))
+        if not PAIRS:
+            xv = tl.permute(xv, (0, 1, 2, 4, 5, 3))
     return xv
 
 
@@ -120,8 +125,8 @@ def _chunk_sums(w, s, xv, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
     if FORMAT == DENSE:
         part = w.to(tl.float32) * tl.expand_dims(xv.to(tl.float32), -2)
     else:
-        # x [.., groups, words, 2 (a), 2 (b), 2 (half)] -> eight [.., groups, words] slices, element
-        # 8w + j + 4 * half with j = 2a + b; a leading slot axis (GEMM2's slot tiles) rides along.
+        # x [.., groups, words, 2 (a), 2 (b), 2 (half)] -> eight [.., groups, words] slices, the activations of
+        # nibbles j and j + 4 with j = 2a + b (_load_x); a leading slot axis (GEMM2's slot tiles) rides along.
         x_lo, x_hi = tl.split(xv.to(tl.float32))
         even, odd = tl.split(x_lo)  # b = 0 -> j 0, 2; b = 1 -> j 1, 3
         x0l, x2l = tl.split(even)
@@ -302,22 +307,42 @@ def _pair_like(x, w):
 
 
 @triton.jit
-def _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr):
-    """[rows, groups] fp32 products of a 4-bit chunk (words [rows, groups, words], scale bytes [rows, groups]) with
-    one activation row's chunk as stored (xr [groups, group size]) scaled by x_scale = 2^(14 - e) (_row_exponent),
-    summed per scale group and brought to their values: fp16x2 products (_fp16x2_group_sums), x_factor = 2^e."""
-    G: tl.constexpr = xr.shape[0]
-    WORDS: tl.constexpr = xr.shape[1] // 8
-    # activation 8 * word + 4 * half + 2a + b of a group: nibble pair j = 2a + b of a word holds halves 0 and 1
-    x = tl.reshape(xr.to(tl.float32) * x_scale, [G, WORDS, 2, 2, 2])
-    xb0, xb1 = tl.split(x)
-    x_a0b0, x_a1b0 = tl.split(xb0)
-    x_a0b1, x_a1b1 = tl.split(xb1)
-    p0 = _pair_like(x_a0b0, w)
-    p1 = _pair_like(x_a0b1, w)
-    p2 = _pair_like(x_a1b0, w)
-    p3 = _pair_like(x_a1b1, w)
-    sums = _fp16x2_group_sums(w, (p0, p1, p2, p3), HALVES_ASM)
+def _word_pairs(x, w, PAIRS: tl.constexpr):
+    """The four int32 fp16-pair tensors of w's shape [rows, groups, words] (pair j: the activations of nibbles j
+    and j + 4 of each word) from fp32 activations x [groups, words * 8] as stored: element 8 * word + 4 * half +
+    2a + b is the activation of nibble j = 2a + b in half ``half`` ("packed" bytes), or with PAIRS element
+    8 * word + 4a + 2b + half ("pairs" bytes: each pair's two halves neighbours, converted as they lie)."""
+    G: tl.constexpr = x.shape[0]
+    WORDS: tl.constexpr = x.shape[1] // 8
+    x = tl.reshape(x, [G, WORDS, 2, 2, 2])
+    if PAIRS:
+        lo, hi = tl.split(x)
+        b0, b1 = tl.split(_pack2(lo, hi))  # [G, WORDS, a, b] -> [G, WORDS, a]
+        q0, q2 = tl.split(b0)
+        q1, q3 = tl.split(b1)
+        p0 = tl.broadcast_to(q0[None, :, :], w.shape)
+        p1 = tl.broadcast_to(q1[None, :, :], w.shape)
+        p2 = tl.broadcast_to(q2[None, :, :], w.shape)
+        p3 = tl.broadcast_to(q3[None, :, :], w.shape)
+    else:
+        xb0, xb1 = tl.split(x)
+        x_a0b0, x_a1b0 = tl.split(xb0)
+        x_a0b1, x_a1b1 = tl.split(xb1)
+        p0 = _pair_like(x_a0b0, w)
+        p1 = _pair_like(x_a0b1, w)
+        p2 = _pair_like(x_a1b0, w)
+        p3 = _pair_like(x_a1b1, w)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _row_scaled_sums(w, s, xr, x_scale, x_factor, FORMAT: tl.constexpr, HALVES_ASM: tl.constexpr,
+                     PAIRS: tl.constexpr = False):
+    """[rows, groups] fp32 products of a 4-bit chunk (words [rows, groups, words], scale bytes [rows, groups]; PAIRS:
+    codes in the "pairs" byte layout) with one activation row's chunk as stored (xr [groups, group size]) scaled by
+    x_scale = 2^(14 - e) (_row_exponent), summed per scale group and brought to their values: fp16x2 products
+    (_fp16x2_group_sums), x_factor = 2^e."""
+    sums = _fp16x2_group_sums(w, _word_pairs(xr.to(tl.float32) * x_scale, w, PAIRS), HALVES_ASM)
     # codes * 2^-14 times x * 2^(14 - e): the sums are codes times x over 2^e. Multiplied in this order, every
     # intermediate is finite wherever the result is (2^e times a scale alone may not be).
     if FORMAT == MXFP4:
@@ -338,13 +363,13 @@ def _take4(t):
 
 @triton.jit
 def _load_act(x_row, e_row, k0, K, stride_xk, like, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-              PACKED: tl.constexpr):
-    """(activations, per-group factors) of one chunk: _load_x_fp16 (in the layout of the weight words ``like``)
-    when PACKED, else (_load_x, unused 1.0)."""
+              PACKED: tl.constexpr, PAIRS: tl.constexpr = False):
+    """(activations, per-group factors) of one chunk: _load_x_fp16 (in the layout of the weight words ``like``; the
+    pairs were made for the weights' byte layout) when PACKED, else (_load_x, unused 1.0)."""
     if PACKED:
         xv, xf = _load_x_fp16(x_row, e_row, k0, K, like, FORMAT, BLOCK_K)
     else:
-        xv = _load_x(x_row, k0, K, stride_xk, True, FORMAT, BLOCK_K)
+        xv = _load_x(x_row, k0, K, stride_xk, True, FORMAT, BLOCK_K, PAIRS)
         xf = 1.0
     return xv, xf
 
@@ -386,6 +411,7 @@ def gemv1_act_kernel(
     LORA_WAIT: tl.constexpr = False,  # launched as the W13 shrink's programmatic dependent: wait before its partials
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
     LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
+    W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
@@ -426,14 +452,14 @@ def gemv1_act_kernel(
         wg, sg = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
         wu, su = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
         e_row = xe_ptr + t.to(tl.int64) * stride_xem
-        xv, xf = _load_act(x_row, e_row, 0, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED)
+        xv, xf = _load_act(x_row, e_row, 0, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED, W4_PAIRS)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K
             wg_next, sg_next = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
             wu_next, su_next = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
-            xv_next, xf_next = _load_act(x_row, e_row, k1, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED)
+            xv_next, xf_next = _load_act(x_row, e_row, k1, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED, W4_PAIRS)
             acc_gate += _act_sums(wg, sg, xv, xf, FORMAT, HALVES_ASM, PACKED)
             acc_up += _act_sums(wu, su, xv, xf, FORMAT, HALVES_ASM, PACKED)
             wg, sg, wu, su, xv, xf = wg_next, sg_next, wu_next, su_next, xv_next, xf_next
@@ -523,7 +549,7 @@ def _flat_slots(t, top_k, offs_n, n_ok, h_ptr, stride_hm, w_ptr, stride_we, stri
                 stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr, expert_map_ptr,
                 num_global, num_local, K, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
                 BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, HALVES_ASM: tl.constexpr, PDL: tl.constexpr,
-                SLOTS: tl.constexpr):
+                SLOTS: tl.constexpr, PAIRS: tl.constexpr):
     """A token's weighted sum over its slots [BLOCK_N] as one loop over (group of SLOTS slots, K
     chunk). PDL: the first step's weights load before the wait for GEMM1's grid."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
@@ -540,13 +566,13 @@ def _flat_slots(t, top_k, offs_n, n_ok, h_ptr, stride_hm, w_ptr, stride_we, stri
                                                weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K, SLOTS)
     if PDL:
         gdc_wait()
-    hv = _load_slots_x(h_rows, k0, K, ok, FORMAT, BLOCK_K)
+    hv = _load_slots_x(h_rows, k0, K, ok, FORMAT, BLOCK_K, PAIRS)
     for it in range(0, steps):  # the same order on every run: the same bits
         w_next, s_next, factor_next, h_rows, k0, ok = _slots_step(
             it + 1, t, top_k, steps_per_group, steps, offs_n, n_ok, ids_ptr, expert_map_ptr, num_global, num_local,
             w_ptr, stride_we, stride_wn, stride_wk, s_ptr, stride_se, stride_sn, gs_ptr, h_ptr, stride_hm,
             weights_ptr, K, HAS_MAP, FORMAT, BLOCK_K, SLOTS)
-        hv_next = _load_slots_x(h_rows, k0, K, ok, FORMAT, BLOCK_K)
+        hv_next = _load_slots_x(h_rows, k0, K, ok, FORMAT, BLOCK_K, PAIRS)
         if FORMAT == DENSE:  # the factor on the BLOCK_K activations, not on BLOCK_N x BLOCK_K products
             acc += _chunk_sums(w, s, hv.to(tl.float32) * factor[:, None], FORMAT, HALVES_ASM)
         else:  # 4-bit sums come per scale group: fewer of them than activations
@@ -587,6 +613,7 @@ def gemv2_tokens_kernel(
     XBLOCK: tl.constexpr = 1024,  # ROW_SCALED: h values per step of a row's largest-|h| scan
     LORA_W2: tl.constexpr = False,  # W2's term added to the token's weighted sum (kernels/lora.py, decode terms)
     LORA_R2_PAD: tl.constexpr = 16, LORA_K_PAD: tl.constexpr = 1,
+    W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
@@ -598,7 +625,7 @@ def gemv2_tokens_kernel(
         total = _flat_slots(t, top_k, offs_n, n_ok, h_ptr, stride_hm, w_ptr, stride_we, stride_wn, stride_wk,
                             s_ptr, stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, ids_ptr,
                             expert_map_ptr, num_global, num_local, K, HAS_BIAS, HAS_MAP, FORMAT, BLOCK_K, ACC_K,
-                            HALVES_ASM, PDL, SLOTS)
+                            HALVES_ASM, PDL, SLOTS, W4_PAIRS)
     else:
         if PDL:  # the launch overlaps GEMM1's tail; the slots' first loads wait for it
             gdc_wait()
@@ -617,15 +644,16 @@ def gemv2_tokens_kernel(
                         w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
                                                      stride_sn, FORMAT, BLOCK_K)
                         hv_next = _load_row_chunk(h_row, 1, k0 + BLOCK_K, K, FORMAT, BLOCK_K)
-                        acc += _row_scaled_sums(w, s, hv, h_scale, h_factor, FORMAT, HALVES_ASM)
+                        acc += _row_scaled_sums(w, s, hv, h_scale, h_factor, FORMAT, HALVES_ASM, W4_PAIRS)
                         w, s, hv = w_next, s_next, hv_next
                 else:
                     he_row = he_ptr + pair.to(tl.int64) * stride_hem
-                    hv, hf = _load_act(h_row, he_row, 0, K, 1, w, FORMAT, BLOCK_K, PACKED)
+                    hv, hf = _load_act(h_row, he_row, 0, K, 1, w, FORMAT, BLOCK_K, PACKED, W4_PAIRS)
                     for k0 in range(0, K, BLOCK_K):
                         w_next, s_next = _load_chunk(w_e, s_e, rows, n_ok, k0 + BLOCK_K, K, stride_wn, stride_wk,
                                                      stride_sn, FORMAT, BLOCK_K)
-                        hv_next, hf_next = _load_act(h_row, he_row, k0 + BLOCK_K, K, 1, w, FORMAT, BLOCK_K, PACKED)
+                        hv_next, hf_next = _load_act(h_row, he_row, k0 + BLOCK_K, K, 1, w, FORMAT, BLOCK_K, PACKED,
+                                                     W4_PAIRS)
                         acc += _act_sums(w, s, hv, hf, FORMAT, HALVES_ASM, PACKED)
                         w, s, hv, hf = w_next, s_next, hv_next, hf_next
                 y = tl.sum(acc, axis=1)
