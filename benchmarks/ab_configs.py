@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     spec = presets.get(args.preset)
     act_quant = "fp8_group" if args.weights.startswith("fp8") else args.act_quant
     fmt = config_family(args.weights, act_quant)  # before the weights: a pair without kernels fails at once
-    layers = random_weights(spec, layers=2, weight_format=args.weights)
+    layers = random_weights(spec, layers=2, weight_format=args.weights, prepared=False)
     by_layout = {"packed": layers}
     if "pairs" in args.layouts:
         by_layout["pairs"] = [(prepare(w13), prepare(w2)) for w13, w2 in layers]

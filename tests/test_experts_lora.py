@@ -259,15 +259,22 @@ QUANTIZED = [  # (weight format, act_quant, H, I): 4-bit K in whole 32-groups, F
 @pytest.mark.parametrize("fmt,act_quant,H,I", QUANTIZED)
 @pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "gemv_rows", "batched"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_quantized_base_weights_keep_16_bit_adapters(fmt, act_quant, H, I, mode, backend):
+@pytest.mark.parametrize("layout", ["packed", "pairs"])  # 4-bit codes as stored, and prepared (formats.prepare)
+def test_quantized_base_weights_keep_16_bit_adapters(fmt, act_quant, H, I, mode, backend, layout):
     """The adapters read the GEMMs' inputs as the base weights do (under act_quant, the E4M3-rounded ones)."""
+    from moekit.formats import prepare
+
     if backend == "torch" and mode in ("per_pair", "gemv", "gemv_rows"):
         pytest.skip("the torch backend has no modes")
     if mode in ("gemv", "gemv_rows") and act_quant:
         pytest.skip("FP8 activations have no CUDA-core decode kernels")
+    if layout == "pairs" and fmt.startswith("fp8"):
+        pytest.skip("FP8 codes have one layout")
     E, k, n, T, dtype = 5, 2, 2, 7, torch.float16
     w13, w2 = _weights(E, H, I, torch.float32)
     q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    if layout == "pairs":
+        q13, q2 = prepare(q13), prepare(q2)
     lora = _lora(n, E, H, I, 4, dtype)
     ref_fn = reference.fused_experts_w8a8 if act_quant else reference.fused_experts
     weights = (q13, q2) if act_quant else (dequantize(q13), dequantize(q2))
@@ -537,15 +544,20 @@ def test_gpu_real_sizes_bf16(name, T, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,act_quant", [("mxfp4", None), ("nvfp4", None), ("fp8_block", "fp8_group")])
+@pytest.mark.parametrize("fmt,act_quant,layout", [("mxfp4", None, "packed"), ("nvfp4", None, "packed"),
+                                                  ("fp8_block", "fp8_group", "packed"), ("mxfp4", None, "pairs"),
+                                                  ("nvfp4", None, "pairs")])
 @pytest.mark.parametrize("T", [1, 256])
-def test_gpu_quantized_bases(fmt, act_quant, T):
+def test_gpu_quantized_bases(fmt, act_quant, layout, T):
     from moekit import presets
+    from moekit.formats import prepare
 
     spec = presets.get("gpt-oss-120b" if fmt == "mxfp4" else "qwen3-30b-a3b")
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
     w13, w2 = _weights(E, H, I, torch.bfloat16, "cuda")
     q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    if layout == "pairs":
+        q13, q2 = prepare(q13), prepare(q2)
     lora = _lora(4, E, H, I, 16, torch.bfloat16, "cuda")
     x = torch.randn(T, H, device="cuda").bfloat16()
     tw, tid = _routes(T, E, k, "cuda")

@@ -26,7 +26,7 @@ from ..experts import configs as expert_configs
 from ..experts import fused_experts
 from ..experts import triton_backend as ext
 from ..experts.configs import ExpertsConfig, GemmConfig, config_family
-from ..formats import quantize_experts
+from ..formats import prepare, quantize_experts
 from . import _argtypes, _sass
 from .bench.experts import routes
 from .bench.timing import graph_time_us
@@ -221,9 +221,11 @@ class _Problem:
         return _time([lambda i=i: call(i) for i in range(self.calls)])
 
 
-def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: str = "dense") -> list[tuple]:
+def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: str = "dense",
+                   prepared: bool = True) -> list[tuple]:
     """``layers`` random (w13, w2) stacks, quantized to ``weight_format`` ("dense" or one of
-    formats.EXPERT_FORMATS)."""
+    formats.EXPERT_FORMATS); 4-bit codes in moekit's prepared layout (formats.prepare, what FusedMoE serves) unless
+    ``prepared`` is False."""
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
     out = []
     for _ in range(layers):
@@ -231,6 +233,8 @@ def random_weights(spec, layers: int = 2, dtype=torch.bfloat16, weight_format: s
         w2 = torch.randn(E, H, I, device="cuda", dtype=dtype).mul_(I ** -0.5)
         if weight_format != "dense":
             w13, w2 = quantize_experts(w13, weight_format), quantize_experts(w2, weight_format)
+            if prepared:
+                w13, w2 = prepare(w13), prepare(w2)
             torch.cuda.empty_cache()
         out.append((w13, w2))
     return out

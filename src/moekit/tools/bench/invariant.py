@@ -26,7 +26,7 @@ import torch
 
 from ... import _invariant, presets
 from ...experts import fused_experts
-from ...formats import quantize_experts
+from ...formats import prepare, quantize_experts
 from ...layer import FusedMoE
 from ...routing import fused_router, router_gemm
 from .experts import PRESETS, TOKENS, _gen, reseed, routes
@@ -63,7 +63,8 @@ class _Layer:
         self.recipe = recipe
         self.q13 = self.q2 = None
         if recipe is not None:
-            self.q13, self.q2 = quantize_experts(self.moe.w13.data, recipe), quantize_experts(self.moe.w2.data, recipe)
+            self.q13, self.q2 = (prepare(quantize_experts(self.moe.w13.data, recipe)),  # as FusedMoE keeps them
+                                 prepare(quantize_experts(self.moe.w2.data, recipe)))
         self.act_quant = "fp8_group" if recipe and recipe.startswith("fp8") else None
 
 

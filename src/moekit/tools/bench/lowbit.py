@@ -23,7 +23,7 @@ import torch
 
 from ... import presets, reference
 from ...experts import fused_experts
-from ...formats import dequantize, quantize_experts
+from ...formats import dequantize, prepare, quantize_experts
 from ...metrics import rel_errors
 from .experts import (COPY_BW, Progress, _gen, _torch_grouped_mm, make_cases, matmul_rate, reseed, save,
                       script_main, time_impl)
@@ -63,7 +63,8 @@ class LowBitLayer:
         if spec.expert_bias:
             self.b13 = torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=g).mul_(0.02)
             self.b2 = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=g).mul_(0.02)
-        self.q13, self.q2 = quantize_experts(self.w13, fmt), quantize_experts(self.w2, fmt)
+        # 4-bit codes as FusedMoE keeps them (formats.prepare; FP8 stacks as they are)
+        self.q13, self.q2 = prepare(quantize_experts(self.w13, fmt)), prepare(quantize_experts(self.w2, fmt))
         self.act_quant = "fp8_group" if fmt.startswith("fp8") else None
 
     def dequantized(self):
