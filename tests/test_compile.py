@@ -98,11 +98,13 @@ def test_expert_lora_compiles_fullgraph_in_both_formats(device):
 
 
 def _quantized(recipe, w):
-    from moekit.formats import nvfp4, quantize_experts
+    from moekit.formats import nvfp4, prepare, quantize_experts
 
-    if recipe == "nvfp4_swizzled":  # scales in the 128x4 layout, unswizzled inside the op
-        return nvfp4.quantize(w, swizzled=True, scale_dims=1)
-    return quantize_experts(w, recipe)
+    if recipe.startswith("nvfp4_swizzled"):  # scales in the 128x4 layout, unswizzled inside the op
+        q = nvfp4.quantize(w, swizzled=True, scale_dims=1)
+    else:
+        q = quantize_experts(w, recipe.removesuffix("_pairs"))
+    return prepare(q) if recipe.endswith("_pairs") else q
 
 
 @pytest.mark.parametrize("case", [
@@ -111,6 +113,7 @@ def _quantized(recipe, w):
     ("fp8_block", "fp8_group", False),  # W8A8: act_quant in the schema
     ("fp8_channel", "fp8_group", False),  # another FP8 granularity (its tag)
     ("nvfp4", None, False),           # linear NVFP4 scales and a per-expert global scale
+    ("nvfp4_swizzled_pairs", None, False),  # prepared codes: the byte layout travels in the tag with the scales'
     ("dense", None, True),            # an explicit block configuration, as literal text
 ])
 @pytest.mark.parametrize("device", DEVICES)

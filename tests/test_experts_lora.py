@@ -299,6 +299,33 @@ def test_quantized_base_weights_keep_16_bit_adapters(fmt, act_quant, H, I, mode,
     check_close(f"{fmt} {act_quant} ({mode})", out, ref_fn(x, *weights, tw, tid, lora=lora, lora_ids=lids), tol)
 
 
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float16), pytest.param("cuda", torch.bfloat16,
+                                                                               marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("layouts", [("pairs", "packed"), ("packed", "pairs")])  # w13's, w2's byte layout
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv"])
+def test_w13_and_w2_in_different_byte_layouts(device, dtype, layouts, mode):
+    """GEMM1 reads x in the order w13's layout asks (a paired_k copy or x itself, on the GPU's word decode) and
+    writes h in the order w2's asks, which the W2 adapter term then reads (V_PAIRED): each stack's own layout, with
+    adapters on both matrices, NVFP4 (16-code groups: K = 64 in 4 groups per row)."""
+    from moekit import _triton
+    from moekit.formats import prepare
+
+    if not _triton.can_launch(torch.device(device)):
+        pytest.skip("no Triton launch here")
+    E, H, I, k, n, T = 5, 64, 64, 2, 2, 9
+    w13, w2 = _weights(E, H, I, torch.float32, device)
+    q13, q2 = quantize_experts(w13, "nvfp4"), quantize_experts(w2, "nvfp4")
+    s13, s2 = (prepare(q) if layout == "pairs" else q for q, layout in zip((q13, q2), layouts))
+    lora = _lora(n, E, H, I, 4, dtype, device)
+    x = torch.randn(T, H, device=device).to(dtype)
+    tw, tid = _routes(T, E, k, device)
+    lids = _lora_ids(T, n, device)
+    out = fused_experts(x, s13, s2, tw, tid, backend="triton", config=MODES[mode], lora=lora, lora_ids=lids,
+                        out=_poisoned((T, H), dtype, device))
+    ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, lora=lora, lora_ids=lids)
+    check_close(f"w13 {layouts[0]}, w2 {layouts[1]} ({mode})", out, ref, _tol(dtype))
+
+
 @pytest.mark.parametrize("which", [("w13",), ("w2",)])
 @pytest.mark.parametrize("mode", ["aligned", "gemv"])
 def test_adapters_on_one_matrix_only(which, mode):

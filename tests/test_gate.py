@@ -183,7 +183,8 @@ def test_the_gate_checks_each_byte_layout_of_4_bit_codes():
     gate.set_verification(True)
     try:
         E, H, I, T = 5, 64, 32, 7
-        q13, q2 = quantize_experts(torch.randn(E, 2 * I, H) * 0.2, "mxfp4"), quantize_experts(torch.randn(E, H, I) * 0.2, "mxfp4")
+        q13 = quantize_experts(torch.randn(E, 2 * I, H) * 0.2, "mxfp4")
+        q2 = quantize_experts(torch.randn(E, H, I) * 0.2, "mxfp4")
         x, tw = torch.randn(T, H), torch.rand(T, 2)
         ids = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1).int()
         ref = reference.fused_experts(x, q13, q2, tw, ids)

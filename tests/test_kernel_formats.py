@@ -216,7 +216,8 @@ def test_gemv_group_sums_for_every_scale(device, layout, fmt, why):
     expect = (w * x.double()).reshape(32, 256 // group, group).sum(-1)
     out = torch.full((32, 256 // group), float("nan"), device=device)
     _gemv_group_sums[(1,)](fp4.to_layout(packed, layout).view(torch.int32).to(device), scales.to(device), x.to(device),
-                           out, FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda", PAIRS=layout == "pairs")
+                           out, FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda",
+                           PAIRS=layout == "pairs")
     got = out.cpu().double()
     nan = torch.isnan(expect)
     assert torch.equal(torch.isnan(got), nan), why
@@ -265,7 +266,8 @@ def test_packed_group_sums_for_every_scale(device, layout, fmt, why):
     expect = terms.sum(-1)
     out = torch.full((32, 256 // group), float("nan"), device=device)
     _gemv_group_sums_fp16x2[(1,)](fp4.to_layout(packed, layout).view(torch.int32).to(device), scales.to(device),
-                                  pairs.view(torch.int32), exps, out, FORMAT=1 if fmt == "mxfp4" else 2, HALVES_ASM=device == "cuda")
+                                  pairs.view(torch.int32), exps, out, FORMAT=1 if fmt == "mxfp4" else 2,
+                                  HALVES_ASM=device == "cuda")
     got = out.cpu().double()
     if fmt == "nvfp4":
         got = got * 2.0 ** 60

@@ -62,7 +62,7 @@ def test_quantized_experts_serve_the_layer_and_survive_a_state_dict_round_trip(f
     q13, q2 = quantize_experts(layer.w13.detach(), fmt), quantize_experts(layer.w2.detach(), fmt)
     mod = mxfp4 if fmt == "mxfp4" else nvfp4
     d13, d2 = mod.dequantize(q13, torch.float32), mod.dequantize(q2, torch.float32)
-    layer.load_quantized_experts(q13, q2)
+    layer.load_quantized_experts(q13, q2, prepare=True)  # (by default only stacks on a CUDA device are prepared)
     assert layer.weight_format == fmt and "w13" not in dict(layer.named_parameters())
     x = torch.randn(7, layer.spec.hidden_size)
     ref = reference.moe_layer(x, layer.gate.weight, d13, d2, layer.spec)

@@ -109,7 +109,7 @@ class FusedMoE(nn.Module):
             targets[name].copy_(value)
 
     @torch.no_grad()
-    def load_quantized_experts(self, w13, w2, *, act_quant: str | None = "auto", prepare: bool = True) -> None:
+    def load_quantized_experts(self, w13, w2, *, act_quant: str | None = "auto", prepare: bool | None = None) -> None:
         """Keep the experts in a low-precision format: :class:`moekit.formats.mxfp4.MXFP4Tensor`,
         :class:`moekit.formats.nvfp4.NVFP4Tensor` or :class:`moekit.formats.fp8.FP8Tensor` (per
         tensor, per channel or DeepSeek-V3's 128x128 blocks), both of one format, shapes
@@ -123,8 +123,14 @@ class FusedMoE(nn.Module):
         torch backend dequantizes them).
 
         prepare: keep 4-bit experts in moekit's kernel-native byte layout (:func:`moekit.formats.prepare`: a new
-        tensor of codes, made here once; the tensors passed in are left as they are). ``state_dict()`` gives and
-        ``load_state_dict()`` takes the codes as checkpoints store them ("packed") either way.
+        tensor of codes, made here once; the tensors passed in are left as they are). None (the default): where the
+        stacks are on a CUDA device (the Triton kernels read either layout; the CPU's torch backend would convert
+        the prepared codes back on every call). ``state_dict()`` gives and ``load_state_dict()`` takes the codes as
+        checkpoints store them ("packed") either way: for prepared codes, ``state_dict()`` holds a converted copy
+        of each stack (memory of the stacks' size, not the buffers themselves), and bytes written into
+        ``w13_data`` / ``w2_data`` other than through ``load_state_dict`` must be in the buffers' layout
+        (``expert_weights()[0].layout``). A module saved or written in place often is better loaded with
+        ``prepare=False``.
         """
         fmt = format_of(w13)
         if fmt == "dense" or format_of(w2) != fmt:
@@ -137,7 +143,7 @@ class FusedMoE(nn.Module):
             expect = self._expert_shapes[name]
             if tuple(q.shape) != expect:
                 raise ValueError(f"{name} must have shape {expect}, got {tuple(q.shape)}")
-        if prepare:
+        if prepare or (prepare is None and w13.data.is_cuda):
             w13, w2 = prepare_weights(w13), prepare_weights(w2)
         for name, q in (("w13", w13), ("w2", w2)):
             for part in _QUANTIZED_PARTS.values():  # a format loaded before may have left other parts
@@ -309,6 +315,7 @@ def _stored_codes(module: FusedMoE, state_dict: dict, prefix: str, local_metadat
 def _prepared_codes(module: FusedMoE, state_dict: dict, prefix: str, *args) -> None:
     """load_state_dict pre-hook: checkpoint codes enter a module that keeps them prepared in its layout."""
     for name in _pairs_codes(module):
-        value = state_dict.get(prefix + name)
-        if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:  # else load_state_dict names the mismatch
+        value, buffer = state_dict.get(prefix + name), module._buffers.get(name)
+        if (isinstance(value, torch.Tensor) and buffer is not None and value.dtype == torch.uint8
+                and value.shape == buffer.shape):  # else load_state_dict names the mismatch
             state_dict[prefix + name] = fp4.to_pairs(value)

@@ -11,13 +11,14 @@ tried in a fixed priority order and the first that supports the call serves it. 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .. import _invariant, _triton, gate
-from ..formats import FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of
+from ..formats import FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of, fp4
 from . import gate_case, torch_backend
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -35,7 +36,8 @@ class ExpertsCall:
     op: str = "fused"  # "fused" (standard format) or "batched"
     activation: str = "silu_and_mul"
     lora: bool = False  # expert LoRA adapters (moekit.experts.ExpertsLoRA) ride along
-    layout: str = "packed"  # 4-bit codes' byte layout (formats.fp4): "packed", "pairs", or "w13's/w2's" where they differ
+    layout: str = "packed"  # 4-bit codes' byte layout (formats.fp4): "packed", "pairs", or "w13's/w2's" if they
+    # differ: a class of its own for the gate (other kernel variants read each layout)
 
     @classmethod
     def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
@@ -173,6 +175,8 @@ def names() -> tuple[str, ...]:
 def _check_call(call) -> None:
     if not isinstance(call, ExpertsCall):
         raise TypeError(f"call must be a moekit.backends.ExpertsCall (ExpertsCall.of(x, w13)), got {type(call).__name__}")
+    if call.layout not in _CALL_LAYOUTS:
+        raise ValueError(f"ExpertsCall.layout must be one of {sorted(_CALL_LAYOUTS)}, got {call.layout!r}")
 
 
 def select_backend(call: ExpertsCall, backend: str = "auto") -> Backend:
@@ -215,9 +219,12 @@ def _select_auto(call: ExpertsCall) -> Backend:
 
 
 def call_layout(w13, w2) -> str:
-    """ExpertsCall.layout of a call on these stacks."""
-    l13, l2 = getattr(w13, "layout", "packed"), getattr(w2, "layout", "packed")
+    """ExpertsCall.layout of a call on these stacks ("packed" for dense and FP8 ones)."""
+    l13, l2 = (w.layout if format_of(w) in ("mxfp4", "nvfp4") else "packed" for w in (w13, w2))
     return l13 if l13 == l2 else f"{l13}/{l2}"
+
+
+_CALL_LAYOUTS = {"/".join(p) if p[0] != p[1] else p[0] for p in itertools.product(fp4.LAYOUTS, repeat=2)}
 
 
 def explain(call: ExpertsCall, backend: str = "auto") -> str:

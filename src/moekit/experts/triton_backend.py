@@ -314,9 +314,9 @@ def _w4_words(w: WeightOperand, dtype: torch.dtype) -> bool:
 
 
 def _k_paired(w: WeightOperand, dtype: torch.dtype) -> bool:
-    """The word-decoded tiles of ``w`` come in _paired_columns' K order, so their other operand must too (paired_k,
-    h_paired): "packed" bytes. In the "pairs" byte layout the decode gives natural K order, and x and h are read as
-    they are."""
+    """Whether GEMM1 reads x through a paired_k copy (``w`` is w13) or writes h in paired_k's order (``w`` is w2):
+    the word decode hands the MMA each register's two codes as they sit, so its tiles' K order is the codes'
+    order in the word, which "packed" bytes make _paired_columns' and "pairs" bytes make natural."""
     return _w4_words(w, dtype) and not w.pairs
 
 
@@ -354,8 +354,7 @@ def gemm1_launch(x3, w: WeightOperand, b13, h, rows: RowMap, activation, num_m_b
     which must then be the launch right before this one: ``x_paired``, x3's paired_k copy made before the delta
     kernel, where the word-decoded 4-bit tiles read one (:func:`x_for_gemm1`)."""
     words = _w4_words(w, x3.dtype)
-    if _k_paired(w, x3.dtype):  # one copy of x (T x H) in the tiles' K order: the decode then hands the MMA its
-        # pairs as they are
+    if _k_paired(w, x3.dtype):  # a copy of x (T x H) costs less than a PRMT per register in every K step
         x3 = x_paired if x_paired is not None else paired_k(x3)
     elif x_paired is not None:
         raise ValueError("gemm1: x_paired is for word-decoded 4-bit weights in the \"packed\" byte layout only")
@@ -650,7 +649,8 @@ def scaled_fp16_prepared(x2d: torch.Tensor, multiple: int = 32, prepare: bool = 
     return (pairs, exps), None if prepared is None else PreparedScaling(prepared, grid, kp)
 
 
-_SCALED_FP16_CONSTANTS = {pairs: Constants(BLOCK=SCALED_FP16_BLOCK, PAIRS=pairs, num_warps=4) for pairs in (False, True)}
+_SCALED_FP16_CONSTANTS = {pairs: Constants(BLOCK=SCALED_FP16_BLOCK, PAIRS=pairs, num_warps=4)
+                          for pairs in (False, True)}  # by the weights' byte layout
 
 
 def _scaled_fp16_args(x2d, pairs, exps) -> tuple:
@@ -767,8 +767,8 @@ def _gemv2_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, to
     block_k = _gemv_block_k(weight_format, cfg.block_k)
     return packed, block_k, Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        HALVES_ASM=_PTX, SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK, W4_PAIRS=pairs,
-        launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HALVES_ASM=_PTX, SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK,
+        W4_PAIRS=pairs, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int,

@@ -71,7 +71,8 @@ _CHUNK_BYTES = 1 << 26  # bytes per step of a relayout: its temporaries stay a f
 
 
 def _relayout_words(data: torch.Tensor, name: str, step) -> torch.Tensor:
-    """``step(b0, b1, b2, b3)`` -> four bytes, applied to every 4-byte word of ``data`` [..., K/2], in chunks of rows."""
+    """``step(b0, b1, b2, b3)`` -> four bytes, applied to every 4-byte word of ``data`` [..., K/2] in chunks of
+    rows (a copy of a non-contiguous ``data`` is made first; a stride-0 expanded stack comes out whole)."""
     check_tensor(name, data, dtypes=(torch.uint8,))
     if data.dim() < 1 or data.shape[-1] % 4:
         raise ValueError(f"{name} must have a last dimension that is a multiple of 4 bytes (whole words of 8 codes), "

@@ -26,9 +26,9 @@ SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
 @dataclass(frozen=True)
 class NVFP4Tensor:
     """data: uint8 [..., K/2] (packed codes, in the byte ``layout`` "packed" or "pairs" as MXFP4Tensor's);
-    scales: float8_e4m3fn [..., K/16], or when ``swizzled`` uint8 [..., ceil(R/128)*128 * ceil(C/4)*4] in the 128x4 layout (R = rows of the
-    last-but-one axis, C = K/16; padding zero); global_scale: float32, shape [] or the leading
-    dims it was computed over (e.g. [E]), broadcast as global_scale[..., None, None]."""
+    scales: float8_e4m3fn [..., K/16], or when ``swizzled`` uint8 [..., ceil(R/128)*128 * ceil(C/4)*4] in the
+    128x4 layout (R = rows of the last-but-one axis, C = K/16; padding zero); global_scale: float32, shape [] or
+    the leading dims it was computed over (e.g. [E]), broadcast as global_scale[..., None, None]."""
 
     data: torch.Tensor
     scales: torch.Tensor
@@ -175,7 +175,8 @@ def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 # ------------------------------------------------------------------------- ModelOpt edge
 def to_modelopt(t: NVFP4Tensor) -> dict[str, torch.Tensor]:
     """{"weight": uint8 [..., K/2] ("packed" bytes), "weight_scale": e4m3 [..., K/16], "weight_scale_2": 1 / gs}."""
-    return {"weight": fp4.to_packed(t.data, t.layout), "weight_scale": t.linear_scales(), "weight_scale_2": 1.0 / t.global_scale}
+    return {"weight": fp4.to_packed(t.data, t.layout), "weight_scale": t.linear_scales(),
+            "weight_scale_2": 1.0 / t.global_scale}
 
 
 def from_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
