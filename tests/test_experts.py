@@ -599,6 +599,8 @@ def test_four_bit_weights_match_the_reference_on_dequantized_weights(fmt, backen
                                                                     biases, why):
     if backend == "torch" and dtype == torch.float16:
         pytest.skip("the torch backend computes in fp32 whatever the input dtype")
+    if backend == "torch" and layout == "pairs":
+        pytest.skip("the torch backend dequantizes (formats.dequantize reads either layout: test_formats.py)")
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
     q13, q2, d13, d2 = _quantized(fmt, w13, w2, layout)
     x = torch.randn(T, H).to(dtype)
@@ -689,6 +691,8 @@ def test_four_bit_decode_rows_kernel(fmt, act, T, I, block_n, scale, spike, mapp
     # GEMM1 alone on kernels/gemv1_rows.py against float64: H = 160 in chunks of 64 codes (the last partial), bf16
     # activations (no tl.dot here, whose bf16 the interpreter gets wrong), h poisoned, rows of skipped pairs untouched.
     # The budget is the fp16x2 group sums' (an fp16 rounding per product and add, relative to the group's size).
+    if layout == "pairs" and k == 6:  # (the suite's time: the slot count does not meet the byte layout)
+        pytest.skip("k = 3 covers the pairs layout")
     E, H = 7, 160
     w13, _, b13, _ = _weights(E, H, I, torch.float32, True)
     # pre-activations of the order of 1 whatever x's scale: swiglu_oai's clamp at 7 turns an error of 2^-11 of a 2^20
@@ -1280,6 +1284,8 @@ def _recoded(q):
 def test_w4a8_matches_the_reference(backend, dtype, layout, T, E, H, I, k, act, biases, config, why):
     if backend == "torch" and dtype == torch.float16:
         pytest.skip("the torch backend computes in fp32 whatever the input dtype")
+    if backend == "torch" and layout == "pairs":
+        pytest.skip("the torch backend recodes through formats.mxfp4.to_e4m3, which reads either layout")
     w13, w2, b13, b2 = _weights(E, H, I, torch.float32, biases)
     q13, q2, _, _ = _quantized("mxfp4", w13, w2, layout)
     b13, b2 = (None, None) if b13 is None else (b13.to(dtype), b2.to(dtype))

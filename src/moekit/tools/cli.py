@@ -85,13 +85,17 @@ def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dt
     config table's own answers, asked as fused_experts asks them."""
     fmt = "dense" if recipe == "dense" else recipe_format(recipe)
     act_quant = "fp8_group" if fmt == "fp8" else None  # FP8 checkpoints run W8A8
-    call = backends.ExpertsCall(fmt, dtype, device, num_tokens, act_quant, activation=spec.activation)
+    # 4-bit codes as FusedMoE keeps them on a GPU (formats.prepare): the gate's class of the call it serves
+    layout = "pairs" if fmt in ("mxfp4", "nvfp4") and torch.device(device).type == "cuda" else "packed"
+    call = backends.ExpertsCall(fmt, dtype, device, num_tokens, act_quant, activation=spec.activation, layout=layout)
     if backends.select_backend(call).name != "triton":
         return "fused_experts " + backends.explain(call).replace("\n", "\n  ")
     cfg, source = expert_configs.choose(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
                                         spec.hidden_size, device, dtype, expert_configs.config_family(fmt, act_quant))
     mode = f"mode {cfg.mode}" + (f", BLOCK_M={cfg.block_m}" if cfg.mode == "aligned" else "")
-    return f"fused_experts T={num_tokens} ({fmt} weights): triton, {mode}, gemm1 {cfg.gemm1}, gemm2 {cfg.gemm2} -- {source}"
+    codes = "" if layout == "packed" else f", {layout} codes"
+    return (f"fused_experts T={num_tokens} ({fmt} weights{codes}): triton, {mode}, gemm1 {cfg.gemm1}, gemm2 {cfg.gemm2}"
+            f" -- {source}")
 
 
 def cmd_verify(args) -> int:
