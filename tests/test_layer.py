@@ -170,3 +170,26 @@ def test_ids_past_a_short_expert_map_are_caught_by_the_gate():
     finally:
         gate.set_verification(None)
         gate.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_codes_loaded_on_the_cpu_are_prepared_when_they_reach_the_gpu(fmt):
+    # the common flow: quantized experts loaded on the CPU, the module moved with .cuda(); the codes are prepared
+    # then (prepare=None), the layer gives what the stacks as given give, and state_dict still holds their bytes
+    from moekit.formats import quantize_experts
+
+    layer = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.bfloat16, scaled=True)
+    q13, q2 = quantize_experts(layer.w13.detach().float(), fmt), quantize_experts(layer.w2.detach().float(), fmt)
+    layer.load_quantized_experts(q13, q2)
+    assert layer.expert_weights()[0].layout == "packed"
+    layer.cuda()
+    w13, w2 = layer.expert_weights()
+    assert w13.layout == w2.layout == "pairs" and w13.data.is_cuda
+    assert torch.equal(layer.state_dict()["w13_data"].cpu(), q13.data)
+    x = torch.randn(9, layer.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        tw, tid = layer.route(x)
+        ref = reference.fused_experts(x, moekit.formats.dequantize(q13).cuda(), moekit.formats.dequantize(q2).cuda(),
+                                      tw, tid, activation=layer.spec.activation)
+        check_close(f"{fmt} prepared on .cuda()", layer(x), ref, Tolerance(2e-2, 5e-3))

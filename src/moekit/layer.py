@@ -61,6 +61,7 @@ class FusedMoE(nn.Module):
         self._quantized_meta: dict[str, dict] = {}
         self._quantized = None  # (the buffers it was built from, (w13, w2))
         self._lora = None  # (the buffers it was built from, the ExpertsLoRA)
+        self._prepare_codes: bool | None = None  # load_quantized_experts' prepare (None: once the codes are on a GPU)
         self.register_state_dict_post_hook(_stored_codes)
         self.register_load_state_dict_pre_hook(_prepared_codes)
         self.reset_parameters()
@@ -125,7 +126,8 @@ class FusedMoE(nn.Module):
         prepare: keep 4-bit experts in moekit's kernel-native byte layout (:func:`moekit.formats.prepare`: a new
         tensor of codes, made here once; the tensors passed in are left as they are). None (the default): where the
         stacks are on a CUDA device (the Triton kernels read either layout; the CPU's torch backend would convert
-        the prepared codes back on every call). ``state_dict()`` gives and ``load_state_dict()`` takes the codes as
+        the prepared codes back on every call; codes moved to a GPU later, by ``.to()``, are prepared then).
+        ``state_dict()`` gives and ``load_state_dict()`` takes the codes as
         checkpoints store them ("packed") either way: for prepared codes, ``state_dict()`` holds a converted copy
         of each stack (memory of the stacks' size, not the buffers themselves), and bytes written into
         ``w13_data`` / ``w2_data`` other than through ``load_state_dict`` must be in the buffers' layout
@@ -156,6 +158,7 @@ class FusedMoE(nn.Module):
                                           if hasattr(q, k)}
         self.weight_format = fmt
         self.act_quant = act_quant
+        self._prepare_codes = prepare
         self._quantized = None
 
     def _apply(self, fn, recurse=True):
@@ -170,6 +173,12 @@ class FusedMoE(nn.Module):
                 moved = fn(buf)
                 self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
             self._quantized = None
+        if self._prepare_codes is None and self.weight_format in ("mxfp4", "nvfp4"):
+            for name, meta in self._quantized_meta.items():  # codes that reached a GPU as given: prepared now
+                data = self._buffers.get(f"{name}_data")
+                if data is not None and data.is_cuda and meta.get("layout") == "packed":
+                    self._buffers[f"{name}_data"] = fp4.to_pairs(data)
+                    meta["layout"] = "pairs"
         return self
 
     def expert_weights(self):
