@@ -161,8 +161,9 @@ def markdown(records, env, rate):
 
 def _lowbit_table(records, env, rate, cols) -> list[str]:
     lines = [f"# Low-bit experts benchmark ({env['gpu']}, {env['date']})", "",
-             f"torch {env['torch']}, triton {env['triton']}. us per call, CUDA-graph replay. bf16 matmul rate "
-             f"{rate / 1e12:.0f} TFLOP/s. lowbit floor = max(packed bytes + scales of the experts hit at 4.2 TB/s, FLOPs at the bf16 rate (FP8: twice it)).", "",
+             f"torch {env['torch']}, triton {env['triton']}. us per call, CUDA-graph replay; 4-bit codes prepared "
+             f"as FusedMoE keeps them (formats.prepare). bf16 matmul rate {rate / 1e12:.0f} TFLOP/s. lowbit floor = "
+             "max(packed bytes + scales of the experts hit at 4.2 TB/s, FLOPs at the bf16 rate (FP8: twice it)).", "",
              "| preset | format | T | " + " | ".join(cols) + " | bf16 / lowbit | lowbit floor us | x floor | err vs dequant | err vs bf16 |",
              "|---|---|---|" + "---|" * (len(cols) + 5)]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
