@@ -231,7 +231,8 @@ def test_the_expert_kernels_get_their_constants_made_once(monkeypatch, mode):
         assert kinds[kernel] == [Constants] * 3 and make.cache_info().misses == 1
 
 
-def test_the_host_path_benchmark_runs_and_puts_the_layers_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["--gpu-path"]])  # --gpu-path: the ops' GPU path, in a process of its own
+def test_the_host_path_benchmark_runs_and_puts_the_layers_back(tmp_path, monkeypatch, extra):
     """benchmarks/host_path.py (the host work with kernels taken out) on a few calls: it writes its table and JSON
     and leaves the stubbed functions as they were."""
     import runpy
@@ -242,7 +243,7 @@ def test_the_host_path_benchmark_runs_and_puts_the_layers_back(tmp_path, monkeyp
 
     before = (layer.fused_router, layer.fused_experts, _launch.Launcher.launch)
     script = Path(__file__).resolve().parents[1] / "benchmarks/host_path.py"
-    monkeypatch.setattr(sys, "argv", [str(script), "--calls", "5", "--label", "test", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", [str(script), "--calls", "5", "--label", "test", "--out", str(tmp_path), *extra])
     runpy.run_path(str(script), run_name="__main__")
     assert (layer.fused_router, layer.fused_experts, _launch.Launcher.launch) == before
     written = sorted(p.suffix for p in tmp_path.iterdir())
