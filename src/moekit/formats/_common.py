@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_tensor
+from .fp4 import LAYOUTS
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -66,6 +67,5 @@ def check_format(name: str, t, cls, dtype) -> None:
 
 def check_layout(owner: str, layout) -> None:
     """A 4-bit tensor's byte layout: one of fp4.LAYOUTS."""
-    from .fp4 import LAYOUTS
     if layout not in LAYOUTS:
         raise ValueError(f"{owner}.layout must be one of {LAYOUTS}, got {layout!r}")

@@ -4,8 +4,6 @@ passes real presets on a GPU, scaled-down ones on a CPU)."""
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from ... import presets, reference
@@ -172,19 +170,13 @@ def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[C
                 # format: at kimi-k2's size two more 4-bit copies would not fit beside them on an 80 GB GPU)
                 s13, s2 = (q13, q2) if layout == "packed" else (prepare(q13), prepare(q2))
                 for backend in backends:
-                    results.append(_low_bit_check(x, s13, s2, tw, tid, b13, b2, spec, backend, act_quant, adapters,
-                                                  ref, W8A8_TOL if act_quant else tol, fmt, layout))
+                    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+                    got = fused_experts(x, s13, s2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
+                                        out=out, backend=backend, act_quant=act_quant, lora=adapters[0],
+                                        lora_ids=adapters[1])
+                    tags = (fmt + ("+" + act_quant if act_quant and fmt == "mxfp4" else "")
+                            + ("+lora" if adapters[0] else "") + ("" if layout == "packed" else f", {layout} codes"))
+                    results.append(score_values(CheckResult(f"fused_experts[{tags}]", backend, spec.name, x.shape[0]),
+                                                got, ref, W8A8_TOL if act_quant else tol, got is out))
                 del s13, s2
     return results
-
-
-def _low_bit_check(x, s13, s2, tw, tid, b13, b2, spec, backend, act_quant, adapters, ref, tol, fmt, layout):
-    """One backend's fused_experts on the stacks (s13, s2) into a poisoned output, scored against ``ref``."""
-    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
-    got = fused_experts(x, s13, s2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
-                        out=out, backend=backend, act_quant=act_quant, lora=adapters[0],
-                        lora_ids=adapters[1])
-    tags = fmt + ("+" + act_quant if act_quant and fmt == "mxfp4" else "") + ("+lora" if adapters[0] else "")
-    tags += "" if layout == "packed" else f", {layout} codes"
-    return score_values(CheckResult(f"fused_experts[{tags}]", backend, spec.name, x.shape[0]), got, ref, tol,
-                        got is out)
