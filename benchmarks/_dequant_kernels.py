@@ -24,7 +24,7 @@ def dequantize_kernel(
     tile = _w4_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, None, rows.to(tl.int64), n_ok, k0, K, stride_wn,
                     stride_sn, FORMAT, BLOCK_K, tl.float32, PAIRS=PAIRS)
     if FORMAT == NVFP4:
-        tile = tile / tl.load(gs_ptr + e)
+        tile = tl.div_rn(tile, tl.load(gs_ptr + e))  # IEEE division, as formats.dequantize (`/` is approximate)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + e * stride_oe + rows.to(tl.int64)[:, None] * stride_on + offs_k[None, :],
              tile.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_k < K)[None, :])

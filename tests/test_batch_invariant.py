@@ -16,6 +16,7 @@ from moekit import _invariant, _triton, backends, fused_experts, gate, presets
 from moekit.experts import ExpertsConfig, GemmConfig
 from moekit.experts import configs as C
 from moekit.experts import gate_case
+from moekit.formats import FOUR_BIT_FORMATS
 from moekit.routing import fused_router, route, router_gemm
 from moekit.routing import tiers
 from moekit.tools.verify import invariance_checks
@@ -398,7 +399,9 @@ def test_verify_runs_the_invariance_checks_in_the_mode(tmp_path, monkeypatch):
     import json
 
     rows = [r for r in json.loads(report.read_text()) if r["op"].endswith("[invariant]")]
-    assert code == 0 and len(rows) == 3 + 2 * len(invariance_checks.FORMATS), rows
+    stacks = sum(2 if w in FOUR_BIT_FORMATS else 1 for w, _ in invariance_checks.FORMATS)  # 4-bit: both layouts
+    assert code == 0 and len(rows) == 3 + 2 * stacks, rows
+    assert any(r["op"] == "fused_experts[nvfp4,pairs][invariant]" for r in rows)
     assert all(r["ok"] for r in rows)
     assert not _invariant.enabled() and _invariant.ENV not in os.environ   # mode and variable restored after
 

@@ -84,6 +84,8 @@ def test_quantized_experts_serve_the_layer_and_survive_a_state_dict_round_trip(f
         layer.load_quantized_experts(torch.zeros(1), q2)
     with pytest.raises(ValueError, match="w13 must have shape"):
         twin.load_quantized_experts(quantize_experts(torch.randn(3, 64, 64), fmt), q2)
+    with pytest.raises(TypeError, match="prepare must be True, False or None, got str"):
+        twin.load_quantized_experts(q13, q2, prepare="pairs")
 
 
 @pytest.mark.parametrize("granularity", ["fp8_block", "fp8_channel", "fp8_tensor"])

@@ -12,7 +12,7 @@ from ._checks import check_shape, check_tensor
 from .experts import ExpertsLoRA, check_act_quant, fused_experts
 from .experts.lora import check_call as check_lora
 from .formats import TYPES as QUANTIZED_TYPES
-from .formats import format_of, fp4
+from .formats import FOUR_BIT_FORMATS, format_of, fp4
 from .formats import prepare as prepare_weights
 from .presets import MoESpec
 from .routing import GateLinear, fused_router
@@ -138,6 +138,8 @@ class FusedMoE(nn.Module):
         if fmt == "dense" or format_of(w2) != fmt:
             raise TypeError("w13 and w2 must both be MXFP4Tensor, NVFP4Tensor or FP8Tensor, "
                             f"got {type(w13).__name__} and {type(w2).__name__}")
+        if prepare is not None and not isinstance(prepare, bool):
+            raise TypeError(f"prepare must be True, False or None, got {type(prepare).__name__}")
         if act_quant == "auto":
             act_quant = "fp8_group" if fmt == "fp8" else None
         check_act_quant(act_quant)
@@ -173,7 +175,7 @@ class FusedMoE(nn.Module):
                 moved = fn(buf)
                 self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
             self._quantized = None
-        if self._prepare_codes is None and self.weight_format in ("mxfp4", "nvfp4"):
+        if self._prepare_codes is None and self.weight_format in FOUR_BIT_FORMATS:
             for name, meta in self._quantized_meta.items():  # codes that reached a GPU as given: prepared now
                 data = self._buffers.get(f"{name}_data")
                 if data is not None and data.is_cuda and meta.get("layout") == "packed":
@@ -311,7 +313,7 @@ class FusedMoE(nn.Module):
 def _pairs_codes(module: FusedMoE) -> list[str]:
     """The buffers of ``module`` that hold 4-bit codes in the "pairs" byte layout."""
     return [f"{name}_data" for name, meta in module._quantized_meta.items() if meta.get("layout") == "pairs"
-            and module.weight_format in ("mxfp4", "nvfp4")]
+            and module.weight_format in FOUR_BIT_FORMATS]
 
 
 def _stored_codes(module: FusedMoE, state_dict: dict, prefix: str, local_metadata) -> None:

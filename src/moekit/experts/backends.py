@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _invariant, _triton, gate
-from ..formats import FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of, fp4
+from ..formats import FOUR_BIT_FORMATS, FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of, fp4
 from . import gate_case, torch_backend
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -220,7 +220,7 @@ def _select_auto(call: ExpertsCall) -> Backend:
 
 def call_layout(w13, w2) -> str:
     """ExpertsCall.layout of a call on these stacks ("packed" for dense and FP8 ones)."""
-    l13, l2 = (w.layout if format_of(w) in ("mxfp4", "nvfp4") else "packed" for w in (w13, w2))
+    l13, l2 = (w.layout if format_of(w) in FOUR_BIT_FORMATS else "packed" for w in (w13, w2))
     return l13 if l13 == l2 else f"{l13}/{l2}"
 
 

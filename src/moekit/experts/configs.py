@@ -15,7 +15,7 @@ from importlib import resources
 import torch
 
 from .. import _invariant, _triton
-from ..formats import WEIGHT_FORMATS, recipe_format
+from ..formats import FOUR_BIT_FORMATS, WEIGHT_FORMATS, recipe_format
 from ..formats import fp8 as fp8_format
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -183,7 +183,7 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
     CUDA-core kernels; above, tensor-core tiles hold 64 or 128 weight rows as the MMA's M side.
     ``gemv_rows``: 4-bit decode's GEMV1 on the rows kernel (:func:`choose` says where it applies)."""
     rows = num_tokens * top_k / max(num_experts, 1)
-    if weight_format in ("mxfp4", "nvfp4") and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
+    if weight_format in FOUR_BIT_FORMATS and num_tokens <= FOUR_BIT_GEMV_MAX_TOKENS:
         chunk = lambda k, most: min(most, max(32, 1 << (k - 1).bit_length()))  # noqa: E731 - none wider than K
         gemm1 = GemmConfig(block_n=16, block_k=chunk(k1, 256), num_warps=4, num_stages=1)
         if gemv_rows:
@@ -194,7 +194,7 @@ def heuristic(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
             gemm1 = GemmConfig(block_n=8, block_k=chunk(k1, 1024), num_warps=4, num_stages=3, row_scaled=True)
         return ExpertsConfig(16, gemm1, GemmConfig(block_n=16, block_k=chunk(n1 // 2, 256), num_warps=4, num_stages=1),
                              mode="gemv")
-    if weight_format in ("mxfp4", "nvfp4"):
+    if weight_format in FOUR_BIT_FORMATS:
         # The weight tile is the MMA's A operand: 64 or 128 weight rows per tile, the tokens on the
         # MMA's N side. Past these sizes GEMM1's two accumulators spill (tests/sm90_compile.py).
         if rows <= 24:
@@ -306,7 +306,8 @@ def shipped_entries(key: str, shape: str) -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def _choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int,
-            weight_format: str, gemv_rows: bool = True):
+            weight_format: str, gemv_rows: bool):
+    # gemv_rows has no default: lru_cache keys an omitted argument apart from the same value passed
     entries = served_entries(keys, shape)
     bucket = token_bucket(num_tokens)
     near = bucket if str(bucket) in entries else nearest_tuned_bucket(bucket, [int(b) for b in entries])
@@ -367,19 +368,18 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
 INVARIANT_MAX_STAGES = 6  # a K step shorter than the tuned one gets more stages (same bytes in flight), up to this
 FP8_DOT_FORMATS = ("fp8", "w4a8")
 WGMMA_MIN_ROWS = 64
-FOUR_BIT = ("mxfp4", "nvfp4")
 
 
 def _first_aligned_tokens(weight_format: str) -> int:
     """The smallest T at which the heuristic takes the aligned mode: its tiles for a few rows per expert."""
-    return FOUR_BIT_GEMV_MAX_TOKENS + 1 if weight_format in FOUR_BIT else PER_PAIR_MAX_TOKENS + 1
+    return FOUR_BIT_GEMV_MAX_TOKENS + 1 if weight_format in FOUR_BIT_FORMATS else PER_PAIR_MAX_TOKENS + 1
 
 
 def _effective_block_k(cfg: GemmConfig, weight_format: str, tiles: int) -> int:
     """The K step the kernels run for ``cfg`` (experts/triton_backend.py WeightOperand.config)."""
     if weight_format in ("fp8", "w4a8"):
         return FP8_BLOCK_K
-    if weight_format in FOUR_BIT:
+    if weight_format in FOUR_BIT_FORMATS:
         return four_bit_block_k(cfg, tiles)
     return cfg.block_k
 
@@ -389,7 +389,7 @@ def _reduction_steps(keys: tuple[str, ...], shape: str, num_experts: int, n1: in
     """(GEMM1's K step, GEMM2's K step, where they come from) of a shape class: those of its prefill configuration
     (the largest tuned bucket, else the heuristic at many rows per expert), where the GEMMs are compute-bound and
     their tiles matter most; decode sizes are bandwidth-bound and keep their bytes in flight with more stages."""
-    cfg, source = _choose(keys, shape, TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format)
+    cfg, source = _choose(keys, shape, TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format, True)
     if cfg.mode != "aligned":
         cfg = heuristic(TOKEN_BUCKETS[-1], num_experts, num_experts, n1, k1, weight_format)
         source = "heuristic at many rows per expert"
@@ -406,7 +406,7 @@ def _with_block_k(g: GemmConfig, block_k: int, weight_format: str, tiles: int) -
         stages = max(2, min(INVARIANT_MAX_STAGES, g.num_stages * g.block_k // block_k))
     g = replace(g, block_k=block_k, num_stages=stages, half_tails=False,
                 slots=None, packed=None)
-    if weight_format in FOUR_BIT:
+    if weight_format in FOUR_BIT_FORMATS:
         # NVFP4 weight tiles (the MMA's M side) of fewer than 64 rows run on mma.sync, whose products round
         # otherwise than wgmma's (H100: 32-row tiles changed bits, 64 and 128 did not:
         # benchmarks/results/archive/ab_invariant_nvfp4_tile_bits_h100_2026-12-06.md); MXFP4 kept its bits at 16-64
@@ -428,7 +428,7 @@ def _with_block_k(g: GemmConfig, block_k: int, weight_format: str, tiles: int) -
 def _invariant_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int,
                       k1: int, weight_format: str):
     bk1, bk2, steps_source = _reduction_steps(keys, shape, num_experts, n1, k1, weight_format)
-    cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+    cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
     if cfg.mode != "aligned":
         tokens = max(num_tokens, _first_aligned_tokens(weight_format))
         default_mode = cfg.mode

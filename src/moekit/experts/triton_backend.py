@@ -21,7 +21,7 @@ import torch
 
 from .. import _triton
 from .._checks import check_disjoint
-from ..formats import format_of, from_parts, to_parts
+from ..formats import FOUR_BIT_FORMATS, format_of, from_parts, to_parts
 from . import configs as expert_configs
 from .configs import ExpertsConfig, GemmConfig
 from . import lora as expert_lora
@@ -296,7 +296,7 @@ def _half_tails(cfg: GemmConfig, mode: int, block_m: int) -> bool:
 
 def _scales_ahead(cfg: GemmConfig, weight_format: str) -> bool:
     """GemmConfig.scales_ahead as launched (4-bit weights only)."""
-    if weight_format not in ("mxfp4", "nvfp4"):
+    if weight_format not in FOUR_BIT_FORMATS:
         return False
     return weight_format == "mxfp4" if cfg.scales_ahead is None else cfg.scales_ahead
 
@@ -309,7 +309,7 @@ def _on_words(d: torch.Tensor) -> bool:
 def _w4_words(w: WeightOperand, dtype: torch.dtype) -> bool:
     """The tensor-core GEMMs decode 4-bit codes a word (8 codes) at a time: bf16 on the GPU (the decode's halves
     move by PTX) with the codes of every row and expert starting on whole int32 words."""
-    return (w.format in ("mxfp4", "nvfp4") and dtype == torch.bfloat16 and not _triton.interpreting()
+    return (w.format in FOUR_BIT_FORMATS and dtype == torch.bfloat16 and not _triton.interpreting()
             and _on_words(w.data))
 
 
@@ -583,7 +583,7 @@ GEMV_ROW_XBLOCK = 1024  # activations per step of a row-scaled kernel's largest-
 def _fp16x2_operands(weight_format: str, dtype: torch.dtype) -> bool:
     """The CUDA-core decode kernels can take fp16x2 products (packed or row-scaled): 4-bit weights, 16-bit
     activations (fp32 ones keep fp32 products)."""
-    return weight_format in ("mxfp4", "nvfp4") and dtype != torch.float32
+    return weight_format in FOUR_BIT_FORMATS and dtype != torch.float32
 
 
 def _row_scaled(cfg: GemmConfig, w: WeightOperand, dtype: torch.dtype) -> bool:

@@ -12,11 +12,13 @@ import torch
 
 from . import fp4, fp8, mxfp4, nvfp4
 
-__all__ = ["FP8_ACTIVATION_FORMATS", "RECIPES", "WEIGHT_FORMATS", "dequantize", "expert", "format_of", "fp4", "fp8",
+__all__ = ["FOUR_BIT_FORMATS", "FP8_ACTIVATION_FORMATS", "RECIPES", "WEIGHT_FORMATS", "dequantize", "expert", "format_of", "fp4", "fp8",
            "from_parts", "mxfp4", "nvfp4", "prepare", "quantize_experts", "recipe_format", "to_parts", "unprepare"]
 
 WEIGHT_FORMATS = ("dense", "mxfp4", "nvfp4", "fp8")
 """What an expert stack can be: a plain tensor, or one of the quantized types below."""
+FOUR_BIT_FORMATS = ("mxfp4", "nvfp4")
+"""The formats of E2M1 codes packed two per byte, which have a byte layout (:func:`prepare`)."""
 TYPES = {"mxfp4": mxfp4.MXFP4Tensor, "nvfp4": nvfp4.NVFP4Tensor, "fp8": fp8.FP8Tensor}
 RECIPES = {"mxfp4": "mxfp4", "nvfp4": "nvfp4", "fp8_block": "fp8", "fp8_channel": "fp8", "fp8_tensor": "fp8"}
 """How :func:`quantize_experts` can quantize a stack, and the weight format each recipe makes."""
@@ -63,7 +65,7 @@ def from_parts(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, global
         return data
     if fmt == "fp8":
         return fp8.FP8Tensor(data, scales, tag)
-    flags = tag.split(",") if fmt in ("mxfp4", "nvfp4") else []
+    flags = tag.split(",") if fmt in FOUR_BIT_FORMATS else []
     layout = "pairs" if "pairs" in flags else "packed"
     if fmt == "mxfp4":
         return mxfp4.MXFP4Tensor(data, scales, tuple(shape), layout)
@@ -141,7 +143,7 @@ def quantize_experts(w, weight_format: str):
 def _relaid(w, layout: str):
     """A 4-bit weight with its codes in byte ``layout`` (``w`` itself when it has that layout; other formats as
     they are): the same scales, new code bytes."""
-    if format_of(w) not in ("mxfp4", "nvfp4") or w.layout == layout:
+    if format_of(w) not in FOUR_BIT_FORMATS or w.layout == layout:
         return w
     data = fp4.to_layout(fp4.to_packed(w.data, w.layout), layout)
     return dataclasses.replace(w, data=data, layout=layout)

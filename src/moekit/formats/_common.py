@@ -1,10 +1,11 @@
-"""Checks shared by the format routines."""
+"""Checks and behaviour shared by the format routines."""
 
 from __future__ import annotations
 
 import torch
 
 from .._checks import check_tensor
+from . import fp4
 from .fp4 import LAYOUTS
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -69,3 +70,11 @@ def check_layout(owner: str, layout) -> None:
     """A 4-bit tensor's byte layout: one of fp4.LAYOUTS."""
     if layout not in LAYOUTS:
         raise ValueError(f"{owner}.layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+class PackedCodes:
+    """What the two 4-bit tensor types share: ``data`` (packed codes in byte ``layout``) read in element order."""
+
+    def codes(self) -> torch.Tensor:
+        """uint8 [..., K]: every element's code, in element order (whatever the layout)."""
+        return fp4.unpack(fp4.to_packed(self.data, self.layout))

@@ -15,8 +15,8 @@ import torch
 
 from .._checks import check_tensor
 from . import fp4
-from ._common import (blocks, check_block_multiple, check_field, check_format, check_layout, check_quantize_input,
-                      shape_tuple)
+from ._common import (PackedCodes, blocks, check_block_multiple, check_field, check_format, check_layout,
+                      check_quantize_input, shape_tuple)
 
 BLOCK = 32
 BIAS = 127
@@ -28,7 +28,7 @@ E4M3_NAN_STEP = 16  # the table row of a NaN scale
 
 
 @dataclass(frozen=True)
-class MXFP4Tensor:
+class MXFP4Tensor(PackedCodes):
     """data: uint8 [..., K/2] packed codes, in the byte ``layout`` "packed" (checkpoints') or "pairs" (moekit's
     kernel-native layout, see :mod:`moekit.formats.fp4`; :func:`moekit.formats.prepare` makes it); scales: uint8
     [..., K/32] E8M0 exponents."""
@@ -47,10 +47,6 @@ class MXFP4Tensor:
         lead, k = shape[:-1], shape[-1]
         check_field("MXFP4Tensor", "data", self.data, (torch.uint8,), (*lead, k // 2))
         check_field("MXFP4Tensor", "scales", self.scales, (torch.uint8,), (*lead, k // BLOCK), self.data.device)
-
-    def codes(self) -> torch.Tensor:
-        """uint8 [..., K]: every element's code, in element order (whatever the layout)."""
-        return fp4.unpack(fp4.to_packed(self.data, self.layout))
 
     def scales_e8m0(self) -> torch.Tensor:
         """The scales as torch.float8_e8m0fnu (same bytes)."""

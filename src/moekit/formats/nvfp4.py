@@ -15,8 +15,8 @@ import torch
 
 from .._checks import check_tensor, tensor_version
 from . import fp4
-from ._common import (blocks, check_block_multiple, check_field, check_format, check_layout, check_quantize_input,
-                      shape_tuple)
+from ._common import (PackedCodes, blocks, check_block_multiple, check_field, check_format, check_layout,
+                      check_quantize_input, shape_tuple)
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -24,7 +24,7 @@ SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
 
 
 @dataclass(frozen=True)
-class NVFP4Tensor:
+class NVFP4Tensor(PackedCodes):
     """data: uint8 [..., K/2] (packed codes, in the byte ``layout`` "packed" or "pairs" as MXFP4Tensor's);
     scales: float8_e4m3fn [..., K/16], or when ``swizzled`` uint8 [..., ceil(R/128)*128 * ceil(C/4)*4] in the
     128x4 layout (R = rows of the last-but-one axis, C = K/16; padding zero); global_scale: float32, shape [] or
@@ -62,10 +62,6 @@ class NVFP4Tensor:
                 or (gs.dim() == len(shape) and gs.shape[-1] != 1)):
             raise ValueError(f"NVFP4Tensor.global_scale must be a scalar or broadcast over the leading dims of "
                              f"shape {shape} (e.g. one per expert), got shape {tuple(gs.shape)}")
-
-    def codes(self) -> torch.Tensor:
-        """uint8 [..., K]: every element's code, in element order (whatever the layout)."""
-        return fp4.unpack(fp4.to_packed(self.data, self.layout))
 
     def linear_scales(self) -> torch.Tensor:
         """float8_e4m3fn [..., K/16], whatever the stored layout (swizzled scales are unswizzled once per

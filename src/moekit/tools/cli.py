@@ -17,7 +17,7 @@ from rich.table import Table
 
 from .. import _invariant, _triton, presets
 from ..experts import backends, configs as expert_configs
-from ..formats import recipe_format
+from ..formats import FOUR_BIT_FORMATS, recipe_format
 from ..routing import tiers as router_tiers
 from . import _argtypes, _interpreter, tune
 from .bench import experts, lowbit
@@ -86,7 +86,7 @@ def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dt
     fmt = "dense" if recipe == "dense" else recipe_format(recipe)
     act_quant = "fp8_group" if fmt == "fp8" else None  # FP8 checkpoints run W8A8
     # 4-bit codes as FusedMoE keeps them on a GPU (formats.prepare): the gate's class of the call it serves
-    layout = "pairs" if fmt in ("mxfp4", "nvfp4") and torch.device(device).type == "cuda" else "packed"
+    layout = "pairs" if fmt in FOUR_BIT_FORMATS and torch.device(device).type == "cuda" else "packed"
     call = backends.ExpertsCall(fmt, dtype, device, num_tokens, act_quant, activation=spec.activation, layout=layout)
     if backends.select_backend(call).name != "triton":
         return "fused_experts " + backends.explain(call).replace("\n", "\n  ")

@@ -26,7 +26,7 @@ from ..experts import configs as expert_configs
 from ..experts import fused_experts
 from ..experts import triton_backend as ext
 from ..experts.configs import ExpertsConfig, GemmConfig, config_family
-from ..formats import prepare, quantize_experts
+from ..formats import FOUR_BIT_FORMATS, prepare, quantize_experts
 from . import _argtypes, _sass
 from .bench.experts import routes
 from .bench.timing import graph_time_us
@@ -77,7 +77,7 @@ def gemv_candidates(which: int = 1, top_k: int = 1, weight_format: str = "dense"
         return base + [replace(c, slots=s) for s in several for c in base
                        if c.block_n <= 8 and s * c.block_n * c.block_k <= 32 * 32 * c.num_warps] + rows
     out = [replace(c, slots=0) for c in base] + [replace(c, slots=1) for c in base]
-    if weight_format in ("mxfp4", "nvfp4"):  # each slot's h row scaled in the kernel (a loop per slot)
+    if weight_format in FOUR_BIT_FORMATS:  # each slot's h row scaled in the kernel (a loop per slot)
         out += [replace(c, row_scaled=True) for c in base]
     for slots in several:  # several experts per step: narrow column tiles, or the step spills
         out += [replace(c, slots=slots) for c in base
@@ -197,7 +197,7 @@ class _Problem:
         if not (gemv or per_pair) and block_m >= HALF_TAILS_TUNE_MIN_BLOCK_M:
             for _, cfg in sorted(results, key=lambda r: r[0])[:HALF_TAILS_TUNE_TOP]:  # ... and half tail blocks
                 measure(replace(cfg, half_tails=True))
-        if not (gemv or per_pair) and fmt in ("mxfp4", "nvfp4"):  # the format's default measured per bucket
+        if not (gemv or per_pair) and fmt in FOUR_BIT_FORMATS:  # the format's default measured per bucket
             for _, cfg in sorted(results, key=lambda r: r[0])[:SCALES_AHEAD_TUNE_TOP]:
                 measure(replace(cfg, scales_ahead=fmt != "mxfp4"))
         if not results:  # e.g. every candidate spills in its K loop: the mode is not a choice at this block
@@ -299,7 +299,7 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
                     if pdl_us < gemv_us:
                         gemv_cfg, gemv_us = replace(gemv_cfg, pdl=True), pdl_us
             variants = []  # (what, change of the current pick, info key): whole calls, each kept if faster
-            if weight_format in ("mxfp4", "nvfp4"):  # GEMM1's fp16x2 products (the default) against fp32 ones
+            if weight_format in FOUR_BIT_FORMATS:  # GEMM1's fp16x2 products (the default) against fp32 ones
                 variants.append(("fp32 products in GEMM1", lambda c: replace(c, gemm1=replace(c.gemm1, packed=False)),
                                  "gemv_fp32_products_call_us"))
             if ext.gemv2_packed(replace(gemv_cfg.gemm2, packed=True), weight_format, problem.x_in.dtype, spec.top_k):
@@ -307,7 +307,7 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
                                  "gemv_packed_gemm2_call_us"))
             if spec.top_k > 1:  # GEMM2 per pair, then the combine
                 variants.append(("GEMM2 per pair", lambda c: replace(c, split_slots=True), "gemv_split_slots_call_us"))
-            if spec.top_k > 1 and weight_format in ("mxfp4", "nvfp4"):
+            if spec.top_k > 1 and weight_format in FOUR_BIT_FORMATS:
                 # GEMM2 per pair on the rows kernel (kernels/gemv2_rows.py): chunks that split w2's K = I in a few
                 # (the H100 A/B of 2026-12-06, benchmarks/results/archive/ab_gemv2_rows_h100_2026-12-06.md: 1024
                 # for gpt-oss-120b's 2880, 256 for qwen3-30b-a3b's 768)

@@ -28,7 +28,7 @@ from ... import _invariant, presets
 from ...experts import fused_experts
 from ...formats import prepare, quantize_experts
 from ...layer import FusedMoE
-from ...routing import fused_router, router_gemm
+from ...routing import router_gemm
 from .experts import PRESETS, TOKENS, _gen, reseed, routes
 from .lowbit import NATIVE
 from .timing import environment, graph_time_us

@@ -8,7 +8,7 @@ import torch
 
 from ... import presets, reference
 from ...experts import ExpertsLoRA, backends, batched_experts, fused_experts
-from ...formats import prepare, quantize_experts
+from ...formats import FOUR_BIT_FORMATS, prepare, quantize_experts
 from ...layer import FusedMoE
 from ...metrics import EXPERTS_TOL, W8A8_TOL, CheckResult, Tolerance, score_values
 from ...routing import route
@@ -164,7 +164,7 @@ def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[C
             ref = ref_fn(x, q13, q2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, lora=adapters[0],
                          lora_ids=adapters[1])
             # 4-bit also on the stacks as moekit prepares them at load time (formats.prepare): other kernel variants
-            layouts = ("packed", "pairs") if fmt in ("mxfp4", "nvfp4") else ("packed",)
+            layouts = ("packed", "pairs") if fmt in FOUR_BIT_FORMATS else ("packed",)
             for layout in layouts:
                 # the prepared copies live for this check only (a preset's cache already holds its stacks in every
                 # format: at kimi-k2's size two more 4-bit copies would not fit beside them on an 80 GB GPU)

@@ -15,7 +15,7 @@ import torch
 from ... import _invariant, presets
 from ...experts import batched_experts, fused_experts
 from ...experts.gate_case import batched_mismatch
-from ...formats import from_parts, quantize_experts, to_parts
+from ...formats import FOUR_BIT_FORMATS, from_parts, prepare, quantize_experts, to_parts
 from ...layer import FusedMoE
 from ...metrics import CheckResult
 from ...routing import fused_router, route, router_gemm
@@ -108,31 +108,40 @@ def _weights(spec, dtype, device, weights: str):
 def experts_checks(spec: presets.MoESpec, dtype, device, backend: str, sizes,
                    formats=FORMATS) -> list[CheckResult]:
     """fused_experts and batched_experts (against itself and the standard format) on ``backend`` in each of
-    ``formats``."""
+    ``formats``, 4-bit stacks in both byte layouts."""
     E, H, k = spec.num_experts, spec.hidden_size, spec.top_k
     rows = []
     for weights, act_quant in formats:
-        w13, w2, b13, b2 = _weights(spec, dtype, device, weights)
+        q13, q2, b13, b2 = _weights(spec, dtype, device, weights)
         common = dict(activation=spec.activation, w13_bias=b13, w2_bias=b2, backend=backend, act_quant=act_quant)
-        tag = format_tag(weights, act_quant)
+        # 4-bit stacks also as moekit keeps them once loaded (formats.prepare): their kernels decode otherwise
+        for layout in ("packed", "pairs") if weights in FOUR_BIT_FORMATS else ("packed",):
+            w13, w2 = (q13, q2) if layout == "packed" else (prepare(q13), prepare(q2))
+            tag = format_tag(weights, act_quant) + ("" if layout == "packed" else f",{layout}")
+            rows += _format_checks(E, H, k, dtype, device, backend, sizes, spec.name, tag, w13, w2, common)
+    return rows
 
-        def tokens(n):
-            ids = torch.stack([torch.randperm(E)[:k] for _ in range(n)]).to(device, torch.int32)
-            return {"x": torch.randn(n, H, device=device).to(dtype), "tw": torch.rand(n, k, device=device), "ids": ids}
 
-        def fused(x, tw, ids, common=common, w13=w13, w2=w2):
-            return fused_experts(x, w13, w2, tw, ids, **common)
+def _format_checks(E, H, k, dtype, device, backend, sizes, preset, tag, w13, w2, common) -> list[CheckResult]:
+    """fused_experts against itself in every batch, and batched_experts against fused_experts, on one stack pair."""
+    rows = []
 
-        def batched(x, counts, common=common, w13=w13, w2=w2):
-            return batched_experts(x, counts, w13, w2, **common)
+    def tokens(n):
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(n)]).to(device, torch.int32)
+        return {"x": torch.randn(n, H, device=device).to(dtype), "tw": torch.rand(n, k, device=device), "ids": ids}
 
-        rows.append(_checked(f"fused_experts[{tag}]", backend, spec.name, sizes,
-                             lambda fused=fused: _invariant.token_mismatch(
-                                 lambda t: fused(t["x"], t["tw"], t["ids"]), tokens(1), tokens(max(sizes)), sizes)))
-        heights = tuple(m for m in sizes if m <= BATCHED_MAX_ROWS)
-        rows.append(_checked(f"batched_experts[{tag}]", backend, spec.name, heights,
-                             lambda fused=fused, batched=batched: batched_mismatch(
-                                 batched, fused, E, H, dtype, device, None, heights)))
+    def fused(x, tw, ids):
+        return fused_experts(x, w13, w2, tw, ids, **common)
+
+    def batched(x, counts):
+        return batched_experts(x, counts, w13, w2, **common)
+
+    rows.append(_checked(f"fused_experts[{tag}]", backend, preset, sizes,
+                         lambda: _invariant.token_mismatch(
+                             lambda t: fused(t["x"], t["tw"], t["ids"]), tokens(1), tokens(max(sizes)), sizes)))
+    heights = tuple(m for m in sizes if m <= BATCHED_MAX_ROWS)
+    rows.append(_checked(f"batched_experts[{tag}]", backend, preset, heights,
+                         lambda: batched_mismatch(batched, fused, E, H, dtype, device, None, heights)))
     return rows
 
 
