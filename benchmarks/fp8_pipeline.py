@@ -126,7 +126,7 @@ def measure(T: int, device) -> list[dict]:
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             records.append(rec)
             print(row(rec), flush=True)
-        del c
+        c = None  # (the next GEMM's weights need the room)
         torch.cuda.empty_cache()
     records.append({"T": T, "gemm": "moekit fused_experts (W8A8, whole call)", "us": moekit_call_us(spec, T, device)})
     print(f"T={T} moekit fused_experts fp8_block+fp8_group: {records[-1]['us']:.1f} us", flush=True)
