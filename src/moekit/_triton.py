@@ -11,8 +11,14 @@ from . import _env
 _INTERPRET = _env.flag("TRITON_INTERPRET")
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def triton_importable() -> bool:
+    # (torch.compile takes the answer as a constant: tracing into a functools.cache wrapper makes it warn)
+    return _import_triton()
+
+
+@functools.cache
+def _import_triton() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:
