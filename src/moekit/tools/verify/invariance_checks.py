@@ -119,6 +119,7 @@ def experts_checks(spec: presets.MoESpec, dtype, device, backend: str, sizes,
             w13, w2 = (q13, q2) if layout == "packed" else (prepare(q13), prepare(q2))
             tag = format_tag(weights, act_quant) + ("" if layout == "packed" else f",{layout}")
             rows += _format_checks(E, H, k, dtype, device, backend, sizes, spec.name, tag, w13, w2, common)
+        q13 = q2 = w13 = w2 = None  # (kimi-k2's stacks in both layouts: 17 GB the next format's draw needs)
     return rows
 
 
