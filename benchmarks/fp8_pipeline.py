@@ -107,7 +107,7 @@ def fp8_rate_tflops(flops: float, device) -> float:
     return 2 * m * n * n / us / 1e6
 
 
-def measure(T: int, device) -> list[dict]:
+def measure(T: int, device, variants=VARIANTS, gemms=("gemm1", "gemm2"), moekit_call=True) -> list[dict]:
     from moekit.tools.bench.timing import graph_time_us
 
     spec = presets.get("deepseek-v3")
@@ -116,10 +116,12 @@ def measure(T: int, device) -> list[dict]:
     routed = T * spec.top_k
     records = []
     for gemm, (n, k) in (("gemm1", (2 * I, H)), ("gemm2", (H, I))):
+        if gemm not in gemms:
+            continue
         c = gemm_case(E, block_expert.numel(), n, k, device)
         flops = 2 * routed * n * k
         rate = fp8_rate_tflops(flops, device)
-        for v in VARIANTS:
+        for v in variants:
             rec = {"T": T, "gemm": gemm, "variant": name(v), **v, "fp8_rate_tflops": rate}
             try:
                 c["out"].fill_(float("nan"))
@@ -134,6 +136,8 @@ def measure(T: int, device) -> list[dict]:
             print(row(rec), flush=True)
         c = None  # (the next GEMM's weights need the room)
         torch.cuda.empty_cache()
+    if not moekit_call:
+        return records
     records.append({"T": T, "gemm": "moekit fused_experts (W8A8, whole call)", "us": moekit_call_us(spec, T, device)})
     print(f"T={T} moekit fused_experts fp8_block+fp8_group: {records[-1]['us']:.1f} us", flush=True)
     return records
@@ -186,6 +190,9 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[4096])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--only", nargs="+", default=None, metavar="TEXT", help="the variants whose names contain TEXT")
+    p.add_argument("--gemms", nargs="+", default=["gemm1", "gemm2"], choices=["gemm1", "gemm2"])
+    p.add_argument("--no-moekit", dest="moekit_call", action="store_false", help="skip moekit's whole call")
     args = p.parse_args(argv)
     if args.compile_only:
         return compile_only()
@@ -194,7 +201,8 @@ def main(argv=None) -> None:
     env, records = environment(), []
     torch.manual_seed(0)
     for T in args.tokens:
-        records += measure(T, torch.device("cuda"))
+        variants = [v for v in VARIANTS if not args.only or any(t in name(v) for t in args.only)]
+        records += measure(T, torch.device("cuda"), variants, args.gemms, args.moekit_call)
     lines = [f"# DeepSeek-V3 FP8 block-scaled expert GEMMs, load pipelines ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}. `benchmarks/fp8_pipeline.py`: one GEMM over aligned "
              "128-row blocks (each expert's routed rows padded to whole blocks), CUDA graphs; TFLOP/s on the routed "
