@@ -19,6 +19,7 @@ import argparse
 import itertools
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -118,9 +119,11 @@ def measure(T: int, device, variants=VARIANTS, gemms=("gemm1", "gemm2"), moekit_
     for gemm, (n, k) in (("gemm1", (2 * I, H)), ("gemm2", (H, I))):
         if gemm not in gemms:
             continue
+        t0 = time.perf_counter()
         c = gemm_case(E, block_expert.numel(), n, k, device)
         flops = 2 * routed * n * k
         rate = fp8_rate_tflops(flops, device)
+        print(f"{gemm}: case and FP8 rate ({rate:.0f} TFLOP/s) in {time.perf_counter() - t0:.1f} s", flush=True)
         for v in variants:
             rec = {"T": T, "gemm": gemm, "variant": name(v), **v, "fp8_rate_tflops": rate}
             try:
@@ -133,7 +136,8 @@ def measure(T: int, device, variants=VARIANTS, gemms=("gemm1", "gemm2"), moekit_
             except Exception as exc:  # noqa: BLE001 - a variant that does not build is a result too
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             records.append(rec)
-            print(row(rec), flush=True)
+            print(row(rec), f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            t0 = time.perf_counter()
         c = None  # (the next GEMM's weights need the room)
         torch.cuda.empty_cache()
     if not moekit_call:
