@@ -1,4 +1,4 @@
-"""The decode-once prefill prototype's kernel (benchmarks/_dequant_kernels.py): each weight the float32 dequantization
+"""The decode-once prefill prototype's kernel (benchmarks/experiments): each weight the float32 dequantization
 of moekit.formats, rounded once to the output dtype, in both byte layouts, through Triton's interpreter; rows and K
 ending mid-tile."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))
 
 import dequant_prefill as dp  # noqa: E402
 

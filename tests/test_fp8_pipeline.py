@@ -1,4 +1,4 @@
-"""The FP8 pipeline microbenchmark's kernel (benchmarks/_fp8_pipeline_kernels.py) against float64, through Triton's
+"""The FP8 pipeline microbenchmark's kernel (benchmarks/experiments) against float64, through Triton's
 interpreter at tiny sizes: pointer loads and TMA descriptors (warp specialization changes only the schedule)."""
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))
 
 import fp8_pipeline as fp  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The grouped Gluon MXFP4 experts prototype (benchmarks/gluon_moe.py, benchmarks/_gluon_moe_kernels.py).
+"""The grouped Gluon MXFP4 experts prototype (gluon_moe.py and _gluon_moe_kernels.py in benchmarks/experiments).
 
 CPU: the load-time stacks' exact round trips, the whole pipeline emulated (moekit's align and combine under the
 interpreter, each GEMM block by block on the decode warps' emulated weights) against float64, and that every candidate
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
 
 import gluon_moe as gm  # noqa: E402
 import gluon_w4 as gw  # noqa: E402

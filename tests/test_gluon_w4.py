@@ -1,4 +1,4 @@
-"""The Gluon producer/consumer MXFP4 GEMM prototype (benchmarks/gluon_w4.py, benchmarks/_gluon_w4_kernels.py).
+"""The Gluon producer/consumer MXFP4 GEMM prototype (gluon_w4.py and _gluon_w4_kernels.py in benchmarks/experiments).
 
 Gluon has no CPU interpreter, so the CPU tests check what can be checked without a GPU: the decode warps' bit
 arithmetic (emulated with the same integer operations) against moekit.formats.mxfp4.dequantize for every code
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
 
 import gluon_w4 as gw  # noqa: E402
 
@@ -123,13 +123,13 @@ def _gluon_build_unavailable() -> str | None:
 
 
 def compile_only_builds(script: str, builds: int) -> None:
-    """``benchmarks/<script> --compile-only`` (a subprocess: the fake sm_90 driver) built ``builds`` kernels, none
-    failed or spilled."""
+    """``benchmarks/experiments/<script> --compile-only`` (a process: the fake sm_90 driver) built ``builds`` kernels,
+    none failed or spilled."""
     why = _gluon_build_unavailable()
     if why:
         pytest.skip(why)
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--compile-only"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "experiments" / script), "--compile-only"],
                           capture_output=True, text=True, timeout=240, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ok", "FAIL", "SPILL"))]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

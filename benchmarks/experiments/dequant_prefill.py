@@ -2,7 +2,7 @@
 
 moekit's 4-bit tensor-core GEMMs decode every weight tile inside the MMA warps, once per row block; at prefill
 sizes they take 1.3-1.7x bf16's time for a quarter of its weight bytes. The alternative measured here decodes the
-whole stack once per call into a bf16 scratch stack (a streaming kernel, benchmarks/_dequant_kernels.py) and runs
+whole stack once per call into a bf16 scratch stack (a streaming kernel, _dequant_kernels.py) and runs
 moekit's bf16 experts on it. It pays the scratch's bytes (4-bit read, bf16 written, bf16 read again by the GEMMs)
 to take the decode off the MMA warps, so it can win only where 4-bit time - bf16 time > the decode's time, i.e. at
 large T. Per preset and T, in CUDA graphs, the same weights and routes:
@@ -15,7 +15,7 @@ large T. Per preset and T, in CUDA graphs, the same weights and routes:
 plus the decode's GB/s (4-bit bytes read + bf16 bytes written) and the alternative's output against the 4-bit
 path's (relative Frobenius difference). Writes <out>/dequant_prefill.{json,md}.
 
-    python benchmarks/dequant_prefill.py --presets qwen3-30b-a3b gpt-oss-120b --tokens 4096 16384
+    python benchmarks/experiments/dequant_prefill.py --presets qwen3-30b-a3b gpt-oss-120b --tokens 4096 16384
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def measure(name: str, T: int) -> dict:
 
 def markdown(env: dict, records: list[dict]) -> str:
     lines = [f"# 4-bit prefill: decode once into bf16, then the bf16 GEMMs ({env['gpu']}, {env['date']})", "",
-             f"torch {env['torch']}, triton {env['triton']}. `benchmarks/dequant_prefill.py`: whole fused_experts "
+             f"torch {env['torch']}, triton {env['triton']}. `benchmarks/experiments/dequant_prefill.py`: "
+             "whole fused_experts "
              "calls in CUDA graphs; decode = both stacks into bf16 scratch (4-bit bytes read + bf16 bytes written); "
              "rel diff: the alternative's output against the 4-bit path's.", "",
              "| preset / format | T | 4-bit us | decode us | decode GB/s | bf16 us | decode + bf16 us | / 4-bit | "

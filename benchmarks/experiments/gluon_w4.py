@@ -2,7 +2,7 @@
 
 C[M, N] = A[M, K] bf16 @ dequant(W[N, K] MXFP4)^T, fp32 accumulation, bf16 out: one expert's GEMM, as a block of
 M tokens routed to it would run (gpt-oss-120b at T = 4096, top-4 of 128 experts: about 128 rows per expert). The
-kernel (benchmarks/_gluon_w4_kernels.py) has a TMA loader warp, decode warps that write bf16 weight tiles into a
+kernel (_gluon_w4_kernels.py) has a TMA loader warp, decode warps that write bf16 weight tiles into a
 shared-memory ring, and one or two MMA warpgroups running wgmma on them.
 
 On a GPU this script, for gpt-oss-120b's w13 (N = 5760, K = 2880) and w2 (N = 2880, K = 2880) at M = 128, 512,
@@ -19,8 +19,8 @@ On a GPU this script, for gpt-oss-120b's w13 (N = 5760, K = 2880) and w2 (N = 28
 The whole run stays under 3 minutes (--budget-s stops starting new timings). Run it under `timeout`: a barrier
 phase bug would hang the GPU rather than fail, and this kernel has not yet run on one.
 
-    python benchmarks/gluon_w4.py                       # GPU: check + time
-    python benchmarks/gluon_w4.py --compile-only        # CPU: build the configs for sm_90 (fake driver), print
+    python benchmarks/experiments/gluon_w4.py                       # GPU: check + time
+    python benchmarks/experiments/gluon_w4.py --compile-only   # CPU: build the configs for sm_90 (fake driver), print
                                                         # registers, spills, shared memory; exit 1 on a failure
                                                         # or a spill
 """
@@ -42,7 +42,7 @@ if "--compile-only" in sys.argv:  # real JIT functions, not the interpreter (rea
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parents[1] / "src"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -544,7 +544,8 @@ class Run:
         failed = [r for r in self.records if r["kind"] == "gluon" and not r.get("ok")]
         lines = [f"# Gluon producer/consumer MXFP4 GEMM, gpt-oss-120b shapes ({env['gpu']}, {env['date']} "
                  f"{env['time_utc']} UTC)", "",
-                 f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. `benchmarks/gluon_w4.py`: "
+                 f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. "
+                 f"`benchmarks/experiments/gluon_w4.py`: "
                  "C[M, N] = A[M, K] bf16 @ dequant(W[N, K] MXFP4)^T, w13 N=5760 K=2880, w2 N=2880 K=2880, "
                  f"scale bytes in [{SCALE_BYTES[0]}, {SCALE_BYTES[1]}). CUDA-graph timing (graph_time_us). Every Gluon "
                  f"config checked against float64 (max rel error <= {MAX_REL:g}, output poisoned with NaN) before "

@@ -16,7 +16,7 @@ timing (moekit._invariant.token_mismatch); CUDA-graph time against the default m
 (the Triton kernel), T = 1..16384. A variant bitwise invariant on every preset and T, and near the default's time,
 would be the mode's router GEMM at many tokens (T=1 included: one order at every T).
 
-    python benchmarks/ab_invariant_router_cublas.py --out benchmarks/results/archive
+    python benchmarks/experiments/ab_invariant_router_cublas.py --out benchmarks/results/archive
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Gluon kernel of benchmarks/gluon_moe.py: the grouped form of benchmarks/_gluon_w4_kernels.py's producer/consumer
+"""Gluon kernel of gluon_moe.py: the grouped form of _gluon_w4_kernels.py's producer/consumer
 MXFP4 GEMM, one launch per GEMM of an MoE layer (issue 28, part 3).
 
 Each CTA owns one BLOCK_M row block of moekit's aligned routing (``experts.triton_backend.align``: pairs sorted by

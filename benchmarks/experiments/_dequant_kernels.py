@@ -1,4 +1,4 @@
-"""The kernel of benchmarks/dequant_prefill.py: a 4-bit expert stack decoded once into bf16 rows (a scratch stack the
+"""The kernel of dequant_prefill.py: a 4-bit expert stack decoded once into bf16 rows (a scratch stack the
 bf16 GEMMs then read), with moekit's own tile decode (experts/kernels/moe_gemm.py _w4_tile) in fp32, so that each
 weight is the float32 dequantization of formats.dequantize rounded once to the output dtype."""
 

@@ -1,4 +1,4 @@
-"""The kernels of benchmarks/fp8_pipeline.py: DeepSeek-V3's FP8 block-scaled grouped GEMM (E4M3 activations with one
+"""The kernels of fp8_pipeline.py: DeepSeek-V3's FP8 block-scaled grouped GEMM (E4M3 activations with one
 fp32 scale per row and 128-deep group, E4M3 weights with one per 128x128 block) over aligned row blocks, each
 block one expert's rows. Every 128-deep K step is one tensor-core product whose fp32 result is promoted into the
 accumulator with its two scales, as moekit's W8A8 GEMMs do; the variants differ only in how the loads are issued

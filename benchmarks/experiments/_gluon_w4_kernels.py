@@ -1,4 +1,4 @@
-"""Gluon kernel of benchmarks/gluon_w4.py: C[M, N] = A[M, K] (bf16) @ dequant(W[N, K] MXFP4)^T on Hopper (sm_90),
+"""Gluon kernel of gluon_w4.py: C[M, N] = A[M, K] (bf16) @ dequant(W[N, K] MXFP4)^T on Hopper (sm_90),
 fp32 accumulation, bf16 out, with the 4-bit decode in warps of its own (issue 28, part 3).
 
 Why a producer/consumer shape: moekit's Triton 4-bit GEMMs decode each weight tile inside the MMA warps, so the

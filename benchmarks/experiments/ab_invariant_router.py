@@ -15,7 +15,7 @@ whether each gives a probe token the same bits alone and in batches of 2..1000 a
 (moekit._invariant.token_mismatch), and each one's CUDA-graph time against the default mode's. A variant that is
 bitwise invariant and faster is what fused_applies should serve under the mode.
 
-    python benchmarks/ab_invariant_router.py --out benchmarks/results/archive
+    python benchmarks/experiments/ab_invariant_router.py --out benchmarks/results/archive
 """
 
 from __future__ import annotations

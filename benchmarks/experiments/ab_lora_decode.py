@@ -10,7 +10,7 @@ each with the same epilogue: the wait for the shrink, W2's partial store, the ar
 tuned base. Prints a markdown table; --out also writes it (markdown and JSON), with the per-kernel device time of
 the fused call at T=1.
 
-    python benchmarks/ab_lora_decode.py --gemv1-block-n 32 64 --out benchmarks/results/archive
+    python benchmarks/experiments/ab_lora_decode.py --gemv1-block-n 32 64 --out benchmarks/results/archive
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from moekit.tools.bench.lora import lora_ids, random_lora
 from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, kernel_times_us, write_results
 
 TABLE_KEY = "NVIDIA H200|triton-3.6.0|bfloat16"
-TABLE = Path(__file__).resolve().parents[1] / "src/moekit/experts/tuned_configs.json"
+TABLE = Path(__file__).resolve().parents[2] / "src/moekit/experts/tuned_configs.json"
 
 
 def strided(lora: ExpertsLoRA) -> ExpertsLoRA:

@@ -10,7 +10,7 @@ a table runs: bf16 decode on the per-pair GEMMs, T = 16 and 64 aligned). "no pla
 outputs of both must be the same bits. The torch bf16 router chain, timed the same way, is the host's yardstick
 (hosts differ by up to 2x from one start to the next).
 
-    python benchmarks/ab_call_plans.py --out benchmarks/results/archive
+    python benchmarks/experiments/ab_call_plans.py --out benchmarks/results/archive
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from moekit.formats import quantize_experts
 from moekit.tools.bench.eager import eager_loop_us
 from moekit.tools.bench.timing import archive_stem, environment, write_results
 
-TABLE = Path(__file__).resolve().parents[1] / "src/moekit/experts/tuned_configs.json"
+TABLE = Path(__file__).resolve().parents[2] / "src/moekit/experts/tuned_configs.json"
 # (preset, weight format, configs, token counts)
 CASES = [("qwen3-30b-a3b", None, "h200", (1, 4)), ("qwen3-30b-a3b", "nvfp4", "h200", (1, 4)),
          ("gpt-oss-120b", None, "h200", (1, 4)), ("gpt-oss-120b", "mxfp4", "h200", (1, 4)),
@@ -120,7 +120,8 @@ def main() -> None:
             print(r, flush=True)
     md = "\n".join([
         f"# Eager expert calls with and without their plans ({env['gpu']}, {env['date']})", "",
-        f"torch {env['torch']}, triton {env['triton']}. `benchmarks/ab_call_plans.py`: fused_experts on the H200 "
+        f"torch {env['torch']}, triton {env['triton']}. `benchmarks/experiments/ab_call_plans.py`: "
+        "fused_experts on the H200 "
         "table's decode configs forced, or moekit's heuristic ones; batched_experts on the configs it chooses (T: rows "
         "per expert); host us per call (300-call loops to the last return; medians of 5 rounds in turns); the torch "
         "bf16 router chain as the host's yardstick.", "",

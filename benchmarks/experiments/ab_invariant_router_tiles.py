@@ -7,7 +7,7 @@ the shipped choice and the default mode, in CUDA graphs; checks each variant's l
 for bit on the same inputs (T in --tokens), and a probe token's bits alone and in batches of 1..1000
 (moekit._invariant.token_mismatch). fused_router is timed with the shipped choice (it runs router_gemm's tiles).
 
-    python benchmarks/ab_invariant_router_tiles.py --out benchmarks/results/archive
+    python benchmarks/experiments/ab_invariant_router_tiles.py --out benchmarks/results/archive
 """
 
 from __future__ import annotations

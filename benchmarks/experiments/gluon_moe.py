@@ -1,4 +1,4 @@
-"""The Gluon producer/consumer MXFP4 GEMM (benchmarks/gluon_w4.py) in its grouped form: a whole MoE experts call
+"""The Gluon producer/consumer MXFP4 GEMM (gluon_w4.py) in its grouped form: a whole MoE experts call
 (issue 28, part 3; GPU).
 
     align (moekit's)  ->  x gathered into row-block order  ->  GEMM1 (Gluon: decode warps, bias, activation)
@@ -9,7 +9,7 @@ classes (:class:`RowClasses`): blocks of 256 rows, each covered by the tiles of 
 256), one launch per tile and GEMM, so that a block computes about the rows it holds and decodes its expert's weights
 once or twice. The gather (a Triton kernel) writes only the rows that hold a pair.
 
-The kernels are benchmarks/_gluon_moe_kernels.py. The weights are prepared once, at load time (:func:`prepare_stack`):
+The kernels are _gluon_moe_kernels.py. The weights are prepared once, at load time (:func:`prepare_stack`):
 codes as int32 words in the decode's order, scales transposed to [K/32, E * N], w13's [gate; up] halves
 interleaved for silu_and_mul (gpt-oss's swiglu_oai stacks already are), so that GEMM1's epilogue finds each
 (gate, up) pair in one thread's registers.
@@ -25,8 +25,8 @@ On a GPU this script:
   3. prints a table last and writes <out>/gluon_moe_<date>.json and .md (out: --out, else $OUT, else
      benchmarks/results/archive).
 
-    python benchmarks/gluon_moe.py                  # GPU: check + time (run under `timeout`)
-    python benchmarks/gluon_moe.py --compile-only   # CPU: build both GEMMs' configs for sm_90, print registers,
+    python benchmarks/experiments/gluon_moe.py                  # GPU: check + time (run under `timeout`)
+    python benchmarks/experiments/gluon_moe.py --compile-only  # CPU: build both GEMMs' configs for sm_90, print regs,
                                                     # spills, shared memory; exit 1 on a failure or a spill
 """
 
@@ -46,7 +46,7 @@ if "--compile-only" in sys.argv:  # real JIT functions, not the interpreter (rea
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parents[1] / "src"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -542,7 +542,8 @@ def profile(configs: list[Config], tokens, dev, gen, log) -> list[dict]:
 
 def markdown(env: dict, records: list[dict]) -> str:
     lines = [f"# Gluon grouped MXFP4 experts, gpt-oss-120b shapes ({env['gpu']}, {env['date']})", "",
-             f"torch {env['torch']}, triton {env['triton']}. `benchmarks/gluon_moe.py`: whole experts calls "
+             f"torch {env['torch']}, triton {env['triton']}. `benchmarks/experiments/gluon_moe.py`: "
+             "whole experts calls "
              f"(align, gather, two Gluon GEMMs, combine) against moekit.fused_experts on the same MXFP4 weights and on "
              f"bf16 weights, CUDA-graph replay, E={EXPERTS}, top-{TOP_K}, swiglu_oai with biases. Every Gluon config "
              f"checked first against float64 at E={CHECK_EXPERTS} (T={list(CHECK_TOKENS)}, both activations).", "",

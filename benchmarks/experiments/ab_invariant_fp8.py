@@ -13,7 +13,7 @@ mode's configurations as shipped and with parts of them pinned to one value at e
 
 The first variant that is invariant names the dimension to pin in configs._invariant_choose.
 
-    python benchmarks/ab_invariant_fp8.py --presets qwen3-235b-a22b --out benchmarks/results/archive
+    python benchmarks/experiments/ab_invariant_fp8.py --presets qwen3-235b-a22b --out benchmarks/results/archive
 """
 
 from __future__ import annotations

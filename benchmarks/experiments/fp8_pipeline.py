@@ -2,15 +2,15 @@
 
 moekit's W8A8 GEMMs run at about 2x their FLOP floor at T=4096 (benchmarks/LIMITS.md): each 128-deep K step is one
 FP8 tensor-core product promoted into the fp32 accumulator with its scales, in the same warps that issue the
-loads. This microbenchmark runs that loop (benchmarks/_fp8_pipeline_kernels.py) over aligned 128-row blocks of
+loads. This microbenchmark runs that loop (_fp8_pipeline_kernels.py) over aligned 128-row blocks of
 DeepSeek-V3's routed rows, GEMM1 ([rows, 7168] x [4096, 7168]^T) and GEMM2 ([rows, 2048] x [7168, 2048]^T), with
 pointer loads or TMA, with and without Triton's warp specialization, and prints each variant's time, TFLOP/s on
 the routed rows, and its fraction of the FP8 rate measured in the same run (torch._scaled_mm, one dense GEMM of
 the same FLOPs); moekit's whole fused_experts call at the same T beside them. Each variant's output is checked
 against float64 on a few row blocks before it is timed.
 
-    python benchmarks/fp8_pipeline.py --tokens 4096 --out $OUT
-    python benchmarks/fp8_pipeline.py --compile-only        (no GPU: builds every variant for sm_90)
+    python benchmarks/experiments/fp8_pipeline.py --tokens 4096 --out $OUT
+    python benchmarks/experiments/fp8_pipeline.py --compile-only        (no GPU: builds every variant for sm_90)
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def main(argv=None) -> None:
         variants = [v for v in VARIANTS if not args.only or any(t in name(v) for t in args.only)]
         records += measure(T, torch.device("cuda"), variants, args.gemms, args.moekit_call)
     lines = [f"# DeepSeek-V3 FP8 block-scaled expert GEMMs, load pipelines ({env['gpu']}, {env['date']})", "",
-             f"torch {env['torch']}, triton {env['triton']}. `benchmarks/fp8_pipeline.py`: one GEMM over aligned "
+             f"torch {env['torch']}, triton {env['triton']}. `benchmarks/experiments/fp8_pipeline.py`: "
+             "one GEMM over aligned "
              "128-row blocks (each expert's routed rows padded to whole blocks), CUDA graphs; TFLOP/s on the routed "
              "rows; of rate: against torch._scaled_mm's dense FP8 rate in the same run; err: largest relative "
              "error against float64 on three row blocks.", "",
