@@ -13,21 +13,10 @@ and scheduled:
 import triton
 import triton.language as tl
 
+# Row blocks in groups of GROUP_M, all column tiles of a group before the next: moekit's own program order
+from moekit.experts.kernels.moe_gemm import _tile_ids
+
 GROUP = 128  # the quantization group: 1x128 for activations, 128x128 for weights
-
-
-@triton.jit
-def _tile_ids(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, num_blocks, N, GROUP_M: tl.constexpr):
-    # Row blocks in groups of GROUP_M, all column tiles of a group before the next: the programs in flight share a
-    # few row blocks of activations (read once from HBM, then from L2 by every column tile)
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -38,7 +27,7 @@ def fp8_grouped_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, block_expert_ptr,
     """a [M, K] e4m3 (M = num_blocks * BLOCK_M, K contiguous), a_scale [M, K/128] fp32; w [E, N, K] e4m3,
     w_scale [E, N/128, K/128] fp32; block_expert [num_blocks] int32; out [M, N] bf16. BLOCK_N <= 128 divides 128,
     so that a tile has one weight scale per K step. N and K are multiples of 128 (DeepSeek-V3's are)."""
-    pid_m, pid_n = _tile_ids(BLOCK_M, BLOCK_N, num_blocks, N, GROUP_M)
+    pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
