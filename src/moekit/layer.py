@@ -16,6 +16,7 @@ from .formats import FOUR_BIT_FORMATS, format_of, fp4
 from .formats import prepare as prepare_weights
 from .presets import MoESpec
 from .routing import GateLinear, fused_router
+from .routing.router import keep_fp32_through
 
 
 # The tensors of each quantized type that become buffers (names as the types' fields).
@@ -165,11 +166,12 @@ class FusedMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.half()``, ``.cuda()`` and the like: quantized experts move between devices but keep their
-        dtypes (a cast would destroy FP8 codes and block scales); the rest of the module follows ``fn``."""
+        dtypes (a cast would destroy FP8 codes and block scales), as do the fp32 correction bias and the gate's bias;
+        the rest of the module follows ``fn``."""
         names = {f"{name}_{field}" for name in ("w13", "w2") for field in _QUANTIZED_PARTS.get(self.weight_format, ())}
         kept = {name: self._buffers.pop(name) for name in names if self._buffers.get(name) is not None}
         try:
-            super()._apply(fn, recurse)
+            keep_fp32_through(self, ("correction_bias",), lambda: super(FusedMoE, self)._apply(fn, recurse))
         finally:
             for name, buf in kept.items():
                 moved = fn(buf)

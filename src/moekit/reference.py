@@ -265,8 +265,9 @@ def _check_experts(x, ndim, w13, w2, topk_weights=None, topk_ids=None) -> None:
 def _combine(x, num_experts, hidden, topk_weights, topk_ids, expert_map, expert_fn) -> torch.Tensor:
     out = torch.zeros(x.shape[0], hidden, dtype=F64, device=x.device)
     ids = topk_ids.long()
-    if expert_map is not None:
-        ids = expert_map.long()[ids]
+    if expert_map is not None:  # ids outside the map (-1 included: no wrap-around) contribute nothing
+        inside = (ids >= 0) & (ids < expert_map.shape[0])
+        ids = torch.where(inside, expert_map.long()[ids.clamp(0, expert_map.shape[0] - 1)], -1)
     for e in range(num_experts):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:

@@ -274,7 +274,9 @@ def fused_experts(
         chosen, plan = decided
         if expert_map is not None:
             _check_map_values(expert_map, w13.shape[0], topk_ids)
-        out = _fresh_or_disjoint(out, x, w13, w2, topk_weights=topk_weights)
+            expert_map = expert_map.contiguous()  # (the kernels index it with unit stride)
+        out = _fresh_or_disjoint(out, x, w13, w2, **({} if out is None else _read_by_fused(
+            topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids)))
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
         if plan is not None and plan(out, x, w13, w2, topk_weights, topk_ids.contiguous(), w13_bias, w2_bias,
                                      expert_map):
@@ -290,8 +292,10 @@ def fused_experts(
         if expert_map is not None:
             check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), device=x.device)
             _check_map_values(expert_map, E, topk_ids)
+            expert_map = expert_map.contiguous()  # (the kernels index it with unit stride)
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
-        out = _options_and_out(x, w13, w2, act_quant, config, out, topk_weights=topk_weights)
+        out = _options_and_out(x, w13, w2, act_quant, config, out, **_read_by_fused(
+            topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids))
         chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None,
                                 w2=w2)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
@@ -323,6 +327,13 @@ def _check_map_values(expert_map: torch.Tensor, num_local: int, topk_ids: torch.
     check_expert_map_values(expert_map, num_local)
     if gate.active():
         check_ids_within_map(topk_ids, expert_map)
+
+
+def _read_by_fused(topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids) -> dict:
+    """The tensors a fused_experts call reads besides x and the weights: ``out`` must overlap none of them (a kernel
+    may write a block of out before another program reads what lay there)."""
+    return {"topk_weights": topk_weights, "topk_ids": topk_ids, "w13_bias": w13_bias, "w2_bias": w2_bias,
+            "expert_map": expert_map, "lora_ids": lora_ids}
 
 
 def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
@@ -382,7 +393,8 @@ def batched_experts(
     decided = _VALIDATED.get(key)
     if decided is not None:  # checked before (see fused_experts)
         chosen, plan = decided
-        out = _fresh_or_disjoint(out, x, w13, w2)
+        out = _fresh_or_disjoint(out, x, w13, w2, **({} if out is None else {
+            "expert_num_tokens": expert_num_tokens, "w13_bias": w13_bias, "w2_bias": w2_bias}))
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
         if plan is not None and plan(out, x, expert_num_tokens.contiguous(), w13, w2, w13_bias, w2_bias):
             return out
@@ -394,7 +406,8 @@ def batched_experts(
         check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
         check_shape("expert_num_tokens", expert_num_tokens, (E,))
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
-        out = _options_and_out(x, w13, w2, act_quant, config, out)
+        out = _options_and_out(x, w13, w2, act_quant, config, out, expert_num_tokens=expert_num_tokens,
+                               w13_bias=w13_bias, w2_bias=w2_bias, lora_ids=lora_ids)
         chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, w2=w2,
                                 lora=lora is not None)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)

@@ -87,9 +87,12 @@ def fused_torch(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w
     # replaces it with token-aligned grouped GEMMs.
     for e in range(E):
         mine = (local == e) & valid
-        y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant, mine.any(dim=1), lora, lora_ids)
+        routed = mine.any(dim=1)
+        y = _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant, routed, lora, lora_ids)
         coeff = (weights * mine).sum(dim=1)
-        acc += coeff[:, None] * y  # experts in a fixed order: deterministic
+        # rows not routed here are left out, not multiplied by zero: a NaN or Inf in their x or in this expert's
+        # weights must not reach them (0 * NaN is NaN). Experts in a fixed order: deterministic
+        acc += torch.where(routed[:, None], coeff[:, None] * y, 0.0)
     out.copy_(acc)
 
 

@@ -82,6 +82,12 @@ FP8_GROUP = moe_gemm.FP8_GROUP.value  # activation groups and weight blocks alon
 FOUR_BIT_MIN_BLOCK_K = expert_configs.FOUR_BIT_MIN_BLOCK_K
 
 
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its last dimension is strided: the kernels take a scale stack's strides
+    of its leading dimensions and step its last by one."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 @dataclass(frozen=True)
 class WeightOperand:
     """One expert stack as the kernels read it: (data, strides), (scales, strides, global scales), format."""
@@ -125,14 +131,15 @@ class WeightOperand:
             raise ValueError(f"FP8 activations run with FP8 or MXFP4 weights (W8A8, W4A8), got {fmt}")
         data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
         pairs = w.layout == "pairs"
-        if fmt == "mxfp4" and fp8_act:  # read as int32 words of 8 codes: rows and experts start on whole words
-            if not _on_words(data):
-                data = data.contiguous()
-            return cls(data, w.scales, data, fmt, tuple(w.shape), fp8_act=True, pairs=pairs)
         if fmt == "mxfp4":
-            return cls(data, w.scales, data, fmt, tuple(w.shape), pairs=pairs)
+            scales = _unit_last_stride(w.scales)
+            if fp8_act:  # read as int32 words of 8 codes: rows and experts start on whole words
+                if not _on_words(data):
+                    data = data.contiguous()
+                return cls(data, scales, data, fmt, tuple(w.shape), fp8_act=True, pairs=pairs)
+            return cls(data, scales, data, fmt, tuple(w.shape), pairs=pairs)
         # The kernels read linear [E, N, K/16] scale bytes (a swizzled stack is unswizzled once, by the tensor).
-        scales = w.linear_scales().view(torch.uint8)
+        scales = _unit_last_stride(w.linear_scales().view(torch.uint8))
         gs = w.global_scale.float().reshape(-1).expand(w.shape[0]).contiguous()
         return cls(data, scales, gs, fmt, tuple(w.shape), pairs=pairs)
 

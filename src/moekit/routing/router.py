@@ -366,6 +366,18 @@ def _(x, weight, bias, corr_bias, lora_a, lora_b, lora_scale, top_k, method, ren
     return empty_routes(x.shape[0], top_k, x.device)
 
 
+def keep_fp32_through(module: nn.Module, names: tuple[str, ...], apply) -> None:
+    """Run ``apply`` (the module's ``nn.Module._apply``: ``.to()``, ``.half()``, ``.cuda()``) with the fp32
+    parameters ``names`` kept in fp32: a cast of the module moves them to its device without rounding them (a
+    router bias of 0.1001 would become 0.10009765625 in bf16, and near-tied correction biases pick other experts)."""
+    saved = {n: p.data for n in names if (p := module._parameters.get(n)) is not None}
+    apply()
+    for n, before in saved.items():
+        p = module._parameters.get(n)
+        if p is not None and p.dtype != before.dtype:
+            p.data = before.to(p.device)
+
+
 class GateLinear(nn.Module):
     """The MoE router as a module: ``forward(x [..., H]) -> logits [..., E]`` in ``out_dtype``.
 
@@ -396,6 +408,11 @@ class GateLinear(nn.Module):
         nn.init.normal_(self.weight, std=self.hidden_size ** -0.5)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` and the like: the weight follows ``fn``, the fp32 bias only moves (:func:`keep_fp32_through`)."""
+        keep_fp32_through(self, ("bias",), lambda: super(GateLinear, self)._apply(fn, recurse))
+        return self
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
         """Attach (or with ``a=None`` remove) a LoRA adapter: logits += scale * (x a^T) b^T, with

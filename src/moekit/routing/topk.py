@@ -232,4 +232,6 @@ def _route_torch(logits, opts: RoutingOptions, correction_bias):
         logits, opts.top_k, opts.method, renormalize=opts.renormalize, correction_bias=correction_bias,
         num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling,
     )
-    return weights.to(torch.float32), ids.to(torch.int32)
+    # (contiguous as documented: on strided logits the reference's top-k keeps their layout)
+    return (weights.to(torch.float32, memory_format=torch.contiguous_format),
+            ids.to(torch.int32, memory_format=torch.contiguous_format))

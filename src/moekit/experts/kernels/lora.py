@@ -63,7 +63,8 @@ def _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_
                   V_PAIRED: tl.constexpr, ADAPTERS_PAD: tl.constexpr, STORE: tl.constexpr):
     """lora_blocks_kernel with every adapter at once: A's rows of all adapters side by side as one [K, adapters * r]
     operand, so the block's rows are read once (not once per adapter present) and the output tile is written once;
-    each row then keeps its own adapter's columns (the others are exact zeros in the expand's sums)."""
+    each row then keeps its own adapter's columns (the others are exact zeros in the expand's sums, and the columns of
+    adapters absent from the block are not read)."""
     C: tl.constexpr = ADAPTERS_PAD * R_PAD
     offs_c = tl.arange(0, C)
     c_ad = offs_c // R_PAD
@@ -85,12 +86,15 @@ def _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_
     own = live[:, None] & (adapter[:, None] == c_ad[None, :]) & c_ok[None, :]
     scale = tl.load(scaling_ptr + c_ad, mask=c_ad < num_adapters, other=0.0)
     s = tl.where(own, s * scale[None, :], 0.0).to(b_ptr.dtype.element_ty)
+    # B's columns of adapters no row here uses stay unread (zeros): their zero coefficients would not cancel a NaN or
+    # Inf there (an adapter slot allocated but never written), and 0 * NaN poisons every row of the product
+    present = tl.max(own.to(tl.int32), axis=0) > 0
     b_cols_base = b_ptr + c_ad.to(tl.int64) * stride_ba + e64 * stride_be + c_r * stride_br
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        w = tl.load(b_cols_base[:, None] + offs_n[None, :] * stride_bn, mask=c_ok[:, None] & n_ok[None, :],
-                    other=0.0)
+        w = tl.load(b_cols_base[:, None] + offs_n[None, :] * stride_bn,
+                    mask=(c_ok & present)[:, None] & n_ok[None, :], other=0.0)
         d = tl.dot(s, w, input_precision=DOT_PRECISION)
         ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
         if STORE:  # every valid row: zeros without an adapter

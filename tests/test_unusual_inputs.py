@@ -1,0 +1,174 @@
+"""Legal inputs laid out or filled in ways the common path does not see, each once a silent wrong result: strided
+expert maps and scale stacks, out= sharing memory with what the kernels read, NaN where no token should see it,
+casts of a layer that must keep its fp32 biases, and the reference's own reading of ids outside an expert map. CPU:
+the torch backend and the Triton kernels through the interpreter (fp16/fp32), against float64."""
+
+import pytest
+import torch
+
+import moekit
+from moekit import FusedMoE, presets, reference
+from moekit.experts import ExpertsLoRA, batched_experts, fused_experts
+from moekit.experts.configs import ExpertsConfig, GemmConfig
+from moekit.formats import quantize_experts
+from moekit.metrics import Tolerance, check_close
+
+_G = GemmConfig(block_n=16, block_k=16, num_warps=4, num_stages=1)
+MODES = [
+    (ExpertsConfig(16, _G, _G), "aligned row blocks"),
+    (ExpertsConfig(16, _G, _G, mode="per_pair"), "tensor-core GEMMs per pair"),
+    (ExpertsConfig(16, _G, _G, mode="gemv"), "CUDA-core GEMVs"),
+]
+BACKENDS = [("torch", None, "torch backend")] + [("triton", cfg, why) for cfg, why in MODES]
+FP16 = Tolerance(2e-2, 5e-3)
+
+
+def _stacks(E, H, I, dtype=torch.float16):
+    return ((torch.randn(E, 2 * I, H) * H ** -0.5).to(dtype), (torch.randn(E, H, I) * I ** -0.5).to(dtype))
+
+
+def _routes(T, E, k):
+    return torch.softmax(torch.randn(T, k), -1), torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    if not moekit._triton.can_launch(torch.device("cpu")):
+        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on the CPU")
+
+
+@pytest.mark.parametrize("backend,config,why", BACKENDS, ids=[b[2] for b in BACKENDS])
+def test_a_strided_expert_map_is_read_by_its_values(backend, config, why):
+    if backend == "triton" and not moekit._triton.can_launch(torch.device("cpu")):
+        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on the CPU")
+    E, H, I, T, k = 5, 40, 24, 13, 3
+    w13, w2 = _stacks(E, H, I)
+    x = torch.randn(T, H).half()
+    tw, tid = _routes(T, 8, k)  # 8 global experts, 5 here
+    storage = torch.zeros(16, dtype=torch.int32)
+    storage[::2] = torch.tensor([-1, 0, 1, -1, 2, 3, 4, -1], dtype=torch.int32)
+    emap = storage[::2]  # every other element: stride 2
+    got = fused_experts(x, w13, w2, tw, tid, expert_map=emap, backend=backend, config=config)
+    check_close(why, got, reference.fused_experts(x, w13, w2, tw, tid, expert_map=emap.contiguous()), FP16)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("config,why", MODES[::2], ids=["aligned", "gemv"])
+def test_4bit_scales_strided_in_their_last_dimension(interpreted, fmt, config, why):
+    E, H, I, T, k = 4, 64, 32, 6, 2
+    w13, w2 = _stacks(E, H, I, torch.float32)
+    q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+
+    def column_major(q):  # the same scale values, the groups of a row E x N apart
+        s = q.scales.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return type(q)(**{**{f: getattr(q, f) for f in q.__dataclass_fields__}, "scales": s})
+
+    s13, s2 = column_major(q13), column_major(q2)
+    assert s13.scales.stride(-1) != 1
+    x = torch.randn(T, H).half()
+    tw, tid = _routes(T, E, k)
+    got = fused_experts(x, s13, s2, tw, tid, backend="triton", config=config)
+    check_close(why, got, reference.fused_experts(x, q13, q2, tw, tid), FP16)
+
+
+@pytest.mark.parametrize("shared", ["w2_bias", "w13_bias", "expert_map", "topk_ids"])
+def test_out_may_not_share_memory_with_what_the_kernels_read(shared):
+    E, H, I, T, k = 5, 32, 16, 5, 2
+    w13, w2 = _stacks(E, H, I, torch.float32)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    out = torch.zeros(T, H)
+    kwargs = {"w13_bias": torch.randn(E, 2 * I), "w2_bias": torch.randn(E, H)}
+    if shared == "w2_bias":
+        kwargs["w2_bias"] = out  # [E=T, H]: the same shape as out
+    elif shared == "w13_bias":
+        kwargs["w13_bias"] = out.view(-1)[:E * 2 * I].view(E, 2 * I)
+    elif shared == "expert_map":
+        kwargs["expert_map"] = out.view(torch.int32)[0, :E]
+        kwargs["expert_map"].copy_(torch.arange(E, dtype=torch.int32))
+    else:
+        tid = out.view(torch.int32)[:, :k]
+        tid.copy_(_routes(T, E, k)[1])
+    with pytest.raises(ValueError, match=f"out must not overlap the memory of {shared}"):
+        fused_experts(x, w13, w2, tw, tid, out=out, **kwargs)
+
+
+def test_batched_out_may_not_share_memory_with_its_bias():
+    E, M, H, I = 4, 3, 32, 16
+    w13, w2 = _stacks(E, H, I, torch.float32)
+    out = torch.zeros(E, M, H)
+    with pytest.raises(ValueError, match="out must not overlap the memory of w2_bias"):
+        batched_experts(torch.randn(E, M, H), torch.tensor([3, 0, 2, 1], dtype=torch.int32), w13, w2,
+                        w2_bias=out[:, 0], out=out)
+
+
+@pytest.mark.parametrize("where", ["an unrouted row of x", "an expert no token uses"])
+def test_nan_reaches_no_token_that_does_not_use_it(where):
+    E, H, I, T, k = 5, 32, 16, 6, 2
+    w13, w2 = _stacks(E, H, I, torch.float32)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E - 1, k)  # expert E - 1 gets no token
+    if where == "an unrouted row of x":
+        x[0] = float("nan")
+        tid[0] = -1
+    else:
+        w13[E - 1] = float("nan")
+    ref = reference.fused_experts(x, w13, w2, tw, tid)
+    for backend in ["torch"] + (["triton"] if moekit._triton.can_launch(torch.device("cpu")) else []):
+        got = fused_experts(x, w13, w2, tw, tid, backend=backend)
+        assert torch.isfinite(got).all(), backend
+        check_close(f"{backend}: NaN in {where}", got, ref, Tolerance(1e-4, 1e-5))
+
+
+@pytest.mark.parametrize("part", ["w13_b", "w2_b"])
+def test_an_adapter_no_token_uses_may_hold_nan(interpreted, part):
+    """Serving code allocates adapter slots before it fills them: an unwritten slot must not reach any token."""
+    E, H, I, T, k, r = 4, 32, 16, 9, 2, 4
+    w13, w2 = _stacks(E, H, I)
+    parts = {"w13_a": torch.randn(3, E, r, H), "w13_b": torch.randn(3, E, 2 * I, r) * 0.1,
+             "w2_a": torch.randn(3, E, r, I), "w2_b": torch.randn(3, E, H, r) * 0.1}
+    parts = {n: v.half() for n, v in parts.items()}
+    clean = ExpertsLoRA(parts["w13_a"], parts["w13_b"], parts["w2_a"], parts["w2_b"], [2.0, 0.5, -1.0])
+    parts[part] = parts[part].clone()
+    parts[part][2] = float("nan")  # adapter 2: used by no token
+    slot_nan = ExpertsLoRA(parts["w13_a"], parts["w13_b"], parts["w2_a"], parts["w2_b"], [2.0, 0.5, -1.0])
+    x = torch.randn(T, H).half()
+    tw, tid = _routes(T, E, k)
+    lora_ids = torch.tensor([0, 1, 0, -1, 0, 1, 1, -1, 0], dtype=torch.int32)
+    for config, why in MODES:
+        want = fused_experts(x, w13, w2, tw, tid, lora=clean, lora_ids=lora_ids, backend="triton", config=config)
+        got = fused_experts(x, w13, w2, tw, tid, lora=slot_nan, lora_ids=lora_ids, backend="triton", config=config)
+        assert torch.equal(got, want), why
+
+
+def test_casting_a_layer_keeps_its_fp32_biases():
+    spec = presets.get("deepseek-v3").scaled()
+    layer = FusedMoE(spec, dtype=torch.float32)
+    gate = moekit.GateLinear(16, 4, bias=True)
+    with torch.no_grad():
+        gate.bias.fill_(0.1001)  # not a bf16 value
+    corr, bias, param = layer.correction_bias.detach().clone(), gate.bias.detach().clone(), gate.bias
+    layer.to(torch.bfloat16)
+    gate.half()
+    assert layer.gate.weight.dtype == torch.bfloat16 and gate.weight.dtype == torch.float16
+    assert layer.correction_bias.dtype == torch.float32 and torch.equal(layer.correction_bias, corr)
+    assert gate.bias.dtype == torch.float32 and torch.equal(gate.bias, bias) and gate.bias is param
+
+
+def test_the_reference_reads_ids_outside_the_map_as_no_expert():
+    E, H, I = 4, 16, 8
+    w13, w2 = _stacks(E, H, I, torch.float64)
+    x = torch.randn(3, H, dtype=torch.float64)
+    tw = torch.ones(3, 1)
+    tid = torch.tensor([[-1], [4], [2]], dtype=torch.int32)  # before the map, past it, inside it
+    got = reference.fused_experts(x, w13, w2, tw, tid, expert_map=torch.arange(E, dtype=torch.int32))
+    assert torch.equal(got[:2], torch.zeros(2, H, dtype=torch.float64))
+    assert torch.equal(got[2], reference.fused_experts(x[2:], w13, w2, tw[2:], tid[2:])[0])
+
+
+def test_torch_routing_returns_contiguous_routes_for_strided_logits():
+    logits = torch.randn(16, 7).t()[:, 3:11]  # [7, 8], strides (1, 7)
+    weights, ids = moekit.route(logits, 2, "softmax_topk", impl="torch")
+    assert weights.is_contiguous() and ids.is_contiguous()
+    ref_w, ref_ids = reference.route(logits.double(), 2, "softmax_topk")
+    assert torch.equal(ids.long(), ref_ids)
