@@ -21,42 +21,50 @@ MODES = [
 ]
 BACKENDS = [("torch", None, "torch backend")] + [("triton", cfg, why) for cfg, why in MODES]
 FP16 = Tolerance(2e-2, 5e-3)
+# the kernels' cases on the CPU (through the interpreter) and on a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _stacks(E, H, I, dtype=torch.float16):
-    return ((torch.randn(E, 2 * I, H) * H ** -0.5).to(dtype), (torch.randn(E, H, I) * I ** -0.5).to(dtype))
+def _stacks(E, H, I, dtype=torch.float16, device="cpu"):
+    return ((torch.randn(E, 2 * I, H, device=device) * H ** -0.5).to(dtype),
+            (torch.randn(E, H, I, device=device) * I ** -0.5).to(dtype))
 
 
-def _routes(T, E, k):
-    return torch.softmax(torch.randn(T, k), -1), torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+def _routes(T, E, k, device="cpu"):
+    return (torch.softmax(torch.randn(T, k, device=device), -1),
+            torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int().to(device))
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    if not moekit._triton.can_launch(torch.device("cpu")):
-        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on the CPU")
+def _launchable(device):
+    if not moekit._triton.can_launch(torch.device(device)):
+        pytest.skip("the Triton kernels need a GPU, or TRITON_INTERPRET=1 on the CPU")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend,config,why", BACKENDS, ids=[b[2] for b in BACKENDS])
-def test_a_strided_expert_map_is_read_by_its_values(backend, config, why):
-    if backend == "triton" and not moekit._triton.can_launch(torch.device("cpu")):
-        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on the CPU")
+def test_a_strided_expert_map_is_read_by_its_values(backend, config, why, device):
+    if backend == "triton":
+        _launchable(device)
+    elif device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
     E, H, I, T, k = 5, 40, 24, 13, 3
-    w13, w2 = _stacks(E, H, I)
-    x = torch.randn(T, H).half()
-    tw, tid = _routes(T, 8, k)  # 8 global experts, 5 here
-    storage = torch.zeros(16, dtype=torch.int32)
-    storage[::2] = torch.tensor([-1, 0, 1, -1, 2, 3, 4, -1], dtype=torch.int32)
+    w13, w2 = _stacks(E, H, I, device=device)
+    x = torch.randn(T, H, device=device).half()
+    tw, tid = _routes(T, 8, k, device)  # 8 global experts, 5 here
+    storage = torch.zeros(16, dtype=torch.int32, device=device)
+    storage[::2] = torch.tensor([-1, 0, 1, -1, 2, 3, 4, -1], dtype=torch.int32, device=device)
     emap = storage[::2]  # every other element: stride 2
     got = fused_experts(x, w13, w2, tw, tid, expert_map=emap, backend=backend, config=config)
     check_close(why, got, reference.fused_experts(x, w13, w2, tw, tid, expert_map=emap.contiguous()), FP16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("config,why", MODES[::2], ids=["aligned", "gemv"])
-def test_4bit_scales_strided_in_their_last_dimension(interpreted, fmt, config, why):
+def test_4bit_scales_strided_in_their_last_dimension(fmt, config, why, device):
+    _launchable(device)
     E, H, I, T, k = 4, 64, 32, 6, 2
-    w13, w2 = _stacks(E, H, I, torch.float32)
+    w13, w2 = _stacks(E, H, I, torch.float32, device)
     q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
 
     def column_major(q):  # the same scale values, the groups of a row E x N apart
@@ -65,8 +73,8 @@ def test_4bit_scales_strided_in_their_last_dimension(interpreted, fmt, config, w
 
     s13, s2 = column_major(q13), column_major(q2)
     assert s13.scales.stride(-1) != 1
-    x = torch.randn(T, H).half()
-    tw, tid = _routes(T, E, k)
+    x = torch.randn(T, H, device=device).half()
+    tw, tid = _routes(T, E, k, device)
     got = fused_experts(x, s13, s2, tw, tid, backend="triton", config=config)
     check_close(why, got, reference.fused_experts(x, q13, q2, tw, tid), FP16)
 
@@ -120,21 +128,23 @@ def test_nan_reaches_no_token_that_does_not_use_it(where):
         check_close(f"{backend}: NaN in {where}", got, ref, Tolerance(1e-4, 1e-5))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("part", ["w13_b", "w2_b"])
-def test_an_adapter_no_token_uses_may_hold_nan(interpreted, part):
+def test_an_adapter_no_token_uses_may_hold_nan(part, device):
     """Serving code allocates adapter slots before it fills them: an unwritten slot must not reach any token."""
+    _launchable(device)
     E, H, I, T, k, r = 4, 32, 16, 9, 2, 4
-    w13, w2 = _stacks(E, H, I)
+    w13, w2 = _stacks(E, H, I, device=device)
     parts = {"w13_a": torch.randn(3, E, r, H), "w13_b": torch.randn(3, E, 2 * I, r) * 0.1,
              "w2_a": torch.randn(3, E, r, I), "w2_b": torch.randn(3, E, H, r) * 0.1}
-    parts = {n: v.half() for n, v in parts.items()}
+    parts = {n: v.half().to(device) for n, v in parts.items()}
     clean = ExpertsLoRA(parts["w13_a"], parts["w13_b"], parts["w2_a"], parts["w2_b"], [2.0, 0.5, -1.0])
     parts[part] = parts[part].clone()
     parts[part][2] = float("nan")  # adapter 2: used by no token
     slot_nan = ExpertsLoRA(parts["w13_a"], parts["w13_b"], parts["w2_a"], parts["w2_b"], [2.0, 0.5, -1.0])
-    x = torch.randn(T, H).half()
-    tw, tid = _routes(T, E, k)
-    lora_ids = torch.tensor([0, 1, 0, -1, 0, 1, 1, -1, 0], dtype=torch.int32)
+    x = torch.randn(T, H, device=device).half()
+    tw, tid = _routes(T, E, k, device)
+    lora_ids = torch.tensor([0, 1, 0, -1, 0, 1, 1, -1, 0], dtype=torch.int32, device=device)
     for config, why in MODES:
         want = fused_experts(x, w13, w2, tw, tid, lora=clean, lora_ids=lora_ids, backend="triton", config=config)
         got = fused_experts(x, w13, w2, tw, tid, lora=slot_nan, lora_ids=lora_ids, backend="triton", config=config)
