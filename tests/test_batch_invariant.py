@@ -216,10 +216,13 @@ def test_low_bit_expert_kernels_are_batch_invariant(weights, act_quant):
     assert all(r.ok for r in rows), [r.detail for r in rows if not r.ok]
 
 
-def test_expert_lora_kernels_are_batch_invariant():
-    """LoRA terms run over the GEMMs' own rows with a fixed K step: the aligned mode keeps them invariant too."""
+@pytest.mark.parametrize("backend,dt", [
+    ("triton", torch.float16),  # LoRA terms over the GEMMs' own rows with a fixed K step, in the aligned mode
+    ("torch", torch.float32),  # the terms' products in fixed-shape pieces of rows, as the base GEMMs'
+])
+def test_expert_lora_is_batch_invariant(backend, dt):
     _on()
-    E, H, I, k, n, r, dt = 4, 64, 32, 2, 3, 5, torch.float16
+    E, H, I, k, n, r = 4, 64, 32, 2, 3, 5
     w13, w2 = (torch.randn(E, 2 * I, H) * H ** -0.5).to(dt), (torch.randn(E, H, I) * I ** -0.5).to(dt)
     lora = moekit.ExpertsLoRA((torch.randn(n, E, r, H) * H ** -0.5).to(dt), (torch.randn(n, E, 2 * I, r) * 0.3).to(dt),
                               (torch.randn(n, E, r, I) * I ** -0.5).to(dt), (torch.randn(n, E, H, r) * 0.3).to(dt),
@@ -230,7 +233,7 @@ def test_expert_lora_kernels_are_batch_invariant():
                 "ids": torch.stack([torch.randperm(E)[:k] for _ in range(m)]).int()}
 
     def run(t):
-        return fused_experts(t["x"], w13, w2, t["tw"], t["ids"], backend="triton", lora=lora, lora_ids=t["lid"])
+        return fused_experts(t["x"], w13, w2, t["tw"], t["ids"], backend=backend, lora=lora, lora_ids=t["lid"])
 
     assert _invariant.token_mismatch(run, tokens(1), tokens(300), (1, 2, 7, 64, 129, 300)) is None
 

@@ -195,7 +195,9 @@ def torch_term(lora: ExpertsLoRA, which: str, e: int, v32: torch.Tensor, adapter
     a_stack, b_stack = getattr(lora, which + "_a"), getattr(lora, which + "_b")
     out = v32.new_zeros(v32.shape[0], b_stack.shape[2])
     for i in range(a_stack.shape[0]):
-        term = (v32 @ a_stack[i, e].float().T) @ b_stack[i, e].float().T * lora.scaling[i]
+        # (row by row in fixed-shape pieces in batch-invariant mode, as the base GEMMs beside it)
+        term = _invariant.matmul(_invariant.matmul(v32, a_stack[i, e].float().T), b_stack[i, e].float().T)
+        term = term * lora.scaling[i]
         out = torch.where((adapters == i)[:, None], term, out)
     return out
 

@@ -42,9 +42,7 @@ def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 _ROUND_ACTIVATIONS = {"nvfp4": _nvfp4_rows, "fp8_group": _fp8_rows}
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [n, K] @ b [K, N] in fp32; in batch-invariant mode in fixed-shape pieces (moekit._invariant.rows_matmul)."""
-    return _invariant.rows_matmul(a, b) if _invariant.enabled() else a @ b
+_matmul = _invariant.matmul  # a [n, K] @ b [K, N], in fixed-shape pieces in batch-invariant mode
 
 
 def _expert(e, x32, w13, w2, activation, w13_bias, w2_bias, act_quant=None, rows=None, lora=None, adapters=None):

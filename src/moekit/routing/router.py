@@ -198,7 +198,7 @@ def _gemm_decided(decided: tuple, x2, weight, bias, out2) -> None:
 def _run_torch(args: _GemmArgs, out2: torch.Tensor, prepare: bool = False) -> None:
     # Batch-invariant mode: matmuls of a fixed row count (a CPU BLAS changes a row's order of terms with the call's
     # shape).
-    mm = _invariant.rows_matmul if _invariant.enabled() else torch.matmul
+    mm = _invariant.matmul
     x32 = args.x.float()
     logits = mm(x32, args.weight.float().T)
     if args.bias is not None:
