@@ -85,3 +85,39 @@ def test_patched_model_matches_the_original(make, block):
         picked = logits.gather(1, patched_tokens[0, prompt.shape[1]:, None])[:, 0]
         slack = 1e-4 * logits.abs().amax(dim=1)
     assert (picked >= logits.amax(dim=1) - slack).all(), f"{block}: a generated token is not the original's argmax"
+
+
+def _with(make, **config):
+    """``make``'s model with its config changed (its blocks built from the changed config)."""
+    base = make().config
+    for key, value in config.items():
+        setattr(base, key, value)
+    return type(make())(base)
+
+
+ACTIVATION_CASES = [
+    (_gpt_oss, {"swiglu_limit": 3.0}, "gpt-oss's swiglu clamped at another limit"),
+    (_mixtral, {"hidden_act": "gelu"}, "Mixtral's experts on GELU"),
+    (_qwen3, {"hidden_act": "gelu"}, "Qwen3-MoE's experts on GELU"),
+    (_deepseek_v3, {"hidden_act": "relu"}, "DeepSeek-V3's experts and shared expert on ReLU"),
+]
+
+
+@pytest.mark.parametrize("make,config,why", ACTIVATION_CASES, ids=[c[2] for c in ACTIVATION_CASES])
+def test_blocks_of_another_activation_are_left_alone(make, config, why):
+    model = _with(make, **config).eval()
+    _randomize(model)
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+    report = patch(model)
+    assert not report.replaced and len(report.left_alone) == 2, report
+    assert all("activation" in reason for _, reason in report.left_alone), report
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+
+def test_a_models_dense_mlps_are_not_reported_as_moe_blocks():
+    model = _with(_qwen3, mlp_only_layers=[0]).eval()  # layer 0 a dense Qwen3MoeMLP
+    report = patch(model)
+    assert [path for path, _ in report.replaced] == ["model.layers.1.mlp"] and not report.left_alone, report

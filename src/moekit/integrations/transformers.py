@@ -18,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import _invariant, layouts
 from ..layer import FusedMoE
 from ..presets import MoESpec
-from .transformers_experts import NAME, experts_forward, forget, register
+from .transformers_experts import NAME, activation_of, experts_forward, forget, register
 
 __all__ = ["NAME", "MoekitBlock", "PatchReport", "experts_forward", "forget", "patch", "register", "unpatch"]
 
@@ -123,6 +124,23 @@ def _build(spec, router_w, router_b, w13, w2, dtype) -> FusedMoE:
     return layer
 
 
+def _unserved_activation(block: nn.Module, cls: str) -> str | None:
+    """Why moekit's layer would compute another function than ``block`` (its config's activation, gpt-oss's swiglu
+    limit or alpha), or None: the experts' gate function and a shared expert's activation, each run on a probe."""
+    want = "swiglu_oai" if cls == "GptOssMLP" else "silu_and_mul"
+    experts = block.experts
+    two_i = experts.gate_up_proj.shape[2 if cls == "GptOssMLP" else 1]
+    if not hasattr(experts, "_apply_gate") or activation_of(experts, two_i) != want:
+        return f"its experts' gate function is not moekit's {want} (the config's activation, limit or alpha)"
+    shared = getattr(block, "shared_experts", None)
+    if shared is not None:
+        probe = torch.linspace(-12, 12, 97, dtype=torch.float64)
+        with torch.no_grad():
+            if not torch.allclose(shared.act_fn(probe), F.silu(probe), rtol=1e-6, atol=1e-9):
+                return "its shared expert's activation is not SiLU"
+    return None
+
+
 CONVERTERS = {  # transformers class name -> (converter, returns (hidden, router_scores))
     "Qwen3MoeSparseMoeBlock": (_from_qwen3_or_mixtral, False),
     "MixtralSparseMoeBlock": (_from_qwen3_or_mixtral, False),
@@ -154,11 +172,17 @@ def patch(model: nn.Module, *, dtype: torch.dtype | None = None, batch_invariant
     for path, module in list(model.named_modules()):
         cls = type(module).__name__
         if cls not in CONVERTERS:
-            if "moe" in cls.lower() and not isinstance(module, MoekitBlock) and cls.endswith(("Block", "MoE", "MLP")):
+            # (a model's dense MLPs beside its MoE blocks, e.g. Qwen3MoeMLP, have no experts: not MoE blocks)
+            if ("moe" in cls.lower() and not isinstance(module, MoekitBlock) and cls.endswith(("Block", "MoE", "MLP"))
+                    and hasattr(module, "experts")):
                 report.left_alone.append((path, f"{cls} has no moekit converter"))
             continue
         if module.training and getattr(module, "jitter_noise", 0):
             report.left_alone.append((path, "training with router jitter noise (moekit layers are for inference)"))
+            continue
+        why = _unserved_activation(module, cls)
+        if why:
+            report.left_alone.append((path, why))
             continue
         convert, returns_scores = CONVERTERS[cls]
         layer = convert(module, getattr(module, "config", None) or cfg, f"{cls}@{path}", dtype)

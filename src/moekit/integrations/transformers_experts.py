@@ -87,7 +87,7 @@ def _peft_lora(module: nn.Module) -> ExpertsLoRA | None:
     return ExpertsLoRA(**parts, scaling=scaling)
 
 
-def _activation(module: nn.Module, two_i: int) -> str | None:
+def activation_of(module: nn.Module, two_i: int) -> str | None:
     """moekit's name for the module's gate function, or None: the function itself, run on a probe that
     crosses gpt-oss's clamp limits and goes far past them, must equal one of moekit's activations (a family's own spelling of
     silu_and_mul or gpt-oss's swiglu is served; another limit, alpha or activation is not)."""
@@ -160,7 +160,7 @@ def _build_plan(module, gate_up, down):
     if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3 or not isinstance(down, torch.Tensor):
         return f"its weights are not dense expert stacks ({type(gate_up).__name__})"
     two_i = gate_up.shape[2] if getattr(module, "is_transposed", False) else gate_up.shape[1]
-    activation = _activation(module, two_i)
+    activation = activation_of(module, two_i)
     if activation is None:
         return f"its gate function ({type(module).__name__}._apply_gate) is neither silu_and_mul nor gpt-oss's swiglu"
     if getattr(module, "is_transposed", False):
