@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moekit import FusedMoE
+from moekit import ExpertsLoRA, FusedMoE, gate
 from moekit.distributed import ExpertParallelMoE, shard_layer
+from moekit.formats import quantize_experts
 from moekit.metrics import Tolerance, check_close
 
 TOKENS_PER_RANK = 5
@@ -62,3 +63,53 @@ def test_bad_arguments():
         ExpertParallelMoE(shard_layer(full, 0, 2), mode="ring")
     with pytest.raises(ValueError, match="expert_map"):
         ExpertParallelMoE(full)
+    E, H, I = full.spec.num_experts, full.spec.hidden_size, full.spec.intermediate_size
+    ep = ExpertParallelMoE(shard_layer(full, 0, 2))
+    full.load_lora(ExpertsLoRA(torch.randn(1, E, 2, H), torch.randn(1, E, 2 * I, 2), torch.randn(1, E, 2, I),
+                               torch.randn(1, E, H, 2), [1.0]))
+    with pytest.raises(ValueError, match="without expert LoRA adapters"):  # (each token's adapter would travel)
+        shard_layer(full, 0, 2)
+    ep.local.load_lora(ExpertsLoRA(torch.randn(1, E // 2, 2, H), torch.randn(1, E // 2, 2 * I, 2),
+                                   torch.randn(1, E // 2, 2, I), torch.randn(1, E // 2, H, 2), [1.0]))
+    with pytest.raises(ValueError, match="serves no expert LoRA adapters"):
+        ep(torch.randn(3, H))
+
+
+def _quantized_worker(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        full = FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+        local = shard_layer(full, rank, world)  # quantized after sharding, as shard_layer asks
+        local.load_quantized_experts(quantize_experts(local.w13.data, "mxfp4"), quantize_experts(local.w2.data, "mxfp4"))
+        full.load_quantized_experts(quantize_experts(full.w13.data, "mxfp4"), quantize_experts(full.w2.data, "mxfp4"))
+        x = torch.randn(world * TOKENS_PER_RANK, full.spec.hidden_size)
+        mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+        with torch.no_grad():
+            got = ExpertParallelMoE(local)(x[mine])
+            expect = full(x)[mine]
+        check_close(f"rank {rank} MXFP4 shard", got, expect, Tolerance(1e-5, 1e-6))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_shard_quantized_after_sharding_equals_the_quantized_layer():
+    mp.spawn(_quantized_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def _uneven_worker(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gate.set_verification(True)
+    try:
+        full = FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+        ep = ExpertParallelMoE(shard_layer(full, rank, world))
+        with pytest.raises(ValueError, match=r"as many tokens on every rank .* got \[5, 3\]"):
+            ep(torch.randn(5 - 2 * rank, full.spec.hidden_size))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uneven_batches_in_allgather_mode_are_refused_with_the_gate_on():
+    mp.spawn(_uneven_worker, args=(2, _free_port()), nprocs=2, join=True)

@@ -6,7 +6,9 @@ Two dispatch/combine schemes:
 * ``"allgather"`` (default; what the large serving engines run): all-gather every rank's tokens
   and routes, run the local experts on all of them (remote experts contribute zero through
   ``expert_map``), reduce-scatter the partial outputs. Static shapes, no host sync: CUDA-graph
-  safe. Every rank must pass the same number of tokens.
+  safe. Every rank must pass the same number of tokens: the collectives cannot check it without a host sync, so
+  it is checked (a ValueError naming each rank's count) only while the verification gate is on
+  (``MOEKIT_VERIFY=1``); otherwise uneven counts fail inside the collective (gloo aborts, NCCL may hang).
 * ``"all_to_all"``: send each (token, slot) pair only to the rank that owns its expert
   (all_to_all_single with exchanged counts), compute, send results back, sum each token's slots
   in slot order. Moves k rows per token instead of world rows, but the counts are a host sync.
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import gate
 from .experts import fused_experts
 from .layer import FusedMoE
 from .routing import fused_router
@@ -44,10 +47,14 @@ def shard_layer(layer: FusedMoE, rank: int, world_size: int) -> FusedMoE:
     if E % world_size:
         raise ValueError(f"num_experts={E} must be divisible by world_size={world_size}")
     if layer.weight_format != "dense":
-        raise ValueError("shard_layer takes dense expert weights (quantize after sharding)")
+        raise ValueError("shard_layer takes dense expert weights (quantize after sharding: "
+                         "load_quantized_experts on the shard takes its E / world_size experts)")
+    if layer.expert_lora() is not None:
+        raise ValueError("shard_layer takes a layer without expert LoRA adapters (ExpertParallelMoE serves none)")
     per = E // world_size
     lo = rank * per
     local = copy.deepcopy(layer)
+    local._expert_shapes = {name: (per, *shape[1:]) for name, shape in layer._expert_shapes.items()}
     with torch.no_grad():
         local.w13 = nn.Parameter(layer.w13[lo:lo + per].clone())
         local.w2 = nn.Parameter(layer.w2[lo:lo + per].clone())
@@ -80,6 +87,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer, spec = self.local, self.local.spec
+        if layer.expert_lora() is not None:  # (each token's adapter would have to travel with it)
+            raise ValueError("ExpertParallelMoE serves no expert LoRA adapters; the shard has some loaded")
         x2 = x.reshape(-1, spec.hidden_size)
         kwargs = spec.routing_kwargs()
         if layer.correction_bias is not None:
@@ -97,10 +106,15 @@ class ExpertParallelMoE(nn.Module):
         layer = self.local
         w13, w2 = layer.expert_weights()
         return fused_experts(x, w13, w2, weights, ids, activation=layer.spec.activation, w13_bias=layer.w13_bias,
-                             w2_bias=layer.w2_bias, expert_map=layer.expert_map)
+                             w2_bias=layer.w2_bias, expert_map=layer.expert_map, act_quant=layer.act_quant)
 
     def _allgather(self, x, weights, ids):
         world = dist.get_world_size(self.group)
+        if gate.active() and not _capturing(x):
+            counts = _all_gather(torch.tensor([x.shape[0]], device=x.device), world, self.group).tolist()
+            if len(set(counts)) > 1:
+                raise ValueError(f"x must hold as many tokens on every rank in mode='allgather' (use "
+                                 f"mode='all_to_all' for uneven batches), got {counts} on ranks 0..{world - 1}")
         gather = lambda t: _all_gather(t, world, self.group)  # noqa: E731
         partial = self._experts(gather(x), gather(weights), gather(ids))
         # fp32 partial sums across ranks, then this rank's rows in x's dtype
@@ -135,6 +149,10 @@ class ExpertParallelMoE(nn.Module):
         slots = torch.empty(T * k, back.shape[1], dtype=torch.float32, device=x.device)
         slots[order] = back
         return slots.view(T, k, -1).sum(dim=1).to(x.dtype)              # slots summed in slot order
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _all_gather(t: torch.Tensor, world: int, group) -> torch.Tensor:
