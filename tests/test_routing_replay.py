@@ -109,10 +109,34 @@ def test_the_layer_records_and_replays():
      r"record_ids must have shape \(9, 3\)"),
     ("a record buffer of one dimension", dict(record_ids=torch.zeros(T * 3, dtype=torch.int32)), ValueError,
      "record_ids must have 2 dimensions"),
+    ("a record buffer broadcast over its tokens", dict(record_ids=torch.zeros(1, 3, dtype=torch.int32).expand(T, 3)),
+     ValueError, r"record_ids must give each element memory of its own, got strides \(0, 1\)"),
+    ("a record buffer over the replayed ids", dict(replay_ids=torch.zeros(T + 1, 3, dtype=torch.int32)[:T],
+                                                   record_ids=torch.zeros(T + 1, 3, dtype=torch.int32)[1:]),
+     None, None),  # (separate storages: allowed; the overlapping case is below)
 ])
 def test_bad_replay_arguments_are_named(name, kwargs, error, match):
+    if error is None:
+        route(torch.randn(T, E), 3, "softmax_topk", **kwargs)
+        return
     with pytest.raises(error, match=match):
         route(torch.randn(T, E), 3, "softmax_topk", **kwargs)
+
+
+def test_a_record_buffer_may_not_overlap_the_replayed_ids():
+    buf = torch.zeros(T + 1, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="record_ids must not overlap the memory of replay_ids"):
+        route(torch.randn(T, E), 3, "softmax_topk", replay_ids=buf[:T], record_ids=buf[1:])
+
+
+def test_int64_replay_ids_past_int32_are_no_expert_not_wrapped_ones():
+    """2**32 + 1 cast to int32 is 1, a real expert: it is returned and recorded as -1 (weight 0, as the method
+    gives an id outside the experts)."""
+    replayed = torch.tensor([[2 ** 32 + 1, 3, 0], [-2 ** 32 + 2, 5, 1]])
+    recorded = torch.zeros(2, 3, dtype=torch.int64)
+    weights, ids = route(torch.randn(2, E), 3, "softmax_topk", replay_ids=replayed, record_ids=recorded)
+    assert ids.tolist() == [[-1, 3, 0], [-1, 5, 1]] and torch.equal(recorded, ids.long())
+    assert weights[:, 0].tolist() == [0.0, 0.0]
 
 
 @pytest.mark.gpu

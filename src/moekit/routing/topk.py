@@ -10,7 +10,7 @@ import torch
 
 from .. import _triton, reference
 from .._calls import CheckedCalls
-from .._checks import check_tensor, check_top_k
+from .._checks import check_disjoint, check_tensor, check_top_k
 from ..presets import ROUTING_METHODS
 from . import gate_case
 from .options import RoutingOptions, empty_routes
@@ -160,12 +160,19 @@ def check_replay(replay_ids, record_ids, num_tokens: int, top_k: int, device) ->
             check_tensor(name, t, ndim=2, dtypes=ID_DTYPES, device=device)
             if tuple(t.shape) != (num_tokens, top_k):
                 raise ValueError(f"{name} must have shape ({num_tokens}, {top_k}) (tokens, top_k), got {tuple(t.shape)}")
+    if record_ids is not None and any(st == 0 and n > 1 for st, n in zip(record_ids.stride(), record_ids.shape)):
+        raise ValueError(f"record_ids must give each element memory of its own, got strides {record_ids.stride()}")
+    if replay_ids is not None and record_ids is not None:
+        check_disjoint("record_ids", record_ids, {"replay_ids": replay_ids})
 
 
 def replay(logits: torch.Tensor, ids: torch.Tensor, opts: RoutingOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32 [T, k], ids int32 [T, k]) for given ids: :func:`moekit.reference.route_weights` itself (as
     the torch routing path serves :func:`moekit.reference.route`): torch ops, static shapes, no host sync."""
     weights = reference.route_weights(logits, ids, opts.method, renormalize=opts.renormalize, scaling=opts.scaling)
+    if ids.dtype == torch.int64:  # ids past int32 (no expert, weight 0) returned as -1, not wrapped into valid ones
+        int32 = torch.iinfo(torch.int32)
+        ids = torch.where((ids >= int32.min) & (ids <= int32.max), ids, -1)
     return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
 
 
