@@ -1,6 +1,7 @@
 """Expert parallelism over gloo in 2 and 4 processes: every rank's output equals the
 single-process layer's on its tokens, for both dispatch schemes."""
 
+import contextlib
 import os
 import socket
 
@@ -23,10 +24,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, preset, mode):
+@contextlib.contextmanager
+def _process_group(rank, world, port):
+    """This spawned process as rank ``rank`` of a gloo group of ``world``, torn down after."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world, port, preset, mode):
+    with _process_group(rank, world, port):
         torch.manual_seed(0)                                      # the same full layer and batch everywhere
         full = FusedMoE.from_preset(preset, dtype=torch.float32, scaled=True)
         with torch.no_grad():
@@ -41,8 +51,6 @@ def _worker(rank, world, port, preset, mode):
             expect = full(x)[mine]
         # The same products summed in another order (ranks, then slots): fp32 rounding only.
         check_close(f"rank {rank} {preset} {mode}", got, expect, Tolerance(1e-5, 1e-6))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -76,9 +84,7 @@ def test_bad_arguments():
 
 
 def _quantized_worker(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with _process_group(rank, world, port):
         torch.manual_seed(0)
         full = FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
         local = shard_layer(full, rank, world)  # quantized after sharding, as shard_layer asks
@@ -90,8 +96,6 @@ def _quantized_worker(rank, world, port):
             got = ExpertParallelMoE(local)(x[mine])
             expect = full(x)[mine]
         check_close(f"rank {rank} MXFP4 shard", got, expect, Tolerance(1e-5, 1e-6))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_shard_quantized_after_sharding_equals_the_quantized_layer():
@@ -99,16 +103,12 @@ def test_a_shard_quantized_after_sharding_equals_the_quantized_layer():
 
 
 def _uneven_worker(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     gate.set_verification(True)
-    try:
+    with _process_group(rank, world, port):
         full = FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
         ep = ExpertParallelMoE(shard_layer(full, rank, world))
         with pytest.raises(ValueError, match=r"as many tokens on every rank .* got \[5, 3\]"):
             ep(torch.randn(5 - 2 * rank, full.spec.hidden_size))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_uneven_batches_in_allgather_mode_are_refused_with_the_gate_on():

@@ -62,6 +62,11 @@ def check_top_k(top_k, num_experts: int) -> None:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
 
 
+def may_sync(t: torch.Tensor) -> bool:
+    """A check may read ``t``'s values on the host now: not while torch.compile traces or a CUDA graph is captured."""
+    return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def tensor_version(t: torch.Tensor) -> int | None:
     """The tensor's version counter (bumped by every in-place write torch sees), or None for a tensor made under
     torch.inference_mode, which keeps none: caches keyed on it must treat None as "unknown"."""

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gate
+from ._checks import may_sync
 from .experts import fused_experts
 from .layer import FusedMoE
 from .routing import fused_router
@@ -110,7 +111,7 @@ class ExpertParallelMoE(nn.Module):
 
     def _allgather(self, x, weights, ids):
         world = dist.get_world_size(self.group)
-        if gate.active() and not _capturing(x):
+        if gate.enabled() and may_sync(x):
             counts = _all_gather(torch.tensor([x.shape[0]], device=x.device), world, self.group).tolist()
             if len(set(counts)) > 1:
                 raise ValueError(f"x must hold as many tokens on every rank in mode='allgather' (use "
@@ -149,10 +150,6 @@ class ExpertParallelMoE(nn.Module):
         slots = torch.empty(T * k, back.shape[1], dtype=torch.float32, device=x.device)
         slots[order] = back
         return slots.view(T, k, -1).sum(dim=1).to(x.dtype)              # slots summed in slot order
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _all_gather(t: torch.Tensor, world: int, group) -> torch.Tensor:

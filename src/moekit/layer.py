@@ -16,7 +16,7 @@ from .formats import FOUR_BIT_FORMATS, format_of, fp4
 from .formats import prepare as prepare_weights
 from .presets import MoESpec
 from .routing import GateLinear, fused_router
-from .routing.router import keep_fp32_through
+from .routing.router import keep_dtypes_through
 
 
 # The tensors of each quantized type that become buffers (names as the types' fields).
@@ -168,15 +168,9 @@ class FusedMoE(nn.Module):
         """``.to()``, ``.half()``, ``.cuda()`` and the like: quantized experts move between devices but keep their
         dtypes (a cast would destroy FP8 codes and block scales), as do the fp32 correction bias and the gate's bias;
         the rest of the module follows ``fn``."""
-        names = {f"{name}_{field}" for name in ("w13", "w2") for field in _QUANTIZED_PARTS.get(self.weight_format, ())}
-        kept = {name: self._buffers.pop(name) for name in names if self._buffers.get(name) is not None}
-        try:
-            keep_fp32_through(self, ("correction_bias",), lambda: super(FusedMoE, self)._apply(fn, recurse))
-        finally:
-            for name, buf in kept.items():
-                moved = fn(buf)
-                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
-            self._quantized = None
+        kept = [f"{name}_{field}" for name in ("w13", "w2") for field in _QUANTIZED_PARTS.get(self.weight_format, ())]
+        keep_dtypes_through(self, (*kept, "correction_bias"), lambda: super(FusedMoE, self)._apply(fn, recurse))
+        self._quantized = None
         if self._prepare_codes is None and self.weight_format in FOUR_BIT_FORMATS:
             for name, meta in self._quantized_meta.items():  # codes that reached a GPU as given: prepared now
                 data = self._buffers.get(f"{name}_data")

@@ -16,7 +16,7 @@ import torch
 
 from .. import _invariant, gate
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_out, check_shape, check_tensor, tensor_version
+from .._checks import check_disjoint, check_out, check_shape, check_tensor, may_sync, tensor_version
 from ..formats import format_of
 from ..presets import ACTIVATIONS
 from . import backends
@@ -95,11 +95,6 @@ def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
 _CHECKED_MAPS: dict[int, tuple] = {}  # id(expert_map) -> (weakref to it, its version, local experts)
 
 
-def _may_sync(t: torch.Tensor) -> bool:
-    """A value check may read ``t`` on the host now: not while torch.compile traces or a CUDA graph is captured."""
-    return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
-
-
 def _value_range(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of ``t``'s values: one host sync."""
     lo, hi = torch.aminmax(t)
@@ -114,7 +109,7 @@ def check_expert_map_values(expert_map: torch.Tensor, num_local: int) -> None:
     torch.compile traces (the eager call before them checked it). Writes that bypass the version
     counter (``.data``, numpy or DLPack views, or a map made under torch.inference_mode, which keeps
     none) are not seen: such a map is checked once."""
-    if not _may_sync(expert_map):
+    if not may_sync(expert_map):
         return
     key = id(expert_map)
     seen = _CHECKED_MAPS.get(key)
@@ -135,7 +130,7 @@ def check_ids_within_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> No
     """With the verification gate on (eager calls): every id is -1 or indexes ``expert_map`` (one entry
     per global expert). An id past a short map would contribute nothing, silently. One host sync per
     call, so only in the gate's mode."""
-    if not _may_sync(topk_ids):
+    if not may_sync(topk_ids):
         return
     if topk_ids.numel():
         lo, hi = _value_range(topk_ids)
@@ -336,6 +331,11 @@ def _read_by_fused(topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_i
             "expert_map": expert_map, "lora_ids": lora_ids}
 
 
+def _read_by_batched(expert_num_tokens, w13_bias, w2_bias, lora_ids) -> dict:
+    """The tensors a batched_experts call reads besides x and the weights (see :func:`_read_by_fused`)."""
+    return {"expert_num_tokens": expert_num_tokens, "w13_bias": w13_bias, "w2_bias": w2_bias, "lora_ids": lora_ids}
+
+
 def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
     """A new output, or ``out`` (its shape, dtype and layout were checked with the signature) if it overlaps none of
     the inputs: addresses change from call to call, so this check does too."""
@@ -393,8 +393,8 @@ def batched_experts(
     decided = _VALIDATED.get(key)
     if decided is not None:  # checked before (see fused_experts)
         chosen, plan = decided
-        out = _fresh_or_disjoint(out, x, w13, w2, **({} if out is None else {
-            "expert_num_tokens": expert_num_tokens, "w13_bias": w13_bias, "w2_bias": w2_bias}))
+        out = _fresh_or_disjoint(out, x, w13, w2, **({} if out is None else _read_by_batched(
+            expert_num_tokens, w13_bias, w2_bias, lora_ids)))
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
         if plan is not None and plan(out, x, expert_num_tokens.contiguous(), w13, w2, w13_bias, w2_bias):
             return out
@@ -406,8 +406,8 @@ def batched_experts(
         check_tensor("expert_num_tokens", expert_num_tokens, ndim=1, dtypes=(torch.int32,), device=x.device)
         check_shape("expert_num_tokens", expert_num_tokens, (E,))
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
-        out = _options_and_out(x, w13, w2, act_quant, config, out, expert_num_tokens=expert_num_tokens,
-                               w13_bias=w13_bias, w2_bias=w2_bias, lora_ids=lora_ids)
+        out = _options_and_out(x, w13, w2, act_quant, config, out, **_read_by_batched(
+            expert_num_tokens, w13_bias, w2_bias, lora_ids))
         chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, w2=w2,
                                 lora=lora is not None)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import _invariant, _triton, gate
-from .._checks import check_tensor
+from .._checks import check_tensor, may_sync
 from .._launch import Launcher
 
 MAX_RANK = 256  # the kernels keep a block's rank-r products in registers
@@ -175,16 +175,12 @@ def check_call(lora, lora_ids, x: torch.Tensor, num_experts: int, inter: int, hi
             layout = "[adapters, E, r, in]" if name.endswith("_a") else "[adapters, E, out, r]"
             raise ValueError(f"lora.{name} must have shape {want} ({layout} for E={num_experts}, H={hidden}, "
                              f"I={inter}), got {tuple(t.shape)}")
-    if lora_ids.numel() and (not lora_ids.is_cuda or gate.active()) and _may_sync(lora_ids):
+    if lora_ids.numel() and (not lora_ids.is_cuda or gate.active()) and may_sync(lora_ids):
         lo, hi = torch.aminmax(lora_ids)
         lo, hi = int(lo), int(hi)
         if lo < -1 or hi >= n:
             raise ValueError(f"lora_ids values must be -1 (no adapter) or an adapter index in [0, {n}), "
                              f"got values in [{lo}, {hi}]")
-
-
-def _may_sync(t: torch.Tensor) -> bool:
-    return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 # ------------------------------------------------------------------------------------------------ torch backend

@@ -83,8 +83,8 @@ FOUR_BIT_MIN_BLOCK_K = expert_configs.FOUR_BIT_MIN_BLOCK_K
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy where its last dimension is strided: the kernels take a scale stack's strides
-    of its leading dimensions and step its last by one."""
+    """``t``, or a contiguous copy where its last dimension is strided: the kernels take a weight stack's (and its
+    scales') strides of the leading dimensions and step the last by one."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
@@ -129,7 +129,7 @@ class WeightOperand:
             return cls._fp8(w)
         if fp8_act and fmt != "mxfp4":
             raise ValueError(f"FP8 activations run with FP8 or MXFP4 weights (W8A8, W4A8), got {fmt}")
-        data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()  # nibbles are read K-contiguous
+        data = _unit_last_stride(w.data)  # nibbles are read K-contiguous
         pairs = w.layout == "pairs"
         if fmt == "mxfp4":
             scales = _unit_last_stride(w.scales)
@@ -146,7 +146,7 @@ class WeightOperand:
     @classmethod
     def _fp8(cls, w) -> "WeightOperand":
         E, N, K = w.shape
-        data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
+        data = _unit_last_stride(w.data)
         if not _triton.fp8_tensor_cores(data.device):
             data = data.view(torch.uint8)  # decoded from its bytes (the interpreter has no FP8 type)
         scale = w.scale.float()

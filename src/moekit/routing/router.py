@@ -366,16 +366,20 @@ def _(x, weight, bias, corr_bias, lora_a, lora_b, lora_scale, top_k, method, ren
     return empty_routes(x.shape[0], top_k, x.device)
 
 
-def keep_fp32_through(module: nn.Module, names: tuple[str, ...], apply) -> None:
-    """Run ``apply`` (the module's ``nn.Module._apply``: ``.to()``, ``.half()``, ``.cuda()``) with the fp32
-    parameters ``names`` kept in fp32: a cast of the module moves them to its device without rounding them (a
-    router bias of 0.1001 would become 0.10009765625 in bf16, and near-tied correction biases pick other experts)."""
-    saved = {n: p.data for n in names if (p := module._parameters.get(n)) is not None}
+def keep_dtypes_through(module: nn.Module, names, apply) -> None:
+    """Run ``apply`` (the module's ``nn.Module._apply``: ``.to()``, ``.half()``, ``.cuda()``) with the parameters
+    and buffers ``names`` keeping their dtypes: a cast of the module only moves them to its device. Kept so: fp32
+    biases (a router bias of 0.1001 would become 0.10009765625 in bf16, and near-tied correction biases pick other
+    experts) and quantized stacks (a cast would destroy FP8 codes and block scales)."""
+    saved = {n: t.data for n in names
+             if (t := module._parameters.get(n, module._buffers.get(n))) is not None}
     apply()
     for n, before in saved.items():
-        p = module._parameters.get(n)
-        if p is not None and p.dtype != before.dtype:
-            p.data = before.to(p.device)
+        if (p := module._parameters.get(n)) is not None:
+            if p.dtype != before.dtype:
+                p.data = before.to(p.device)
+        elif (b := module._buffers.get(n)) is not None and b.dtype != before.dtype:
+            module._buffers[n] = before.to(b.device)
 
 
 class GateLinear(nn.Module):
@@ -410,8 +414,8 @@ class GateLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def _apply(self, fn, recurse=True):
-        """``.to()`` and the like: the weight follows ``fn``, the fp32 bias only moves (:func:`keep_fp32_through`)."""
-        keep_fp32_through(self, ("bias",), lambda: super(GateLinear, self)._apply(fn, recurse))
+        """``.to()`` and the like: the weight follows ``fn``, the fp32 bias only moves (:func:`keep_dtypes_through`)."""
+        keep_dtypes_through(self, ("bias",), lambda: super(GateLinear, self)._apply(fn, recurse))
         return self
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
