@@ -336,6 +336,11 @@ FORMATS = [
     ("NVFP4 global scales for another E", lambda v: nvfp4.NVFP4Tensor(_NV.data, _NV.scales, _NV.global_scale[:2],
                                                                       _NV.shape),
      ValueError, "NVFP4Tensor.global_scale must be a scalar or broadcast over the leading dims"),
+    # the expert-stack quantizer names its own argument, not the per-expert routine's
+    ("quantize_experts of K not a multiple of 32", lambda v: quantize_experts(torch.randn(2, 8, 40), "mxfp4"),
+     ValueError, "w must have a last dimension that is a multiple of 32, got shape \\(2, 8, 40\\)"),
+    ("quantize_experts of int codes", lambda v: quantize_experts(torch.ones(2, 8, 32, dtype=torch.int32), "nvfp4"),
+     TypeError, "w must have dtype in"),
     # and the rest of each type's invariants
     ("MXFP4 data as float", lambda v: mxfp4.MXFP4Tensor(_MX.data.float(), _MX.scales, _MX.shape), TypeError,
      "MXFP4Tensor.data must have dtype uint8, got float32"),

@@ -165,6 +165,20 @@ def test_casting_a_layer_keeps_its_fp32_biases():
     assert gate.bias.dtype == torch.float32 and torch.equal(gate.bias, bias) and gate.bias is param
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_moving_a_gate_carries_its_lora(device):
+    # The adapter is no parameter: .to() once left it behind, and the next call refused a's dtype or device.
+    gate = moekit.GateLinear(64, 5, params_dtype=torch.bfloat16)
+    a, b = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(5, 4)
+    gate.set_lora(a, b, scale=0.5)
+    gate.to(device=device, dtype=torch.float16)
+    assert gate.lora.a.dtype == torch.float16 and gate.lora.a.device.type == device
+    assert gate.lora.b.dtype == torch.float32 and gate.lora.b.device.type == device and gate.lora.scale == 0.5
+    x = torch.randn(9, 64, device=device).half()
+    want = reference.router_logits(x, gate.weight, None, a.half(), b, 0.5)
+    check_close("moved gate with LoRA", gate(x), want, Tolerance(2e-3, 1e-3))
+
+
 def test_the_reference_reads_ids_outside_the_map_as_no_expert():
     E, H, I = 4, 16, 8
     w13, w2 = _stacks(E, H, I, torch.float64)

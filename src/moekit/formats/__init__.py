@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from . import fp4, fp8, mxfp4, nvfp4
+from ._common import check_quantize_input
 
 __all__ = ["FOUR_BIT_FORMATS", "FP8_ACTIVATION_FORMATS", "RECIPES", "WEIGHT_FORMATS", "dequantize", "expert", "format_of", "fp4", "fp8",
            "from_parts", "mxfp4", "nvfp4", "prepare", "quantize_experts", "recipe_format", "to_parts", "unprepare"]
@@ -124,6 +125,8 @@ def quantize_experts(w, weight_format: str):
     recipe_format(weight_format)
     if w.dim() != 3:
         raise ValueError(f"w must be an expert stack [E, N, K], got shape {tuple(w.shape)}")
+    # checked here so the error names this function's argument, not the per-expert quantizer's
+    check_quantize_input("w", w, {"mxfp4": mxfp4.BLOCK, "nvfp4": nvfp4.BLOCK}.get(weight_format, 1), False)
     if weight_format.startswith("fp8"):
         quantize = {"fp8_block": fp8.quantize_blocks, "fp8_channel": fp8.quantize_per_channel,
                     "fp8_tensor": fp8.quantize_per_tensor}[weight_format]

@@ -414,8 +414,14 @@ class GateLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def _apply(self, fn, recurse=True):
-        """``.to()`` and the like: the weight follows ``fn``, the fp32 bias only moves (:func:`keep_dtypes_through`)."""
+        """``.to()`` and the like: the weight follows ``fn``, the fp32 bias only moves (:func:`keep_dtypes_through`).
+        The LoRA adapter is not a parameter, so it is carried here: ``a`` as the weight (it must keep the
+        weight's dtype), ``b`` only to the new device."""
         keep_dtypes_through(self, ("bias",), lambda: super(GateLinear, self)._apply(fn, recurse))
+        if self.lora is not None:
+            with torch.no_grad():
+                a = fn(self.lora.a)
+            self.lora = RouterLoRA(a, self.lora.b.to(a.device), self.lora.scale)
         return self
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
