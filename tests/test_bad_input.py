@@ -179,6 +179,12 @@ ROUTER = [
     ("correction_bias with softmax routing", lambda v: moekit.fused_router(
         v.x, v.gate, top_k=2, method="softmax_topk", correction_bias=torch.zeros(E, device=v.device)),
      ValueError, "apply only to sigmoid_grouped"),
+    ("a routed scaling factor with softmax routing (was dropped: weights 1/scaling of the model's)",
+     lambda v: moekit.route(torch.randn(T, E, device=v.device), 2, "softmax_topk", scaling=16.0),
+     ValueError, "correction_bias, num_groups, topk_groups and scaling apply only to sigmoid_grouped"),
+    ("a MoESpec with a scaling factor on softmax routing", lambda v: presets.MoESpec(
+        "custom", H, 16, E, 2, "softmax_topk", "silu_and_mul", routed_scaling_factor=16.0),
+     ValueError, "apply only to sigmoid_grouped routing, not softmax_topk"),
     ("route: logits of one dimension", lambda v: moekit.route(torch.randn(E, device=v.device), 2, "softmax_topk"),
      ValueError, "logits must have 2 dimensions"),
     ("route: integer logits", lambda v: moekit.route(torch.ones(T, E, dtype=torch.int64, device=v.device), 2,
@@ -319,6 +325,12 @@ def _t(shape, fill=0, dtype=torch.uint8):
 _MX = mxfp4.quantize(torch.randn(4, 64))
 _NV = nvfp4.quantize(torch.randn(3, 8, 64), scale_dims=1)
 _F8 = fp8.quantize_blocks(torch.randn(4, 256, 256))
+def _nan_at(E, N, K):
+    w = torch.randn(E, N, K)
+    w[1, 0, 0] = float("nan")
+    return w
+
+
 FORMATS = [
     # The six hand-built MXFP4/NVFP4 tensors that gave wrong numbers or crashed the kernels:
     ("MXFP4 scales [4, 1] where [4, 2] belong", lambda v: mxfp4.MXFP4Tensor(_MX.data, _MX.scales[:, :1], _MX.shape),
@@ -341,6 +353,27 @@ FORMATS = [
      ValueError, "w must have a last dimension that is a multiple of 32, got shape \\(2, 8, 40\\)"),
     ("quantize_experts of int codes", lambda v: quantize_experts(torch.ones(2, 8, 32, dtype=torch.int32), "nvfp4"),
      TypeError, "w must have dtype in"),
+    ("quantize_experts of a list", lambda v: quantize_experts([[[1.0] * 32]], "mxfp4"), TypeError,
+     "w must be a torch.Tensor, got list"),
+    ("quantize_experts of no experts", lambda v: quantize_experts(torch.zeros(0, 8, 64), "nvfp4"), ValueError,
+     r"w must be a non-empty expert stack \[E, N, K\], got shape \(0, 8, 64\)"),
+    ("quantize_experts of K = 0", lambda v: quantize_experts(torch.zeros(2, 8, 0), "fp8_channel"), ValueError,
+     "w must be a non-empty expert stack"),
+    ("quantize_experts of a NaN weight (MXFP4 made it finite)", lambda v: quantize_experts(_nan_at(2, 8, 64), "mxfp4"),
+     ValueError, r"w\[1\] holds NaN or Inf"),
+    ("float64 past float32's range (became Inf, then NaN)",
+     lambda v: nvfp4.quantize(torch.tensor([[1e300] + [0.0] * 31], dtype=torch.float64)), ValueError,
+     "x holds values beyond float32's range"),
+    ("NVFP4 global scale of 0 (NaN weights)", lambda v: nvfp4.quantize(torch.randn(2, 32), global_scale=0.0),
+     ValueError, "global_scale must be finite and > 0"),
+    ("NVFP4 global scale of NaN", lambda v: nvfp4.quantize(torch.randn(2, 32), global_scale=float("nan")),
+     ValueError, "global_scale must be finite and > 0"),
+    ("FP8 tensor scale of more dims than the data (broadcast the data up)",
+     lambda v: fp8.FP8Tensor(torch.zeros(3, 8, 32).to(torch.float8_e4m3fn), torch.ones(1, 1, 1, 1), "tensor"),
+     ValueError, "FP8Tensor.scale of granularity 'tensor' must hold one value"),
+    ("combine_batched of float slots", lambda v: layouts.combine_batched(torch.zeros(2, 3, 4), torch.zeros(5, 2),
+                                                                       torch.zeros(5, 2)),
+     TypeError, "slot must have dtype in"),
     # and the rest of each type's invariants
     ("MXFP4 data as float", lambda v: mxfp4.MXFP4Tensor(_MX.data.float(), _MX.scales, _MX.shape), TypeError,
      "MXFP4Tensor.data must have dtype uint8, got float32"),
@@ -381,7 +414,7 @@ FORMATS = [
     ("quantize_experts of an unknown format", lambda v: quantize_experts(torch.randn(3, 8, 32), "int4"), ValueError,
      "weight_format must be one of"),
     ("quantize_experts of a matrix", lambda v: quantize_experts(torch.randn(8, 32), "mxfp4"), ValueError,
-     r"w must be an expert stack \[E, N, K\]"),
+     r"w must be a non-empty expert stack \[E, N, K\]"),
     ("mxfp4.quantize with K=30", lambda v: mxfp4.quantize(torch.randn(4, 30)), ValueError, "multiple of 32"),
     ("mxfp4.quantize of NaN", lambda v: mxfp4.quantize(torch.full((1, 32), float("nan"))), ValueError, "NaN or Inf"),
     ("mxfp4.from_gpt_oss with 8-byte blocks", lambda v: mxfp4.from_gpt_oss(_t((4, 2, 8)), _t((4, 2))), ValueError,

@@ -148,3 +148,18 @@ def test_truncated_data_and_missing_shards_are_named(tmp_path):
         load_gpt_oss_layer(tmp_path / "index", 0)
     with pytest.raises(FileNotFoundError, match="nowhere: no such checkpoint file or directory"):
         load_gpt_oss_layer(tmp_path / "nowhere", 0)
+
+
+@pytest.mark.parametrize("config,why", [
+    ('{"num_experts_per_tok": 2.7}', "a float: int() truncated it to 2"),
+    ('{"num_experts_per_tok": "2"}', "a string: int() read it"),
+    ('{"num_experts_per_tok": null}', "null"),
+    ('{"num_experts_per_tok": 0}', "no expert per token"),
+    ('[2]', "not an object"),
+    ('{"num_experts_per_tok": 2', "not JSON"),
+])
+def test_a_config_with_a_bad_top_k_is_refused_naming_the_file(checkpoint, config, why):
+    path, _ = checkpoint
+    (path / "config.json").write_text(config)
+    with pytest.raises(ValueError, match="config.json"):
+        load_gpt_oss_layer(path, 0, dtype=torch.float32)

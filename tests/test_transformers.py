@@ -121,3 +121,26 @@ def test_a_models_dense_mlps_are_not_reported_as_moe_blocks():
     model = _with(_qwen3, mlp_only_layers=[0]).eval()  # layer 0 a dense Qwen3MoeMLP
     report = patch(model)
     assert [path for path, _ in report.replaced] == ["model.layers.1.mlp"] and not report.left_alone, report
+
+
+@pytest.mark.parametrize("make,block", MODELS, ids=[b for _, b in MODELS])
+def test_patched_blocks_report_router_logits(make, block):
+    # transformers records router logits with hooks on its router modules, which a patched block does not call:
+    # output_router_logits then failed in the auxiliary loss on an empty tuple
+    try:
+        model = make().eval()
+    except Exception as exc:
+        pytest.skip(f"cannot build {block}: {type(exc).__name__}: {exc}")
+    _randomize(model)
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        ref = model(ids, output_router_logits=True, labels=ids)
+        patch(model)
+        got = model(ids, output_router_logits=True, labels=ids)
+    if ref.router_logits is None:
+        pytest.skip(f"{block}'s model reports no router logits in this transformers")
+    assert len(got.router_logits) == len(ref.router_logits) == 2
+    for a, b in zip(got.router_logits, ref.router_logits):
+        check_close(f"{block} router logits", a, b, Tolerance(1e-4, 1e-5))
+    if getattr(ref, "aux_loss", None) is not None:
+        check_close(f"{block} auxiliary loss", got.aux_loss, ref.aux_loss, Tolerance(1e-4, 1e-5))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 moe = pytest.importorskip("transformers.integrations.moe")
@@ -125,6 +126,7 @@ def test_the_families_moekit_serves():
         assert not isinstance(plan, str) and plan[2] == activation, (family, plan)
 
 
+@torch.no_grad()
 def test_weights_are_used_as_stored_or_prepared_once():
     qwen = _experts_module("qwen3_moe", "Qwen3MoeExperts")
     w13, w2, _ = transformers_experts._plan(qwen)
@@ -266,3 +268,41 @@ def test_compiles_fullgraph_after_an_eager_call():
         torch._dynamo.reset()
         compiled = torch.compile(module, fullgraph=True, backend="eager")
         check_close("compiled", compiled(*args), eager, FP32)
+
+
+def test_a_replacement_weight_at_a_freed_address_is_prepared_again():
+    # the cache once knew a weight by its address, shape and version alone: a replacement allocated where the old
+    # one was freed (routine for CUDA's caching allocator) reused the old weights' transposed copy
+    oss = _experts_module("gpt_oss", "GptOssExperts")
+    args = _inputs(oss)
+    E, H, two_i = oss.gate_up_proj.shape
+    for _ in range(3):
+        _run(oss, NAME, *args)
+        oss._parameters["gate_up_proj"] = None  # freed: its replacement may land at the same address
+        oss.gate_up_proj = nn.Parameter(torch.randn(E, H, two_i) * 0.2)
+        check_close("gpt-oss after a replaced weight", _run(oss, NAME, *args), _run(oss, "eager", *args), FP32)
+
+
+def test_transposed_experts_pass_gradients_to_their_weights():
+    # gpt-oss's prepared copy is detached: with gradients asked, the parameters themselves (as views) must serve
+    oss = _experts_module("gpt_oss", "GptOssExperts")
+    x, ids, weights = _inputs(oss)
+    grads = {}
+    for impl in ("eager", NAME):
+        oss.zero_grad(set_to_none=True)
+        oss.config._experts_implementation = impl
+        oss(x, ids, weights).square().sum().backward()
+        grads[impl] = {n: p.grad for n, p in oss.named_parameters()}
+    for name, want in grads["eager"].items():
+        assert grads[NAME][name] is not None, f"no gradient reached {name}"
+        check_close(f"gpt-oss grad of {name}", grads[NAME][name], want, Tolerance(1e-4, 1e-5))
+
+
+def test_int64_ids_past_int32_are_no_expert():
+    # a cast wrapped 2**32 + 1 into expert 1; transformers' ids are int64
+    module = _experts_module("qwen3_moe", "Qwen3MoeExperts")
+    x, ids, weights = _inputs(module)
+    far, none = ids.clone(), ids.clone()
+    far[0, 0], none[0, 0] = 2 ** 32 + 1, module.num_experts  # the same: another rank's, or nobody's
+    module._is_expert_parallel = True
+    assert torch.equal(_run(module, NAME, x, far, weights), _run(module, NAME, x, none, weights))

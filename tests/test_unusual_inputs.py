@@ -3,11 +3,13 @@ expert maps and scale stacks, out= sharing memory with what the kernels read, Na
 casts of a layer that must keep its fp32 biases, and the reference's own reading of ids outside an expert map. CPU:
 the torch backend and the Triton kernels through the interpreter (fp16/fp32), against float64."""
 
+import warnings
+
 import pytest
 import torch
 
 import moekit
-from moekit import FusedMoE, presets, reference
+from moekit import FusedMoE, formats, presets, reference
 from moekit.experts import ExpertsLoRA, batched_experts, fused_experts
 from moekit.experts.configs import ExpertsConfig, GemmConfig
 from moekit.formats import quantize_experts
@@ -196,3 +198,77 @@ def test_torch_routing_returns_contiguous_routes_for_strided_logits():
     assert weights.is_contiguous() and ids.is_contiguous()
     ref_w, ref_ids = reference.route(logits.double(), 2, "softmax_topk")
     assert torch.equal(ids.long(), ref_ids)
+
+
+# ------------------------------------------------------------------ formats at their edges (host routines)
+def test_mxfp4_keeps_a_non_finite_block_nan_when_asked_to_let_it_through():
+    # check_finite=False promises NaN/Inf propagate: MXFP4 once gave a NaN block scale byte 0 (tiny finite weights)
+    # and an Inf block 2^0 (its raw codes); E8M0's NaN byte is the only scale that keeps them non-finite
+    x = torch.randn(3, 64)
+    x[0, 5], x[1, 40] = float("nan"), float("inf")
+    got = formats.dequantize(formats.mxfp4.quantize(x, check_finite=False), torch.float32)
+    assert got[0, :32].isnan().all() and got[1, 32:].isnan().all()
+    clean = formats.dequantize(formats.mxfp4.quantize(x[2:]), torch.float32)
+    assert torch.equal(got[0, 32:], formats.dequantize(formats.mxfp4.quantize(x[:1, 32:]), torch.float32)[0])
+    assert torch.equal(got[2:], clean)
+
+
+def test_an_nvfp4_expert_reads_its_own_row_of_global_scales():
+    # a per-row global scale [E, N]: expert() read flat element e of it, and so did the float64 reference
+    w = torch.randn(3, 4, 32)
+    q = formats.nvfp4.quantize(w, scale_dims=2)
+    whole = formats.dequantize(q, torch.float64)
+    for e in range(3):
+        assert torch.equal(formats.expert(q, e, torch.float64), whole[e])
+
+
+def test_nvfp4_of_tiny_values_stays_finite():
+    # below about 8e-36 the default global scale 2688 / amax was Inf: zeros, and NaN for all-zero blocks
+    x = torch.zeros(2, 32)
+    x[0, :16] = 1e-37
+    got = formats.dequantize(formats.nvfp4.quantize(x), torch.float32)
+    assert got.isfinite().all() and torch.equal(got[:, 16:], torch.zeros(2, 16)) and (got[0, :16] > 0).all()
+
+
+def test_the_reference_dequantizes_in_float64():
+    # MXFP4's two largest scale bytes put code 6 past float32's range: the float64 reference must not see Inf
+    data = torch.full((1, 1, 16), 0x77, dtype=torch.uint8)  # codes 7 (6.0) in both nibbles
+    w = formats.mxfp4.MXFP4Tensor(data, torch.full((1, 1, 1), 254, dtype=torch.uint8), (1, 1, 32))
+    got = formats.expert(w, 0, torch.float64)
+    assert got.isfinite().all() and got[0, 0] == 6.0 * 2.0 ** 127
+
+
+def test_batched_layout_with_no_capacity():
+    # M = 0 is a legal capacity (every pair dropped): pack_batched's view and combine_batched's gather failed
+    x, ids = torch.randn(5, 8), torch.randint(0, 3, (5, 2))
+    xb, counts, slot = moekit.layouts.pack_batched(x, ids, 3, 0)
+    assert xb.shape == (3, 0, 8) and torch.equal(counts, torch.zeros(3, dtype=torch.int32)) and (slot == -1).all()
+    out = moekit.layouts.combine_batched(xb, slot, torch.rand(5, 2))
+    assert torch.equal(out, torch.zeros(5, 8))
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, w: moekit.route(x @ w.T, 2, "softmax_topk", impl="triton"),
+    lambda x, w: moekit.router_gemm(x, w, tier="triton"),
+    lambda x, w: moekit.fused_router(x, w, top_k=2, method="softmax_topk", impl="fused"),
+], ids=["route", "router_gemm", "fused_router"])
+def test_routing_kernels_say_when_they_drop_gradients(monkeypatch, call):
+    # the Triton paths compute no gradients: a trainable router silently got none (the experts ops warned already)
+    _launchable("cpu")
+    from moekit import _checks
+
+    monkeypatch.setattr(_checks, "_WARNED_DETACHED", set())
+    x, w = torch.randn(5, 16), torch.randn(7, 16, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="compute no gradients"):
+        call(x, w)
+    with torch.no_grad(), warnings.catch_warnings():
+        monkeypatch.setattr(_checks, "_WARNED_DETACHED", set())
+        warnings.simplefilter("error", RuntimeWarning)
+        call(x, w)  # none asked: nothing to say
+
+
+def test_batched_experts_of_no_experts():
+    # a rank holding no experts: the torch backend failed to stack an empty list (the Triton one returned)
+    out = batched_experts(torch.randn(0, 4, 16), torch.zeros(0, dtype=torch.int32), torch.randn(0, 16, 16),
+                          torch.randn(0, 16, 8), backend="torch")
+    assert out.shape == (0, 4, 16)

@@ -7,6 +7,8 @@ checked: wrong strides, a rebound ``out``).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -60,6 +62,32 @@ def check_top_k(top_k, num_experts: int) -> None:
         raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+
+
+def int32_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Expert ids as int32 (no host sync): an int64 id past int32's range is no expert (-1), where a cast would
+    wrap it into a real expert's id."""
+    if ids.dtype == torch.int64:
+        int32 = torch.iinfo(torch.int32)
+        ids = torch.where((ids >= int32.min) & (ids <= int32.max), ids, -1)
+    return ids.to(torch.int32)
+
+
+_WARNED_DETACHED: set[str] = set()
+
+
+def warned_if_detached(op: str, advice: str, result, *inputs):
+    """``result`` (a tensor, or a tuple whose first one decides), after a RuntimeWarning, once per op, where gradients
+    were asked of inputs and its kernels dropped them: a Triton path computes none, and an output that silently does
+    not require grad would leave a trainer's parameters frozen."""
+    first = result[0] if isinstance(result, tuple) else result
+    if (torch.is_grad_enabled() and not first.requires_grad and op not in _WARNED_DETACHED
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+            and not torch.compiler.is_compiling()):
+        _WARNED_DETACHED.add(op)
+        warnings.warn(f"moekit's {op} ran kernels that compute no gradients: its output does not require grad; "
+                      f"run under torch.no_grad(), or {advice} to differentiate", RuntimeWarning, stacklevel=3)
+    return result
 
 
 def may_sync(t: torch.Tensor) -> bool:

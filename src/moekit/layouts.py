@@ -109,7 +109,7 @@ def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_
     xb = torch.zeros(num_experts * max_tokens, x.shape[1], dtype=x.dtype, device=x.device)
     rows = torch.arange(T, device=x.device).repeat_interleave(k)
     xb.index_copy_(0, slot[keep], x[rows[keep]])
-    return xb.view(num_experts, max_tokens, -1), counts, slot.view(T, k)
+    return xb.view(num_experts, max_tokens, x.shape[1]), counts, slot.view(T, k)  # (-1 is ambiguous at M = 0)
 
 
 def combine_batched(yb: torch.Tensor, slot: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -118,10 +118,13 @@ def combine_batched(yb: torch.Tensor, slot: torch.Tensor, topk_weights: torch.Te
     Dropped pairs (slot -1) contribute zero. Output dtype is yb's.
     """
     check_tensor("yb", yb, ndim=3)
-    check_tensor("slot", slot, ndim=2, device=yb.device)
+    check_tensor("slot", slot, ndim=2, dtypes=(torch.int32, torch.int64), device=yb.device)
+    check_tensor("topk_weights", topk_weights, device=yb.device)
     if topk_weights.shape != slot.shape:
         raise ValueError(f"topk_weights must have shape {tuple(slot.shape)}, got {tuple(topk_weights.shape)}")
     flat = yb.reshape(-1, yb.shape[-1])
+    if flat.shape[0] == 0:  # no capacity (M = 0): every pair was dropped, and there is no row to gather
+        flat = torch.zeros(1, yb.shape[-1], dtype=yb.dtype, device=yb.device)
     gathered = flat[slot.clamp(min=0)].float()                      # [T, k, H]
     w = torch.where(slot >= 0, topk_weights.float(), 0.0)
     return (gathered * w[..., None]).sum(dim=1).to(yb.dtype)

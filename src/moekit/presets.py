@@ -70,6 +70,11 @@ class MoESpec:
             raise ValueError(f"topk_groups ({self.topk_groups}) must be <= num_groups ({self.num_groups})")
         if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
             raise ValueError("the kept groups hold fewer experts than top_k")
+        # the other methods have no groups, bias or scaling (docs/semantics): kept, they would be dropped unseen
+        if self.routing != "sigmoid_grouped" and (self.num_groups != 1 or self.topk_groups != 1
+                                                  or self.routed_scaling_factor != 1.0 or self.correction_bias):
+            raise ValueError(f"num_groups, topk_groups, routed_scaling_factor and correction_bias apply only to "
+                             f"sigmoid_grouped routing, not {self.routing}")
 
     def routing_kwargs(self) -> dict:
         """Keyword arguments of :func:`moekit.route` for this layer (bias tensor excluded)."""

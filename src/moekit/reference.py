@@ -189,12 +189,12 @@ def _expert(e, rows, w13, w2, activation, w13_bias, w2_bias, lora=None, adapters
     each row's adapter terms (``adapters``: int [n], -1 none); ``rounded`` rounds both GEMM inputs first."""
     keep = rounded or (lambda t: t.to(F64))
     v = keep(rows)
-    h = v @ expert(w13, e).to(F64).T
+    h = v @ expert(w13, e, F64).to(F64).T  # (float64 from the codes: MXFP4's two largest scales leave float32)
     if w13_bias is not None:
         h = h + w13_bias[e].to(F64)
     h = h + _lora_term(lora, "w13", e, v, adapters)
     a = keep(ACTIVATION_FNS[activation](h))
-    y = a @ expert(w2, e).to(F64).T + _lora_term(lora, "w2", e, a, adapters)
+    y = a @ expert(w2, e, F64).to(F64).T + _lora_term(lora, "w2", e, a, adapters)
     return y if w2_bias is None else y + w2_bias[e].to(F64)
 
 

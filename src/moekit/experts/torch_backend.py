@@ -98,6 +98,8 @@ def batched_torch(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_b
                   act_quant=None, lora=None, lora_ids=None) -> None:
     """The torch backend of :func:`batched_experts`: valid rows computed, padding rows zero."""
     E, M = x.shape[0], x.shape[1]
+    if E == 0:  # no experts (an expert-parallel rank holding none): nothing to compute, and nothing to stack
+        return
     valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.long()[:, None]  # [E, M]
     # Rows of a GEMM are independent, so computing padding rows cannot touch valid ones; zeroing
     # them first keeps NaN padding out of the arithmetic altogether.

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from . import fp4, fp8, mxfp4, nvfp4
-from ._common import check_quantize_input
+from ._common import check_finite_values, check_quantize_input
 
 __all__ = ["FOUR_BIT_FORMATS", "FP8_ACTIVATION_FORMATS", "RECIPES", "WEIGHT_FORMATS", "dequantize", "expert", "format_of", "fp4", "fp8",
            "from_parts", "mxfp4", "nvfp4", "prepare", "quantize_experts", "recipe_format", "to_parts", "unprepare"]
@@ -112,21 +112,26 @@ def expert(w, e: int, dtype=None):
         return mxfp4.dequantize(one, dtype)[0]
     if isinstance(w, nvfp4.NVFP4Tensor):
         gs = w.global_scale
-        gs = gs.reshape(-1)[e].reshape(1, *([1] * (gs.dim() - 1))) if gs.numel() > 1 else gs
+        # leading dims of the stack's shape, or a scalar: expert e's slice where the first dim is E's
+        gs = gs[e:e + 1] if gs.dim() and gs.shape[0] == w.shape[0] and gs.shape[0] > 1 else gs
         one = nvfp4.NVFP4Tensor(w.data[e:e + 1], w.scales[e:e + 1], gs, (1, *w.shape[1:]), w.swizzled, w.layout)
         return nvfp4.dequantize(one, dtype)[0]
     raise TypeError(f"cannot take an expert of a {type(w).__name__}")
 
 
-def quantize_experts(w, weight_format: str):
+def quantize_experts(w, weight_format: str, *, check_finite: bool = True):
     """Expert stack [E, N, K] -> MXFP4Tensor, NVFP4Tensor with one global scale per expert, or
     FP8Tensor (128x128 blocks, per channel, or per tensor with one scale per expert); quantized one
-    expert at a time so fp32 temporaries stay one expert large (GPU-friendly)."""
+    expert at a time so fp32 temporaries stay one expert large (GPU-friendly). NaN/Inf raise ValueError
+    (a host sync: load-time use); with ``check_finite=False`` they propagate as each format's quantizer says."""
     recipe_format(weight_format)
-    if w.dim() != 3:
-        raise ValueError(f"w must be an expert stack [E, N, K], got shape {tuple(w.shape)}")
-    # checked here so the error names this function's argument, not the per-expert quantizer's
+    # checked here so the errors name this function's argument, not the per-expert quantizer's
     check_quantize_input("w", w, {"mxfp4": mxfp4.BLOCK, "nvfp4": nvfp4.BLOCK}.get(weight_format, 1), False)
+    if w.dim() != 3 or 0 in w.shape:
+        raise ValueError(f"w must be a non-empty expert stack [E, N, K], got shape {tuple(w.shape)}")
+    if check_finite:  # an expert at a time, as the quantizing: a whole stack's mask would be as large as its bytes
+        for e in range(w.shape[0]):
+            check_finite_values(f"w[{e}]", w[e])
     if weight_format.startswith("fp8"):
         quantize = {"fp8_block": fp8.quantize_blocks, "fp8_channel": fp8.quantize_per_channel,
                     "fp8_tensor": fp8.quantize_per_tensor}[weight_format]

@@ -9,6 +9,7 @@ from . import fp4
 from .fp4 import LAYOUTS
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+F32_MAX = torch.finfo(torch.float32).max
 
 
 def check_quantize_input(name: str, x: torch.Tensor, block: int, check_finite: bool) -> None:
@@ -16,9 +17,19 @@ def check_quantize_input(name: str, x: torch.Tensor, block: int, check_finite: b
     check_tensor(name, x, dtypes=FLOAT_INPUTS)
     if x.dim() < 1 or x.shape[-1] % block:
         raise ValueError(f"{name} must have a last dimension that is a multiple of {block}, got shape {tuple(x.shape)}")
-    if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
+    if check_finite:
+        check_finite_values(name, x)
+
+
+def check_finite_values(name: str, x: torch.Tensor) -> None:
+    """NaN/Inf, and float64 values past float32's range, refused (a host sync: load-time use)."""
+    if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} holds NaN or Inf: these have no 4/8-bit code with a block scale "
                          "(pass check_finite=False to let them propagate into the scales)")
+    # the quantizers work in float32: a float64 value past its range would become Inf there
+    if x.numel() and x.dtype == torch.float64 and bool(x.abs().amax() > F32_MAX):
+        raise ValueError(f"{name} holds values beyond float32's range (|x| > {F32_MAX:.4g}), which the "
+                         "quantizers compute in")
 
 
 def blocks(x: torch.Tensor, block: int) -> torch.Tensor:

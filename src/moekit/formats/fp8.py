@@ -38,7 +38,8 @@ class FP8Tensor:
         if self.granularity == "tensor":
             # one scale, or one per expert of a stack [E, ...] (as [E] or [E, 1, ...])
             per_expert = len(shape) >= 1 and len(scale) >= 1 and scale[0] == shape[0] and all(d == 1 for d in scale[1:])
-            if self.scale.numel() != 1 and not per_expert:
+            # (more dims than the data would broadcast the data up to them)
+            if len(scale) > len(shape) or (self.scale.numel() != 1 and not per_expert):
                 raise ValueError(f"FP8Tensor.scale of granularity 'tensor' must hold one value, or one per expert "
                                  f"({shape[0] if shape else 1},) for data {shape}, got shape {scale}")
             return

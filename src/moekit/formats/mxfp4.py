@@ -64,12 +64,17 @@ def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, *, check_finite: bool = True) -> MXFP4Tensor:
-    """x [..., K] (K % 32 == 0) -> MXFP4Tensor. NaN/Inf raise ValueError."""
+    """x [..., K] (K % 32 == 0) -> MXFP4Tensor. NaN/Inf raise ValueError (with ``check_finite=False``, a block
+    holding one gets the NaN scale byte)."""
     check_quantize_input("x", x, BLOCK, check_finite)
     xb = blocks(x.float(), BLOCK)
-    e = scale_exponents(xb.abs().amax(dim=-1, keepdim=True))
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    e = scale_exponents(amax)
     codes = fp4.encode(torch.ldexp(xb, -e)).reshape(x.shape)   # x / 2^e exactly
-    return MXFP4Tensor(fp4.pack(codes), (e + BIAS).squeeze(-1).to(torch.uint8), tuple(x.shape))
+    # (check_finite=False) a block holding NaN or Inf has no power-of-two scale: E8M0's NaN byte keeps it NaN,
+    # where any finite byte would turn it into finite weights
+    scales = torch.where(torch.isfinite(amax), e + BIAS, NAN_SCALE).squeeze(-1).to(torch.uint8)
+    return MXFP4Tensor(fp4.pack(codes), scales, tuple(x.shape))
 
 
 def dequantize(t: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

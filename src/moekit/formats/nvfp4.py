@@ -15,8 +15,8 @@ import torch
 
 from .._checks import check_tensor, tensor_version
 from . import fp4
-from ._common import (PackedCodes, blocks, check_block_multiple, check_field, check_format, check_layout,
-                      check_quantize_input, shape_tuple)
+from ._common import (F32_MAX, PackedCodes, blocks, check_block_multiple, check_field, check_format,
+                      check_layout, check_quantize_input, shape_tuple)
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -89,7 +89,8 @@ def default_global_scale(x: torch.Tensor, scale_dims: int = 0) -> torch.Tensor:
     if flat.shape[-1] == 0:  # torch's amax refuses an empty reduction; an empty tensor holds no zeros to scale
         return torch.ones(flat.shape[:-1], dtype=torch.float32, device=x.device)
     amax = flat.amax(dim=-1)
-    return torch.where(amax > 0, E4M3_MAX * fp4.MAX / amax, torch.ones_like(amax))
+    # below about 8e-36 the quotient leaves float32: clamped, tiny blocks keep finite scales (Inf made 0 * Inf NaN)
+    return torch.where(amax > 0, (E4M3_MAX * fp4.MAX / amax).clamp(max=F32_MAX), torch.ones_like(amax))
 
 
 def quantize(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, swizzled: bool = False, *,
@@ -110,6 +111,8 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, 
         if gs.dim() >= x.dim() or tuple(gs.shape) != tuple(x.shape[:gs.dim()]):
             raise ValueError(f"global_scale must be a scalar or have the leading shape of x {tuple(x.shape)}, "
                              f"got shape {tuple(gs.shape)}")
+        if gs.numel() and not bool((torch.isfinite(gs) & (gs > 0)).all()):  # (a host sync: load-time use)
+            raise ValueError("global_scale must be finite and > 0: the weights are divided by it")
     xb = blocks(x.float(), BLOCK)                                   # [..., K/16, 16]
     gsb = _expand(gs, xb.dim())
     amax_b = xb.abs().amax(dim=-1, keepdim=True)

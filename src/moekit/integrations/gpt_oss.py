@@ -89,9 +89,18 @@ def _check_scales(name: str, scales: torch.Tensor, nan_scales: str) -> None:
 
 def _top_k(source: Path, default: int) -> int:
     config = (source if source.is_dir() else source.parent) / "config.json"
-    if config.exists():
-        return int(json.loads(config.read_text()).get("num_experts_per_tok", default))
-    return default
+    if not config.exists():
+        return default
+    try:
+        fields = json.loads(config.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config} is not valid JSON: {exc}") from exc
+    top_k = fields.get("num_experts_per_tok", default) if isinstance(fields, dict) else None
+    # int() would truncate 2.7 and read "2": a config that says either is not one to guess from
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"{config}: num_experts_per_tok must be an int >= 1, got {top_k!r}"
+                         if isinstance(fields, dict) else f"{config} must hold a JSON object")
+    return top_k
 
 
 def load_gpt_oss_layer(source: str | Path, layer_index: int, *, keep_mxfp4: bool = True,

@@ -53,12 +53,28 @@ class MoekitBlock(nn.Module):
         object.__setattr__(self, "original", original)  # kept for unpatch, not a submodule (no double weights)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        collected = _router_logits_collector()
+        if collected is not None:  # output_router_logits: what the replaced router module reported (its output 0)
+            collected.append(self.moe.gate(hidden_states.reshape(-1, self.moe.spec.hidden_size)))
         out = self.moe(hidden_states)
         if self.returns_router_scores:  # GptOssMLP's contract: (hidden_states, router_scores)
             spec = self.moe.spec
             weights, _ = self.moe.route(hidden_states.reshape(-1, spec.hidden_size))
             return out, weights.to(hidden_states.dtype)
         return out
+
+
+def _router_logits_collector() -> list | None:
+    """The list transformers collects router logits into while a call asks for them (``output_router_logits``),
+    else None. transformers records them with forward hooks on its router modules, which a patched block no longer
+    calls (its auxiliary loss then failed on an empty tuple): the block appends its own, fp32 logits [T, E]. The
+    collector is transformers' own context variable (utils/output_capturing); a version without it collects none."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    collected = _active_collector.get()
+    return collected.get("router_logits") if isinstance(collected, dict) else None
 
 
 def _spec(name, cfg, hidden, inter, experts, **kw) -> MoESpec:

@@ -32,11 +32,12 @@ by transformers' own ``grouped_mm`` forward, with one warning per class saying w
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
 
-from .._checks import tensor_version
+from .._checks import int32_ids, tensor_version
 from ..experts import ExpertsLoRA, fused_experts
 from ..reference import ACTIVATION_FNS
 from .peft import active_factors
@@ -65,7 +66,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         return _fallback(self, plan)(self, hidden_states, top_k_index, top_k_weights)
     w13, w2, activation = plan
     lora = _peft_lora(self)
-    return fused_experts(hidden_states, w13, w2, top_k_weights.float(), top_k_index.int(), activation=activation,
+    return fused_experts(hidden_states, w13, w2, top_k_weights.float(), int32_ids(top_k_index), activation=activation,
                          w13_bias=self.gate_up_proj_bias if self.has_bias else None,
                          w2_bias=self.down_proj_bias if self.has_bias else None, lora=lora,
                          lora_ids=None if lora is None else hidden_states.new_zeros(hidden_states.shape[0],
@@ -116,11 +117,21 @@ def _plan(module: nn.Module):
         return cache.plan if cache is not None else _build_plan(module, module.gate_up_proj, module.down_proj)
     # stored weights: a PEFT adapter's factors, if any, run beside them (never folded in)
     gate_up, down = active_factors(module, "gate_up_proj")[0], active_factors(module, "down_proj")[0]
+    if (getattr(module, "is_transposed", False) and torch.is_grad_enabled()
+            and any(isinstance(w, torch.Tensor) and w.requires_grad and w.device.type == "cpu" for w in (gate_up, down))):
+        # gradients asked on the CPU, where moekit's torch backend computes them: the prepared copy is detached, so
+        # views of the parameters serve instead. (On a GPU the kernels compute none and the experts op says so: a
+        # view there would cost a copy of the stack per call.)
+        return _build_plan(module, gate_up, down, keep_graph=True)
     key = (_identity(gate_up), _identity(down))
-    if cache is not None and cache.key == key and None not in key:
+    # a freed weight's address may hold its replacement, of the same shape and version: the tensors themselves
+    # (by weak reference, so that the cache keeps no replaced weight alive) must be the ones the plan was made of
+    if (cache is not None and cache.key == key and None not in key
+            and cache.sources[0]() is gate_up and cache.sources[1]() is down):
         return cache.plan
     plan = _build_plan(module, gate_up, down)
-    module.__dict__["_moekit_plan"] = _PlanCache(key, plan)
+    sources = None if None in key else (weakref.ref(gate_up), weakref.ref(down))  # (a key with None never serves)
+    module.__dict__["_moekit_plan"] = _PlanCache(key, plan, sources)
     return plan
 
 
@@ -134,8 +145,8 @@ class _PlanCache:
     """A module's plan, beside its state: not a buffer, not copied with the module, never saved (a transposed
     stack's copy is prepared again where the module lands)."""
 
-    def __init__(self, key, plan):
-        self.key, self.plan = key, plan
+    def __init__(self, key, plan, sources=None):
+        self.key, self.plan, self.sources = key, plan, sources
 
     def __deepcopy__(self, memo):
         return None
@@ -152,7 +163,7 @@ def _identity(t):
     return t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), version
 
 
-def _build_plan(module, gate_up, down):
+def _build_plan(module, gate_up, down, keep_graph: bool = False):
     if not getattr(module, "has_gate", False) or gate_up is None:
         return "its experts have no gate (moekit's are gated: silu_and_mul, swiglu_oai)"
     if getattr(module, "has_post_expert_norm", False):
@@ -164,6 +175,8 @@ def _build_plan(module, gate_up, down):
     if activation is None:
         return f"its gate function ({type(module).__name__}._apply_gate) is neither silu_and_mul nor gpt-oss's swiglu"
     if getattr(module, "is_transposed", False):
+        if keep_graph:
+            return gate_up.transpose(1, 2), down.transpose(1, 2), activation
         with torch.no_grad():  # moekit's layout, once: the copy is the prepared weight, not a parameter
             return gate_up.detach().transpose(1, 2).contiguous(), down.detach().transpose(1, 2).contiguous(), activation
     return gate_up, down, activation

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import _invariant, _triton
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_out, check_shape, check_tensor
+from .._checks import check_disjoint, check_out, check_shape, check_tensor, warned_if_detached
 from . import gate_case
 from . import tiers as router_tiers
 from .options import RoutingOptions, empty_routes
@@ -126,9 +126,8 @@ def router_gemm(
                 out2 = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=weight.device)
             if x2.shape[0]:
                 _gemm_decided(decided, x2, weight, None if bias is None else bias.contiguous(), out2)
-            if out is not None:
-                return out
-            return out2 if x.dim() == 2 else out2.view(*x.shape[:-1], weight.shape[0])
+            return warned_if_detached("router_gemm", "tier='torch'", out if out is not None else (
+                out2 if x.dim() == 2 else out2.view(*x.shape[:-1], weight.shape[0])), x, weight, bias)
     args = _validate_gemm(x, weight, bias, lora)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
@@ -146,7 +145,8 @@ def router_gemm(
         torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
     else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
         _CHECKED_GEMMS.put(key, _gemm(args, out2, tier, prepare=key is not None))
-    return out if out is not None else out2.view(out_shape)
+    return warned_if_detached("router_gemm", "tier='torch'", out if out is not None else out2.view(out_shape), x,
+                              weight, bias, *_lora_parts(lora)[:2])
 
 
 # A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> (tier, the
@@ -271,17 +271,20 @@ def fused_router(
             opts, fused, prepared = decided
             x2 = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
             b, c = None if bias is None else bias.contiguous(), None if corr is None else corr.contiguous()
+            routes = None
             if not fused:  # router_gemm + route as decided: logits, then their routes
                 gemm, route = prepared
                 logits = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32, device=weight.device)
                 if x2.shape[0]:
                     _gemm_decided(gemm, x2, weight, b, logits)
-                return route_decided(logits, c, route)
-            if prepared is not None:
+                routes = route_decided(logits, c, route)
+            elif prepared is not None:
                 routes = empty_routes(x2.shape[0], top_k, weight.device)
-                if prepared(x2, weight, b, corr_bias=c, topk_weights=routes[0], topk_ids=routes[1]):
-                    return routes
-            return _fused_router_run(_GemmArgs(x2, weight, b, None), opts, c, fused)[0]
+                if not prepared(x2, weight, b, corr_bias=c, topk_weights=routes[0], topk_ids=routes[1]):
+                    routes = None
+            if routes is None:
+                routes = _fused_router_run(_GemmArgs(x2, weight, b, None), opts, c, fused)[0]
+            return warned_if_detached("fused_router", _NO_GRAD_ADVICE, routes, x, weight, bias, corr)
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
@@ -305,8 +308,11 @@ def fused_router(
         fused = _fused_router_choice(args, opts, corr_bias, impl)
         routes, prepared = _fused_router_run(args, opts, corr_bias, fused, prepare=key is not None)
         _CHECKED_ROUTERS.put(key, (opts, fused, prepared))
-    return record(routes, record_ids)
+    return warned_if_detached("fused_router", _NO_GRAD_ADVICE, record(routes, record_ids), x, weight, bias, corr_bias,
+                              *_lora_parts(lora)[:2])
 
+
+_NO_GRAD_ADVICE = "router_gemm(tier='torch') then route(impl='torch')"
 
 # fused_router: signature -> (routing options, whether the fused kernel serves, its launch made ready to repeat; or
 # where it does not serve, router_gemm's decision (_gemm) and route's (topk.route_deciding))

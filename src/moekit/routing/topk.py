@@ -10,7 +10,7 @@ import torch
 
 from .. import _triton, reference
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_tensor, check_top_k
+from .._checks import check_disjoint, check_tensor, check_top_k, int32_ids, warned_if_detached
 from ..presets import ROUTING_METHODS
 from . import gate_case
 from .options import RoutingOptions, empty_routes
@@ -50,8 +50,10 @@ def validate_routing(
                 f"top_k={top_k} exceeds the {topk_groups * (num_experts // num_groups)} experts "
                 f"in the kept groups (topk_groups={topk_groups} x group size {num_experts // num_groups})"
             )
-    elif correction_bias is not None or num_groups != 1 or topk_groups != 1:
-        raise ValueError(f"correction_bias, num_groups and topk_groups apply only to sigmoid_grouped, not {method}")
+    elif correction_bias is not None or num_groups != 1 or topk_groups != 1 or scaling != 1.0:
+        # (scaling was once accepted here and dropped: weights a routed scaling factor too small, unseen)
+        raise ValueError(f"correction_bias, num_groups, topk_groups and scaling apply only to sigmoid_grouped, "
+                         f"not {method}")
     if correction_bias is not None:
         check_tensor("correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES, device=device)
         if correction_bias.shape[0] != num_experts:
@@ -102,7 +104,8 @@ def route(
                                      (top_k, method, renormalize, num_groups, topk_groups, scaling, impl))
         decided = _CHECKED_ROUTES.get(key)
         if decided is not None:  # this signature's checks passed and its implementation was chosen (moekit._calls)
-            return route_decided(logits, correction_bias, decided)
+            return warned_if_detached("route", "impl='torch'", route_decided(logits, correction_bias, decided), logits,
+                                      correction_bias)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     opts = validate_routing(
         logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
@@ -113,11 +116,12 @@ def route(
     if replay_ids is not None:
         return record(replay(logits, replay_ids, opts), record_ids)
     if key is None:  # routing replay, recording, or torch.compile tracing
-        return record(_route_run(logits, opts, correction_bias, _route_choice(logits, opts, correction_bias, impl)),
-                      record_ids)
-    routes, decided = route_deciding(logits, opts, correction_bias, impl)
-    _CHECKED_ROUTES.put(key, decided)
-    return routes
+        routes = record(_route_run(logits, opts, correction_bias, _route_choice(logits, opts, correction_bias, impl)),
+                        record_ids)
+    else:
+        routes, decided = route_deciding(logits, opts, correction_bias, impl)
+        _CHECKED_ROUTES.put(key, decided)
+    return warned_if_detached("route", "impl='torch'", routes, logits, correction_bias)
 
 
 # signature -> (routing options, whether the Triton kernel serves it, its launch made ready to repeat or None)
@@ -170,10 +174,8 @@ def replay(logits: torch.Tensor, ids: torch.Tensor, opts: RoutingOptions) -> tup
     """(weights fp32 [T, k], ids int32 [T, k]) for given ids: :func:`moekit.reference.route_weights` itself (as
     the torch routing path serves :func:`moekit.reference.route`): torch ops, static shapes, no host sync."""
     weights = reference.route_weights(logits, ids, opts.method, renormalize=opts.renormalize, scaling=opts.scaling)
-    if ids.dtype == torch.int64:  # ids past int32 (no expert, weight 0) returned as -1, not wrapped into valid ones
-        int32 = torch.iinfo(torch.int32)
-        ids = torch.where((ids >= int32.min) & (ids <= int32.max), ids, -1)
-    return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
+    # ids past int32 (no expert, weight 0) returned as -1, not wrapped into valid ones
+    return weights.to(torch.float32).contiguous(), int32_ids(ids).contiguous()
 
 
 def record(routes: tuple[torch.Tensor, torch.Tensor], record_ids) -> tuple[torch.Tensor, torch.Tensor]:
