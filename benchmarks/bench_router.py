@@ -20,13 +20,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from moekit import presets, reference  # noqa: E402
-from moekit.tools.bench.timing import environment, graph_time_us  # noqa: E402
+from moekit.tools.bench.timing import COPY_BW, copy_rate_words, environment, graph_time_us  # noqa: E402
 from moekit.routing.router import fused_router, router_gemm  # noqa: E402
 from moekit.metrics import routes_agree, separable_tokens  # noqa: E402
 
 PRESETS = ["gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "kimi-k2", "qwen3-30b-a3b"]
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
-COPY_BW = 4.2e12  # measured device-to-device copy, bytes read + written per second (gpu.md)
 
 
 def torch_routing(logits, spec, corr_bias):
@@ -197,7 +196,7 @@ def markdown(records, env, cross):
              "on 20 layers' weights; us per call (median replay / 20). fused_router (auto) is what the default call",
              "ran with the package's table at the time; 'fused kernel' and 'GEMM + route' are its two paths forced.",
              "GateLinear = the tier the measured crossover table (below) picks, timed in this run. Floor = bytes of",
-             "weights + input + fp32 logits at the 4.2 TB/s copy rate (decode sizes are launch- and latency-bound).",
+             f"weights + input + fp32 logits at {copy_rate_words(env)} (decode sizes are launch- and latency-bound).",
              "Agreement = fraction of tokens whose expert set equals float64's (one layer's random input); 'separable'",
              "counts only tokens whose k-th/(k+1)-th score gap exceeds 1e-4 max|logit| (the issue's criterion).", "",
              "| preset | T | " + " | ".join(h for h, _ in cols) + " |",

@@ -41,3 +41,26 @@ def test_the_check_sees_unwritten_output():
     c = fp.gemm_case(2, 2, 128, 128, torch.device("cpu"))
     c["out"].fill_(float("nan"))
     assert fp.reference_error(c, block_expert) == float("inf")
+
+
+@pytest.mark.parametrize("product,block_n", [("scaled", 128), ("accumulated", 256)])
+def test_fp8_loop_probe_kernel(product, block_n):
+    # the probe's scaled loop is moekit's promotion; accumulating without scales is the same product on unit scales
+    if not _triton.can_launch(torch.device("cpu")):
+        pytest.skip("no Triton launch here")
+    from _fp8_pipeline_kernels import fp8_loop_probe_kernel
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_expert = torch.tensor([1, 0, 1], dtype=torch.int32)
+    c = fp.gemm_case(2, 3, 256, 256, torch.device("cpu"))
+    if product == "accumulated":
+        c["a_scale"].fill_(1.0)
+        c["w_scale"].fill_(1.0)
+    c["out"].fill_(float("nan"))
+    a_desc = TensorDescriptor.from_tensor(c["a"], [128, 128])
+    w_desc = TensorDescriptor.from_tensor(c["w"].view(-1, 256), [block_n, 128])
+    fp8_loop_probe_kernel[(3 * (256 // block_n),)](
+        c["a"], c["a_scale"], c["w"], c["w_scale"], block_expert, c["out"], a_desc, w_desc, 3, 2, 384, 256, 256,
+        BLOCK_M=128, BLOCK_N=block_n, GROUP_M=8, STAGES=2, WARP_SPECIALIZE=False, DEVICE_DESC=False, PRODUCT=product,
+        num_warps=4)
+    assert fp.reference_error(c, block_expert, blocks=range(3)) < TOL

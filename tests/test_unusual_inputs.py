@@ -177,7 +177,7 @@ def test_moving_a_gate_carries_its_lora(device):
     assert gate.lora.a.dtype == torch.float16 and gate.lora.a.device.type == device
     assert gate.lora.b.dtype == torch.float32 and gate.lora.b.device.type == device and gate.lora.scale == 0.5
     x = torch.randn(9, 64, device=device).half()
-    want = reference.router_logits(x, gate.weight, None, a.half(), b, 0.5)
+    want = reference.router_logits(x, gate.weight, None, a.half().to(device), b.to(device), 0.5)
     check_close("moved gate with LoRA", gate(x), want, Tolerance(2e-3, 1e-3))
 
 

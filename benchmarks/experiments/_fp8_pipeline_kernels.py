@@ -49,3 +49,37 @@ def fp8_grouped_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, block_expert_ptr,
         sw = tl.load(w_scales + step)
         acc += part * (sa * sw)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def fp8_loop_probe_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, block_expert_ptr, out_ptr, a_desc, w_desc,
+                          num_blocks, num_experts, M, N, K,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                          WARP_SPECIALIZE: tl.constexpr, DEVICE_DESC: tl.constexpr, PRODUCT: tl.constexpr):
+    """fp8_grouped_kernel's TMA loop with what each step does to the product as a switch (fp8_loop_probe.py), to
+    find what limits it: PRODUCT "scaled" (the promotion with both scales, as moekit's; BLOCK_N <= 128, one
+    weight scale per tile and step), "unscaled" (promoted, no scales: wrong numbers, timing only) or "accumulated"
+    (tl.dot into the accumulator, no promotion: the loop's ceiling; BLOCK_N may be 256). DEVICE_DESC: descriptors made in
+    the kernel (tl.make_tensor_descriptor) instead of on the host."""
+    if DEVICE_DESC:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, GROUP])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * N, K], strides=[K, 1],
+                                           block_shape=[BLOCK_N, GROUP])
+    pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_steps = K // GROUP
+    a_scales = a_scale_ptr + rows.to(tl.int64) * k_steps
+    w_scales = w_scale_ptr + (expert * (N // GROUP) + (pid_n * BLOCK_N) // GROUP) * k_steps
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in tl.range(0, k_steps, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
+        a = a_desc.load([pid_m * BLOCK_M, step * GROUP])
+        w = w_desc.load([(expert * N + pid_n * BLOCK_N).to(tl.int32), step * GROUP])
+        if PRODUCT == "accumulated":
+            acc = tl.dot(a, w.T, acc)
+        elif PRODUCT == "unscaled":
+            acc += tl.dot(a, w.T)
+        else:
+            acc += tl.dot(a, w.T) * (tl.load(a_scales + step) * tl.load(w_scales + step))[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(tl.bfloat16))

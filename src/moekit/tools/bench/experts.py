@@ -35,7 +35,7 @@ from ...experts import fused_experts
 from ...metrics import rel_errors
 from .. import _argtypes
 from . import sglang_peer
-from .timing import eager_time_us, environment, graph_time_us
+from .timing import COPY_BW, copy_rate_words, eager_time_us, environment, graph_time_us
 
 PRESETS = ["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"]
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -48,7 +48,6 @@ PEER_PACKAGES = {  # peer: (module it imports, distribution, how to install it)
     "liger": ("liger_kernel", "liger-kernel", BENCH_EXTRA),
     "sglang": ("sglang", "sglang", sglang_peer.INSTALL),
 }
-COPY_BW = 4.2e12  # bytes/s, device-to-device copy counting read + write (H200, measured)
 MAX_PEER_BYTES = 40e9  # a peer whose working set exceeds this is reported as out of memory, not run
 
 
@@ -461,7 +460,7 @@ def markdown(records, env, rate, impl_names, skipped=None, versions=None):
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. bf16, uniform random routing.",
              "us per fused_experts call (alignment and combine included). CUDA-graph replay: T <= 64 a graph of 8",
              f"calls over {layers} layers' weights (replay / 8), above one call per graph; `(e)` = eager (cannot be",
-             "captured). floor = max(bytes of the distinct experts hit + x + out at 4.2 TB/s, FLOPs at the",
+             f"captured). floor = max(bytes of the distinct experts hit + x + out at {copy_rate_words(env)}, FLOPs at the",
              f"bf16 matmul rate measured in {_rate_words(rate)}). x floor = moekit / floor."]
     if versions:
         lines.append("Peer versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".")

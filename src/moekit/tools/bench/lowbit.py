@@ -6,7 +6,7 @@ E4M3 for FP8 tensor cores), checked against its own reference. Also `moekit benc
 Cases: each preset in its checkpoint format by default (gpt-oss in MXFP4, qwen3 in NVFP4,
 DeepSeek-V3 / Kimi-K2 in FP8 128x128 blocks as W8A8), or one format for all. Timing as the
 experts benchmark (CUDA-graph replay; 8 calls over 4 layers for T <= 64, 2 layers for 256
-experts). Floors: the low-bit bytes of the distinct experts hit (codes + scales) at 4.2 TB/s, or
+experts). Floors: the low-bit bytes of the distinct experts hit (codes + scales) at 4.2 TB/s (timing.COPY_BW), or
 the FLOPs at the measured bf16 rate (FP8: twice it), whichever is larger. Accuracy per row:
 against float64 on the dequantized weights (W8A8: and E4M3-rounded activations), and (reported,
 not gated) against the unquantized bf16 layer.
@@ -25,8 +25,9 @@ from ... import presets, reference
 from ...experts import fused_experts
 from ...formats import dequantize, prepare, quantize_experts
 from ...metrics import rel_errors
-from .experts import (COPY_BW, Progress, _gen, _torch_grouped_mm, make_cases, matmul_rate, reseed, save,
-                      script_main, time_impl)
+from .experts import (Progress, _gen, _torch_grouped_mm, make_cases, matmul_rate, reseed, save, script_main,
+                      time_impl)
+from .timing import COPY_BW, copy_rate_words
 
 FORMATS = ("mxfp4", "nvfp4", "fp8_block", "fp8_channel")
 
@@ -163,7 +164,8 @@ def _lowbit_table(records, env, rate, cols) -> list[str]:
     lines = [f"# Low-bit experts benchmark ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}. us per call, CUDA-graph replay; 4-bit codes prepared "
              f"as FusedMoE keeps them (formats.prepare). bf16 matmul rate {rate / 1e12:.0f} TFLOP/s. lowbit floor = "
-             "max(packed bytes + scales of the experts hit at 4.2 TB/s, FLOPs at the bf16 rate (FP8: twice it)).", "",
+             f"max(packed bytes + scales of the experts hit at {copy_rate_words(env)}, FLOPs at the bf16 rate "
+             "(FP8: twice it)).", "",
              "| preset | format | T | " + " | ".join(cols) + " | bf16 / lowbit | lowbit floor us | x floor | err vs dequant | err vs bf16 |",
              "|---|---|---|" + "---|" * (len(cols) + 5)]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731

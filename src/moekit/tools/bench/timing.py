@@ -8,6 +8,7 @@ timings of small kernels measure the timer, not the kernel.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -77,6 +78,37 @@ def kernel_times_us(fn: Callable[[], object], calls: int = 10, warmup: int = 3) 
             if ev.device_time_total > 0]
 
 
+# The memory floors' rate: the H200's device-to-device copy, bytes read + written per second (shared/reference/gpu.md).
+# The issues' targets are stated against it, so every table's floors use it; each run also measures its own GPU's
+# copy (copy_rate, in the header): on another GPU the floors are that GPU's only after scaling by the two.
+COPY_BW = 4.2e12
+
+
+@functools.lru_cache(maxsize=None)
+def copy_rate() -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB here, read + written, measured once per process."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    us = eager_time_us([lambda: dst.copy_(src)], reps=10)
+    return 2 * src.numel() * src.element_size() / (us * 1e-6)
+
+
+def _copy_rate_if_room() -> float | None:
+    """copy_rate() on a GPU with 2 GiB free for it (a run near the memory's end writes its results without it)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return copy_rate()
+    except torch.cuda.OutOfMemoryError:
+        return None
+
+
+def copy_rate_words(env: dict) -> str:
+    """A header's words for the memory floors' rate, and the copy rate the run measured where it did."""
+    rate = env.get("copy_rate")
+    return f"{COPY_BW / 1e12:.1f} TB/s (the H200's copy rate{f'; this run measured {rate / 1e12:.2f}' if rate else ''})"
+
+
 def environment() -> dict:
     """GPU, versions and date for result files."""
     import datetime
@@ -91,6 +123,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
+        **({"copy_rate": rate} if (rate := _copy_rate_if_room()) else {}),
     }
 
 

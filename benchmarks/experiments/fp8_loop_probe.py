@@ -1,0 +1,109 @@
+"""What limits DeepSeek-V3's FP8 block-scaled GEMM1 loop at T=4096 (GPU; issue 28, item 4)?
+
+fp8_pipeline.py found the loop at about a third of the dense FP8 rate with any load pipeline, and its warp-specialized
+variants never finished. This probe runs fp8_loop_probe_kernel (_fp8_pipeline_kernels.py) over the same aligned
+128-row blocks with one thing changed at a time: the product promoted with its scales (moekit's), promoted without
+them, or accumulated in the tensor cores' accumulator (no promotion: the ceiling of the loop itself); host or device
+TMA descriptors; Triton's warp specialization on or off; 128 or 256 columns. Each variant runs in a subprocess of
+its own with a time limit, since a warp-specialized build that deadlocks cannot be interrupted from Python; the
+scaled variants are checked against float64 (as fp8_pipeline.py does) before they are timed.
+
+    python benchmarks/experiments/fp8_loop_probe.py --out $OUT            (about 90 s on an H100)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {  # name: (BLOCK_N, num_warps, stages, warp-specialized, device descriptors, product)
+    "scaled 128 w8 s4": (128, 8, 4, False, False, "scaled"),
+    "scaled 128 w8 s4 device-desc": (128, 8, 4, False, True, "scaled"),
+    "scaled 128 w4 s3 ws": (128, 4, 3, True, False, "scaled"),
+    "scaled 128 w4 s3 ws device-desc": (128, 4, 3, True, True, "scaled"),
+    "unscaled 128 w8 s4": (128, 8, 4, False, False, "unscaled"),
+    "unscaled 128 w4 s3 ws device-desc": (128, 4, 3, True, True, "unscaled"),
+    "unscaled 256 w8 s4": (256, 8, 4, False, False, "unscaled"),
+    "accumulated 128 w8 s4": (128, 8, 4, False, False, "accumulated"),
+    "accumulated 256 w8 s4": (256, 8, 4, False, False, "accumulated"),
+}
+
+
+def one(variant: str, T: int) -> dict:
+    """Run one variant in this process: its time, rate and (scaled) error."""
+    import torch
+    import triton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _fp8_pipeline_kernels import fp8_loop_probe_kernel
+    from fp8_pipeline import GROUP_M, aligned_blocks, fp8_rate_tflops, gemm_case, reference_error
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from moekit import presets
+    from moekit.tools.bench.timing import graph_time_us
+
+    bn, warps, stages, ws, device_desc, product = VARIANTS[variant]
+    spec = presets.get("deepseek-v3")
+    block_expert = aligned_blocks(spec, T, 128, "cuda")
+    n, k = 2 * spec.intermediate_size, spec.hidden_size
+    c = gemm_case(spec.num_experts, block_expert.numel(), n, k, "cuda")
+    if device_desc:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    a_desc = TensorDescriptor.from_tensor(c["a"], [128, 128])
+    w_desc = TensorDescriptor.from_tensor(c["w"].view(-1, k), [bn, 128])
+    grid = (block_expert.numel() * triton.cdiv(n, bn),)
+
+    def launch():
+        fp8_loop_probe_kernel[grid](c["a"], c["a_scale"], c["w"], c["w_scale"], block_expert, c["out"], a_desc, w_desc,
+                                    block_expert.numel(), spec.num_experts, c["a"].shape[0], n, k, BLOCK_M=128,
+                                    BLOCK_N=bn, GROUP_M=GROUP_M, STAGES=stages, WARP_SPECIALIZE=ws,
+                                    DEVICE_DESC=device_desc, PRODUCT=product, num_warps=warps)
+
+    rec = {"variant": variant, "T": T}
+    c["out"].fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+    if product == "scaled":
+        rec["max_rel_err"] = reference_error(c, block_expert)
+    rec["us"] = graph_time_us([launch], replays=20)
+    flops = 2 * T * spec.top_k * n * k
+    rec["tflops"] = flops / rec["us"] / 1e6
+    rec["of_fp8_rate"] = rec["tflops"] / fp8_rate_tflops(flops, "cuda")
+    return rec
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--limit", type=float, default=50.0, help="seconds a variant may take before it counts as hung")
+    p.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.tokens)))
+        return
+    records = []
+    for variant in VARIANTS:
+        t0 = time.time()
+        try:
+            done = subprocess.run([sys.executable, __file__, "--one", variant, "--tokens", str(args.tokens)],
+                                  capture_output=True, text=True, timeout=args.limit)
+            lines = done.stdout.strip().splitlines()
+            rec = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+                "variant": variant, "error": done.stderr.strip().splitlines()[-1][:200] if done.stderr else "no output"}
+        except subprocess.TimeoutExpired:
+            rec = {"variant": variant, "error": f"hung: killed after {args.limit:.0f} s"}
+        rec["seconds"] = round(time.time() - t0, 1)
+        records.append(rec)
+        print(rec, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fp8_loop_probe.json").write_text(json.dumps({"records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
