@@ -483,6 +483,9 @@ def main() -> int:
     for r in rows:
         print(f"{r[0]:34s} {r[1]!s:16s} regs={r[2]!s:4s} smem={r[3]!s:6s} {r[4]}")
     print(f"{len(rows)} variants, {failures} failed")
+    if only and not rows:  # a mistyped filter (or an option) passed nothing: not a pass
+        print(f"no variant's name contains any of {only}", file=sys.stderr)
+        return 2
     return 1 if failures else 0
 
 

@@ -50,6 +50,10 @@ def test_the_switch_follows_the_setter_then_the_environment(monkeypatch):
     assert not _invariant.enabled()
     with pytest.raises(TypeError, match="enabled must be"):
         moekit.set_batch_invariant("yes")
+    moekit.set_batch_invariant(None)
+    for off in ("0", "", "false", "False", "no", "OFF"):  # MOEKIT_BATCH_INVARIANT=false once turned the mode on
+        monkeypatch.setenv(_invariant.ENV, off)
+        assert not _invariant.enabled(), off
 
 
 def test_rows_matmul_matches_matmul_and_keeps_a_rows_bits_at_any_count():

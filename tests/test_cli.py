@@ -38,6 +38,8 @@ def test_verify_default_job_passes_and_writes_json(tmp_path, capsys):
     (["bench", "--tokens", "0"], "moekit bench: error: argument --tokens: token counts must be >= 1 here, got 0"),
     (["bench", "--preset", "nope"], "moekit bench: error: argument --preset/--presets: unknown preset 'nope'"),
     (["nope"], "moekit: error: argument command: invalid choice: 'nope'"),
+    (["bench", "--layers", "0"], "moekit bench: error: argument --layers: must be >= 1, got 0"),
+    (["bench", "--accuracy-tokens", "-5"], "moekit bench: error: argument --accuracy-tokens: token counts must be"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(argv, message, capsys):
     # checked before any check or benchmark runs: no traceback, no rows of FAILED, one line on stderr
@@ -255,3 +257,14 @@ def test_explain_asks_the_oracle_for_each_presets_checkpoint_format(capsys):
     assert main(["explain", "--preset", "gpt-oss-120b", "mixtral-8x7b", "--weights", "native"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "mixtral-8x7b has no low-bit checkpoint format" in captured.err
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2 and "usage: moekit" in capsys.readouterr().err
+
+
+def test_one_backend_in_this_process_prints_its_table(capsys):
+    # --backend with --no-isolate was read as a child's call: no table, nothing printed
+    assert main(["verify", "--backend", "torch", "--no-isolate", "--preset", "mixtral-8x7b", "--tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy against float64" in out and "0 failed" in out

@@ -113,3 +113,61 @@ def _uneven_worker(rank, world, port):
 
 def test_uneven_batches_in_allgather_mode_are_refused_with_the_gate_on():
     mp.spawn(_uneven_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def _placement_worker(rank, world, port, mode):
+    with _process_group(rank, world, port):
+        torch.manual_seed(0)
+        full = FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+        E = full.spec.num_experts
+        # round-robin placement: all_to_all once sent every pair to rank id // (E / world) whatever the maps said
+        mine_ids = list(range(rank, E, world))
+        local = shard_layer(full, 0, world)
+        with torch.no_grad():
+            local.w13 = torch.nn.Parameter(full.w13[mine_ids].clone())
+            local.w2 = torch.nn.Parameter(full.w2[mine_ids].clone())
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[mine_ids] = torch.arange(len(mine_ids), dtype=torch.int32)
+        local.expert_map = emap
+        x = torch.randn(world * TOKENS_PER_RANK, full.spec.hidden_size)
+        # rank 0 brings no tokens in all_to_all (an idle rank: its reshape of no rows failed)
+        mine = slice(0, 0) if mode == "all_to_all" and rank == 0 else slice(rank * TOKENS_PER_RANK,
+                                                                            (rank + 1) * TOKENS_PER_RANK)
+        with torch.no_grad():
+            got = ExpertParallelMoE(local, mode=mode)(x[mine])
+            expect = full(x)[mine]
+        check_close(f"rank {rank} round-robin {mode}", got, expect, Tolerance(1e-5, 1e-6))
+        # one rank's shard on every rank: half the experts twice, the rest nowhere
+        twice = ExpertParallelMoE(shard_layer(full, 0, world), mode=mode)
+        with pytest.raises(ValueError, match="expert 0 on 2 ranks"):
+            twice(x[:TOKENS_PER_RANK])
+
+
+@pytest.mark.parametrize("mode", ["allgather", "all_to_all"])
+def test_any_placement_of_the_experts_and_shards_that_do_not_fit(mode):
+    mp.spawn(_placement_worker, args=(2, _free_port(), mode), nprocs=2, join=True)
+
+
+def test_a_shard_is_not_sharded_again_and_x_is_checked():
+    full = FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+    with pytest.raises(ValueError, match="takes the full layer, not a shard"):
+        shard_layer(shard_layer(full, 1, 2), 0, 2)  # once served experts 0..3 with 4..7's weights
+    with pytest.raises(ValueError, match="hidden size H=64"):  # two half rows once made one token
+        ExpertParallelMoE(shard_layer(full, 0, 1))(torch.randn(4, 32))
+
+
+def _grad_mode_worker(rank, world, port):
+    with _process_group(rank, world, port):
+        full = FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+        x = torch.randn(TOKENS_PER_RANK, full.spec.hidden_size)
+        for mode in ("allgather", "all_to_all"):  # allgather once failed outside no_grad (a view written in place)
+            with pytest.warns(RuntimeWarning, match="ExpertParallelMoE ran kernels that compute no gradients"):
+                got = ExpertParallelMoE(shard_layer(full, rank, world), mode=mode)(x)
+            with torch.no_grad():
+                check_close(f"{mode} in grad mode", got, full(x), Tolerance(1e-5, 1e-6))
+            from moekit import _checks
+            _checks._WARNED_DETACHED.discard("ExpertParallelMoE")
+
+
+def test_expert_parallel_outside_no_grad():
+    mp.spawn(_grad_mode_worker, args=(1, _free_port()), nprocs=1, join=True)

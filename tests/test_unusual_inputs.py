@@ -272,3 +272,29 @@ def test_batched_experts_of_no_experts():
     out = batched_experts(torch.randn(0, 4, 16), torch.zeros(0, dtype=torch.int32), torch.randn(0, 16, 16),
                           torch.randn(0, 16, 8), backend="torch")
     assert out.shape == (0, 4, 16)
+
+
+def test_casting_a_layer_keeps_its_adapters_scalings():
+    # lora_scaling is a buffer: .to(bfloat16) made 1/3 into 0.334 (and .half() of 1e5 Inf), for good
+    spec = presets.get("mixtral-8x7b").scaled()
+    layer = FusedMoE(spec, dtype=torch.float32)
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    layer.load_lora(ExpertsLoRA(torch.randn(1, E, 2, H), torch.randn(1, E, 2 * I, 2), torch.randn(1, E, 2, I),
+                                torch.randn(1, E, H, 2), [1 / 3]))
+    layer.to(torch.bfloat16)
+    assert layer.lora_scaling.dtype == torch.float32 and layer.lora_scaling.item() == torch.tensor(1 / 3).item()
+    assert layer.lora_w13_a.dtype == torch.bfloat16
+
+
+def test_a_layer_refuses_stacks_reassigned_with_another_expert_count():
+    # ids past a shorter stack are no expert to the kernels: their tokens' outputs were zeros, silently
+    layer = FusedMoE(presets.get("mixtral-8x7b").scaled(), dtype=torch.float32)
+    x = torch.randn(5, layer.spec.hidden_size)
+    layer.w13 = torch.nn.Parameter(layer.w13[:4].detach().clone())
+    layer.w2 = torch.nn.Parameter(layer.w2[:4].detach().clone())
+    with pytest.raises(ValueError, match="the router and the expert stacks must hold the layer's experts"):
+        layer(x)
+    shared = FusedMoE(presets.get("deepseek-v3").scaled(), dtype=torch.float32)
+    shared.shared_w13 = torch.nn.Parameter(torch.randn(6, shared.spec.hidden_size))
+    with pytest.raises(ValueError, match="shared_w13 must be"):
+        shared(torch.randn(3, shared.spec.hidden_size))

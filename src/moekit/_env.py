@@ -10,11 +10,14 @@ import os
 
 _DATA = getattr(os.environ, "_data", None)
 _BYTES_KEYS = os.name == "posix" and isinstance(_DATA, dict)
-_OFF = (None, b"", b"0", "", "0")
+# the usual spellings of "off" too: MOEKIT_BATCH_INVARIANT=false once turned the mode on
+_OFF_WORDS = ("", "0", "false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF")
+_OFF = (None, *_OFF_WORDS, *(w.encode() for w in _OFF_WORDS))
 
 
 def flag(name: str):
-    """``flag(NAME)() -> bool``: whether the variable is set to anything but "" or "0", at the time of the call."""
+    """``flag(NAME)() -> bool``: whether the variable is set to anything but "", "0", "false", "no" or "off" (in
+    lower, upper or title case), at the time of the call."""
     if _BYTES_KEYS:
         key = os.fsencode(name)
         return lambda: os.environ._data.get(key) not in _OFF  # (os.environ read each time: it may be replaced)

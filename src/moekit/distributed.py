@@ -22,11 +22,10 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from . import gate
-from ._checks import may_sync
+from ._checks import may_sync, warned_if_detached
 from .experts import fused_experts
 from .layer import FusedMoE
 from .routing import fused_router
@@ -47,6 +46,9 @@ def shard_layer(layer: FusedMoE, rank: int, world_size: int) -> FusedMoE:
     E = layer.spec.num_experts
     if E % world_size:
         raise ValueError(f"num_experts={E} must be divisible by world_size={world_size}")
+    if layer.expert_map is not None or layer.w13.shape[0] != E:  # (its experts are not the router's E any more)
+        raise ValueError(f"layer must hold all {E} experts (shard_layer takes the full layer, not a shard: it has "
+                         f"{layer.w13.shape[0]} experts{' and an expert_map' if layer.expert_map is not None else ''})")
     if layer.weight_format != "dense":
         raise ValueError("shard_layer takes dense expert weights (quantize after sharding: "
                          "load_quantized_experts on the shard takes its E / world_size experts)")
@@ -76,6 +78,11 @@ class ExpertParallelMoE(nn.Module):
             its own experts and ``expert_map``.
         group: the process group (default: the world).
         mode: ``"allgather"`` or ``"all_to_all"`` (see the module doc).
+
+    The first call reads every rank's ``expert_map`` (one all-gather and a host sync: make it eagerly, before any
+    CUDA-graph capture): each expert must belong to exactly one rank (a ValueError names those that do not), and
+    ``"all_to_all"`` sends each pair to its expert's owner by those maps, whatever the placement. A placement
+    changed after that first call is not seen.
     """
 
     def __init__(self, local: FusedMoE, group: dist.ProcessGroup | None = None, mode: str = "allgather") -> None:
@@ -85,11 +92,23 @@ class ExpertParallelMoE(nn.Module):
         if local.expert_map is None:
             raise ValueError("local must hold a shard of the experts with its expert_map (see shard_layer)")
         self.local, self.group, self.mode = local, group, mode
+        self._owner: torch.Tensor | None = None  # int64 [E]: each expert's rank, from the first call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The collectives have no gradients (and refuse to write, in grad mode, into the views they gather into):
+        # inference only, said once where gradients were asked
+        with torch.no_grad():
+            out = self._forward(x)
+        return warned_if_detached("ExpertParallelMoE", "one process's FusedMoE", out, x,
+                                  *self.local.parameters())
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         layer, spec = self.local, self.local.spec
+        layer._check_input(x, layer.expert_map)
         if layer.expert_lora() is not None:  # (each token's adapter would have to travel with it)
             raise ValueError("ExpertParallelMoE serves no expert LoRA adapters; the shard has some loaded")
+        if self._owner is None:
+            self._owner = self._placement()
         x2 = x.reshape(-1, spec.hidden_size)
         kwargs = spec.routing_kwargs()
         if layer.correction_bias is not None:
@@ -98,10 +117,24 @@ class ExpertParallelMoE(nn.Module):
                                     lora=layer.gate.lora, **kwargs)
         run = self._allgather if self.mode == "allgather" else self._all_to_all
         out = run(x2, weights, ids)
-        if layer.shared_w13 is not None:
-            gate, up = F.linear(x2, layer.shared_w13).float().chunk(2, dim=-1)
-            out = out + F.linear((F.silu(gate) * up).to(x2.dtype), layer.shared_w2)
+        if layer.shared_w13 is not None:  # (FusedMoE's own: batch-invariant where the mode is on)
+            out = out + FusedMoE._shared_expert(x2, layer.shared_w13, layer.shared_w2)
         return out.view(x.shape)
+
+    def _placement(self) -> torch.Tensor:
+        """Each expert's rank (int64 [E]) from every rank's expert_map, after checking that each expert belongs to
+        exactly one: shards of other splits, a shard run in a group of another size or one rank's shard twice
+        would otherwise drop experts or add them twice, silently."""
+        world = dist.get_world_size(self.group)
+        maps = _all_gather(self.local.expert_map.to(torch.int32)[None], world, self.group)  # [world, E]
+        holders = (maps >= 0).sum(dim=0)
+        if not bool((holders == 1).all()):  # (a host sync, on the first call only)
+            wrong = [(e, int(n)) for e, n in enumerate(holders.tolist()) if n != 1]
+            shown = ", ".join(f"expert {e} on {n} ranks" for e, n in wrong[:8])
+            raise ValueError(f"the {world} ranks' expert_maps must give each expert to exactly one rank, got "
+                             f"{shown}{' ...' if len(wrong) > 8 else ''} (shard_layer(full, rank, world_size) with "
+                             "this group's rank and size makes such shards)")
+        return (maps >= 0).to(torch.int64).argmax(dim=0)
 
     def _experts(self, x, weights, ids):
         layer = self.local
@@ -127,9 +160,8 @@ class ExpertParallelMoE(nn.Module):
     def _all_to_all(self, x, weights, ids):
         world = dist.get_world_size(self.group)
         T, k = ids.shape
-        per = self.local.spec.num_experts // world
         flat_ids = ids.reshape(-1).long()
-        owner = (flat_ids // per).clamp(0, world - 1)
+        owner = self._owner.to(flat_ids.device)[flat_ids]  # (routing gives ids in [0, E))
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=world)
         recv_counts = torch.empty_like(send_counts)
@@ -149,7 +181,7 @@ class ExpertParallelMoE(nn.Module):
         back = exchange(y.float(), recv, send)
         slots = torch.empty(T * k, back.shape[1], dtype=torch.float32, device=x.device)
         slots[order] = back
-        return slots.view(T, k, -1).sum(dim=1).to(x.dtype)              # slots summed in slot order
+        return slots.view(T, k, back.shape[1]).sum(dim=1).to(x.dtype)  # slots in slot order (T may be 0)
 
 
 def _all_gather(t: torch.Tensor, world: int, group) -> torch.Tensor:

@@ -128,6 +128,9 @@ class FusedMoE(nn.Module):
         tensor of codes, made here once; the tensors passed in are left as they are). None (the default): where the
         stacks are on a CUDA device (the Triton kernels read either layout; the CPU's torch backend would convert
         the prepared codes back on every call; codes moved to a GPU later, by ``.to()``, are prepared then).
+        The parts become the module's buffers as they are, without a copy (the codes too, unless prepared here,
+        which makes new ones): a loader that reuses one staging tensor for several layers must pass each layer
+        copies (``.clone()``), or every layer keeps the last one's scales.
         ``state_dict()`` gives and ``load_state_dict()`` takes the codes as
         checkpoints store them ("packed") either way: for prepared codes, ``state_dict()`` holds a converted copy
         of each stack (memory of the stacks' size, not the buffers themselves), and bytes written into
@@ -166,10 +169,12 @@ class FusedMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.half()``, ``.cuda()`` and the like: quantized experts move between devices but keep their
-        dtypes (a cast would destroy FP8 codes and block scales), as do the fp32 correction bias and the gate's bias;
-        the rest of the module follows ``fn``."""
+        dtypes (a cast would destroy FP8 codes and block scales), as do the fp32 correction bias, the gate's bias
+        and the adapters' fp32 scalings (a bf16 1/3 is 0.334, a half 1e5 is Inf); the rest of the module follows
+        ``fn``."""
         kept = [f"{name}_{field}" for name in ("w13", "w2") for field in _QUANTIZED_PARTS.get(self.weight_format, ())]
-        keep_dtypes_through(self, (*kept, "correction_bias"), lambda: super(FusedMoE, self)._apply(fn, recurse))
+        keep_dtypes_through(self, (*kept, "correction_bias", _LORA_SCALING),
+                            lambda: super(FusedMoE, self)._apply(fn, recurse))
         self._quantized = None
         if self._prepare_codes is None and self.weight_format in FOUR_BIT_FORMATS:
             for name, meta in self._quantized_meta.items():  # codes that reached a GPU as given: prepared now
@@ -277,6 +282,11 @@ class FusedMoE(nn.Module):
         """The shared expert (w13 [2 * I_shared, H], w2 [H, I_shared]) on x2 [T, H] -> [T, H] in x2's dtype. In
         batch-invariant mode it runs as a one-expert fused_experts call (cuBLAS and CPU BLAS choose their kernels by
         the token count; the experts' kernels fix their order per shape)."""
+        if w13.dim() != 2 or w2.dim() != 2 or w13.shape[1] != x2.shape[1] or w2.shape != (x2.shape[1], w13.shape[0] // 2):
+            raise ValueError(f"shared_w13 must be [2 * I_shared, H={x2.shape[1]}] and shared_w2 [H, I_shared], got "
+                             f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+        if w13.dtype != x2.dtype or w2.dtype != x2.dtype:
+            raise TypeError(f"shared_w13 and shared_w2 must have x's dtype {x2.dtype}, got {w13.dtype} and {w2.dtype}")
         if _invariant.enabled():
             T = x2.shape[0]
             ones = torch.ones(T, 1, dtype=torch.float32, device=x2.device)
@@ -293,9 +303,16 @@ class FusedMoE(nn.Module):
         shape = x.shape
         if not shape or shape[-1] != H:
             raise ValueError(f"x must have the layer's hidden size H={H} in its last dimension, got shape {tuple(shape)}")
-        dtype = self._modules["gate"]._parameters["weight"].dtype
-        if x.dtype != dtype:
-            raise TypeError(f"x must have the layer's dtype {dtype}, got {x.dtype}")
+        gate_weight = self._modules["gate"]._parameters["weight"]
+        if x.dtype != gate_weight.dtype:
+            raise TypeError(f"x must have the layer's dtype {gate_weight.dtype}, got {x.dtype}")
+        # stacks reassigned with another expert count (no loader checked them): ids past the stack would be no
+        # expert to the kernels, and their tokens' outputs zeros
+        w13 = self._parameters.get("w13")
+        if gate_weight.shape[0] != E or (w13 is not None and w13.shape[0] != self._expert_shapes["w13"][0]):
+            raise ValueError(f"the router and the expert stacks must hold the layer's experts: gate.weight "
+                             f"{tuple(gate_weight.shape)} for E={E}, w13 {None if w13 is None else tuple(w13.shape)} "
+                             f"for {self._expert_shapes['w13']}")
         if emap is not None and (emap.dim() != 1 or emap.shape[0] != E):
             raise ValueError(f"expert_map must have one entry per expert of the router, shape ({E},), "
                              f"got {tuple(emap.shape)}")

@@ -41,6 +41,17 @@ def positive_token_count(value: str) -> int:
     return tokens
 
 
+def positive_int(value: str) -> int:
+    """A count of something other than tokens (layers, repetitions): a whole number >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def new_file(value: str) -> Path:
     """A file this run can write: its folder exists and is writable (checked before the run)."""
     path = Path(value)

@@ -137,7 +137,7 @@ def _verify(args) -> int:
         if args.backend not in groups:
             return _argtypes.fail("moekit verify", f"--backend must be one of {groups} here, got {args.backend!r}")
         groups = [args.backend]
-    if args.backend and not args.isolate:  # a child (or a one-group run): its parent prints the table
+    if args.backend and not args.isolate and args.progress_lines:  # a child: its parent prints the table
         report = runner.report_case if args.progress_lines else None
         results = runner.run_group(args.backend, names, tokens, dtype, device, impls, on_gpu, report)
         if args.json:
@@ -329,10 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     if _triton.interpreting():
         _interpreter.speed_up()
     args = build_parser().parse_args(argv)
-    if args.command is None:
-        build_parser().print_help()
+    if args.command is None:  # (a command is missing: the usage, and the status of a usage error)
+        build_parser().print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # output piped into a reader that stopped (`| head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -515,14 +515,20 @@ def _sglang_notes(records) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", "--presets", dest="presets", nargs="+", type=_argtypes.preset_name, default=PRESETS)
-    p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count, default=TOKENS)
+    p.add_argument("--preset", "--presets", dest="presets", nargs="+", type=_argtypes.preset_name, default=PRESETS,
+                   help=f"presets to time (default: {' '.join(PRESETS)})")
+    p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count, default=TOKENS,
+                   help=f"token counts (default: {' '.join(map(str, TOKENS))})")
     p.add_argument("--peers", nargs="*", type=peer_name, default=PEERS,
                    help=f"peers to time against (default: all; those not installed are skipped): {', '.join(PEERS)}")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--accuracy-tokens", nargs="*", type=int, default=[16, 1024])
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
-    p.add_argument("--name", default="experts")
+    p.add_argument("--layers", type=_argtypes.positive_int, default=4,
+                   help="layers of weights a graph cycles through, so that no call finds its weights in L2 "
+                        "(default: 4)")
+    p.add_argument("--accuracy-tokens", nargs="*", type=_argtypes.positive_token_count, default=[16, 1024],
+                   help="token counts whose outputs are also checked against float64 (default: 16 1024)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")),
+                   help="folder for NAME.json and NAME.md (default: $OUT, else benchmarks/results)")
+    p.add_argument("--name", default="experts", help="the result files' name (default: experts)")
 
 
 def script_main(doc: str, add_args, run_fn, render=None, argv=None) -> None:
