@@ -232,10 +232,13 @@ def test_nvfp4_of_tiny_values_stays_finite():
 
 def test_the_reference_dequantizes_in_float64():
     # MXFP4's two largest scale bytes put code 6 past float32's range: the float64 reference must not see Inf
-    data = torch.full((1, 1, 16), 0x77, dtype=torch.uint8)  # codes 7 (6.0) in both nibbles
-    w = formats.mxfp4.MXFP4Tensor(data, torch.full((1, 1, 1), 254, dtype=torch.uint8), (1, 1, 32))
-    got = formats.expert(w, 0, torch.float64)
-    assert got.isfinite().all() and got[0, 0] == 6.0 * 2.0 ** 127
+    H = I = 32
+    big = formats.mxfp4.MXFP4Tensor(torch.full((1, 2 * I, H // 2), 0x77, dtype=torch.uint8),  # codes 6.0
+                                    torch.full((1, 2 * I, 1), 254, dtype=torch.uint8), (1, 2 * I, H))  # x 2^127
+    w2 = formats.quantize_experts(torch.randn(1, H, I), "mxfp4")
+    x = torch.full((2, H), 2.0 ** -131, dtype=torch.float64)  # h = 32 * 6 * 2^127 * 2^-131 = 12: finite
+    got = reference.fused_experts(x, big, w2, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32))
+    assert got.isfinite().all() and got.abs().max() > 0
 
 
 def test_batched_layout_with_no_capacity():

@@ -12,7 +12,7 @@ _DATA = getattr(os.environ, "_data", None)
 _BYTES_KEYS = os.name == "posix" and isinstance(_DATA, dict)
 # the usual spellings of "off" too: MOEKIT_BATCH_INVARIANT=false once turned the mode on
 _OFF_WORDS = ("", "0", "false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF")
-_OFF = (None, *_OFF_WORDS, *(w.encode() for w in _OFF_WORDS))
+_OFF = frozenset((None, *_OFF_WORDS, *(w.encode() for w in _OFF_WORDS)))  # (a set: one hash per read)
 
 
 def flag(name: str):

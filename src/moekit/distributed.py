@@ -46,12 +46,12 @@ def shard_layer(layer: FusedMoE, rank: int, world_size: int) -> FusedMoE:
     E = layer.spec.num_experts
     if E % world_size:
         raise ValueError(f"num_experts={E} must be divisible by world_size={world_size}")
-    if layer.expert_map is not None or layer.w13.shape[0] != E:  # (its experts are not the router's E any more)
-        raise ValueError(f"layer must hold all {E} experts (shard_layer takes the full layer, not a shard: it has "
-                         f"{layer.w13.shape[0]} experts{' and an expert_map' if layer.expert_map is not None else ''})")
     if layer.weight_format != "dense":
         raise ValueError("shard_layer takes dense expert weights (quantize after sharding: "
                          "load_quantized_experts on the shard takes its E / world_size experts)")
+    if layer.expert_map is not None or layer.w13.shape[0] != E:  # (its experts are not the router's E any more)
+        raise ValueError(f"layer must hold all {E} experts (shard_layer takes the full layer, not a shard: it has "
+                         f"{layer.w13.shape[0]} experts{' and an expert_map' if layer.expert_map is not None else ''})")
     if layer.expert_lora() is not None:
         raise ValueError("shard_layer takes a layer without expert LoRA adapters (ExpertParallelMoE serves none)")
     per = E // world_size
@@ -99,8 +99,9 @@ class ExpertParallelMoE(nn.Module):
         # inference only, said once where gradients were asked
         with torch.no_grad():
             out = self._forward(x)
-        return warned_if_detached("ExpertParallelMoE", "one process's FusedMoE", out, x,
-                                  *self.local.parameters())
+        if not torch.is_grad_enabled():  # (inference: no parameter list to build)
+            return out
+        return warned_if_detached("ExpertParallelMoE", "one process's FusedMoE", out, x, *self.local.parameters())
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         layer, spec = self.local, self.local.spec

@@ -308,11 +308,12 @@ class FusedMoE(nn.Module):
             raise TypeError(f"x must have the layer's dtype {gate_weight.dtype}, got {x.dtype}")
         # stacks reassigned with another expert count (no loader checked them): ids past the stack would be no
         # expert to the kernels, and their tokens' outputs zeros
-        w13 = self._parameters.get("w13")
-        if gate_weight.shape[0] != E or (w13 is not None and w13.shape[0] != self._expert_shapes["w13"][0]):
+        params, local = self._parameters, self._expert_shapes["w13"][0]
+        w13, w2 = params.get("w13"), params.get("w2")  # (dense stacks; quantized ones are checked when loaded)
+        if gate_weight.shape[0] != E or (w13 is not None and (w13.shape[0] != local or w2.shape[0] != local)):
             raise ValueError(f"the router and the expert stacks must hold the layer's experts: gate.weight "
                              f"{tuple(gate_weight.shape)} for E={E}, w13 {None if w13 is None else tuple(w13.shape)} "
-                             f"for {self._expert_shapes['w13']}")
+                             f"and w2 {None if w2 is None else tuple(w2.shape)} for {local} experts")
         if emap is not None and (emap.dim() != 1 or emap.shape[0] != E):
             raise ValueError(f"expert_map must have one entry per expert of the router, shape ({E},), "
                              f"got {tuple(emap.shape)}")

@@ -33,8 +33,7 @@ def _nvfp4_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """NVFP4 quantize-dequantize of activations as Blackwell's W4A4 kernels see them: e4m3 scales
     per 16 along K under ONE global scale for the expert, from the amax of its rows only
     (``rows``: bool [n]; other rows, padding included, never move it). No host sync."""
-    amax = torch.where(rows[:, None], t.abs(), 0.0).amax()
-    gs = torch.where(amax > 0, nvfp4.E4M3_MAX * 6.0 / amax, 1.0)
+    gs = nvfp4.default_global_scale(torch.where(rows[:, None], t, 0.0))
     q = nvfp4.quantize(torch.where(rows[:, None], t, 0.0), global_scale=gs, check_finite=False)
     return nvfp4.dequantize(q, torch.float32)
 

@@ -69,12 +69,22 @@ def _router_logits_collector() -> list | None:
     else None. transformers records them with forward hooks on its router modules, which a patched block no longer
     calls (its auxiliary loss then failed on an empty tuple): the block appends its own, fp32 logits [T, E]. The
     collector is transformers' own context variable (utils/output_capturing); a version without it collects none."""
+    collector = _COLLECTOR or _find_collector()
+    collected = collector.get() if collector is not False else None
+    return collected.get("router_logits") if isinstance(collected, dict) else None
+
+
+_COLLECTOR = None  # transformers' context variable, found on the first call (False: this transformers has none)
+
+
+def _find_collector():
+    global _COLLECTOR
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
-        return None
-    collected = _active_collector.get()
-    return collected.get("router_logits") if isinstance(collected, dict) else None
+        _active_collector = False
+    _COLLECTOR = _active_collector
+    return _COLLECTOR
 
 
 def _spec(name, cfg, hidden, inter, experts, **kw) -> MoESpec:

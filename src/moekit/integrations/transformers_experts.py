@@ -37,7 +37,7 @@ import weakref
 import torch
 from torch import nn
 
-from .._checks import int32_ids, tensor_version
+from .._checks import tensor_version
 from ..experts import ExpertsLoRA, fused_experts
 from ..reference import ACTIVATION_FNS
 from .peft import active_factors
@@ -57,6 +57,9 @@ def register(name: str = NAME) -> bool:
     return True
 
 
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ExpertsInterface signature: ``self`` the experts module, hidden_states [T, H], top_k_index [T, k]
@@ -66,7 +69,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         return _fallback(self, plan)(self, hidden_states, top_k_index, top_k_weights)
     w13, w2, activation = plan
     lora = _peft_lora(self)
-    return fused_experts(hidden_states, w13, w2, top_k_weights.float(), int32_ids(top_k_index), activation=activation,
+    # ids past int32 must stay past every expert (a cast wraps them into real ones): clamped, two ops where
+    # int32_ids' exact -1 takes five, on every layer's call
+    ids = top_k_index.clamp(-1, _INT32_MAX).int() if top_k_index.dtype == torch.int64 else top_k_index.int()
+    return fused_experts(hidden_states, w13, w2, top_k_weights.float(), ids, activation=activation,
                          w13_bias=self.gate_up_proj_bias if self.has_bias else None,
                          w2_bias=self.down_proj_bias if self.has_bias else None, lora=lora,
                          lora_ids=None if lora is None else hidden_states.new_zeros(hidden_states.shape[0],
@@ -171,7 +177,10 @@ def _build_plan(module, gate_up, down, keep_graph: bool = False):
     if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3 or not isinstance(down, torch.Tensor):
         return f"its weights are not dense expert stacks ({type(gate_up).__name__})"
     two_i = gate_up.shape[2] if getattr(module, "is_transposed", False) else gate_up.shape[1]
-    activation = activation_of(module, two_i)
+    # the probe, once per module: a call in grad mode builds its plan every time (views of the parameters)
+    known = module.__dict__.get("_moekit_activation")
+    activation = known[1] if known is not None and known[0] == two_i else activation_of(module, two_i)
+    module.__dict__["_moekit_activation"] = (two_i, activation)
     if activation is None:
         return f"its gate function ({type(module).__name__}._apply_gate) is neither silu_and_mul nor gpt-oss's swiglu"
     if getattr(module, "is_transposed", False):

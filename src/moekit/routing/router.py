@@ -284,7 +284,7 @@ def fused_router(
                     routes = None
             if routes is None:
                 routes = _fused_router_run(_GemmArgs(x2, weight, b, None), opts, c, fused)[0]
-            return warned_if_detached("fused_router", _NO_GRAD_ADVICE, routes, x, weight, bias, corr)
+            return warned_if_detached("fused_router", _NO_GRAD_ADVICE, routes, x, weight, bias)
     args = _validate_gemm(x, weight, bias, lora)
     num_tokens = args.x.shape[0]
     opts = validate_routing(weight.shape[0], weight.device, top_k, method, **routing_kwargs)
@@ -308,8 +308,8 @@ def fused_router(
         fused = _fused_router_choice(args, opts, corr_bias, impl)
         routes, prepared = _fused_router_run(args, opts, corr_bias, fused, prepare=key is not None)
         _CHECKED_ROUTERS.put(key, (opts, fused, prepared))
-    return warned_if_detached("fused_router", _NO_GRAD_ADVICE, record(routes, record_ids), x, weight, bias, corr_bias,
-                              *_lora_parts(lora)[:2])
+    return warned_if_detached("fused_router", _NO_GRAD_ADVICE, record(routes, record_ids), x, weight, bias,
+                              *_lora_parts(lora)[:2])  # (the correction bias only selects: no gradient reaches it)
 
 
 _NO_GRAD_ADVICE = "router_gemm(tier='torch') then route(impl='torch')"

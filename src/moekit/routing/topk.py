@@ -104,8 +104,8 @@ def route(
                                      (top_k, method, renormalize, num_groups, topk_groups, scaling, impl))
         decided = _CHECKED_ROUTES.get(key)
         if decided is not None:  # this signature's checks passed and its implementation was chosen (moekit._calls)
-            return warned_if_detached("route", "impl='torch'", route_decided(logits, correction_bias, decided), logits,
-                                      correction_bias)
+            # (the correction bias only selects: no gradient reaches it on any path)
+            return warned_if_detached("route", "impl='torch'", route_decided(logits, correction_bias, decided), logits)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     opts = validate_routing(
         logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
@@ -121,7 +121,7 @@ def route(
     else:
         routes, decided = route_deciding(logits, opts, correction_bias, impl)
         _CHECKED_ROUTES.put(key, decided)
-    return warned_if_detached("route", "impl='torch'", routes, logits, correction_bias)
+    return warned_if_detached("route", "impl='torch'", routes, logits)
 
 
 # signature -> (routing options, whether the Triton kernel serves it, its launch made ready to repeat or None)

@@ -24,29 +24,30 @@ def preset_name(value: str) -> str:
     return value
 
 
-def token_count(value: str) -> int:
+def _whole(value: str, what: str) -> int:
     try:
-        tokens = int(value)
+        return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"token counts are whole numbers, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"{what} are whole numbers, got {value!r}") from None
+
+
+def token_count(value: str) -> int:
+    tokens = _whole(value, "token counts")
     if tokens < 0:
         raise argparse.ArgumentTypeError(f"token counts must be >= 0, got {tokens}")
     return tokens
 
 
 def positive_token_count(value: str) -> int:
-    tokens = token_count(value)
-    if tokens == 0:
-        raise argparse.ArgumentTypeError("token counts must be >= 1 here, got 0")
+    tokens = _whole(value, "token counts")
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1 here, got {tokens}")
     return tokens
 
 
 def positive_int(value: str) -> int:
     """A count of something other than tokens (layers, repetitions): a whole number >= 1."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    number = _whole(value, "counts")
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
     return number

@@ -138,7 +138,7 @@ def _verify(args) -> int:
             return _argtypes.fail("moekit verify", f"--backend must be one of {groups} here, got {args.backend!r}")
         groups = [args.backend]
     if args.backend and not args.isolate and args.progress_lines:  # a child: its parent prints the table
-        report = runner.report_case if args.progress_lines else None
+        report = runner.report_case
         results = runner.run_group(args.backend, names, tokens, dtype, device, impls, on_gpu, report)
         if args.json:
             args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1))
@@ -334,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except BrokenPipeError:  # output piped into a reader that stopped (`| head`): no traceback
+    except BrokenPipeError:  # output piped into a reader that stopped (`| head`): no traceback, but not a success
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return 1
 
 
 if __name__ == "__main__":
