@@ -6,6 +6,8 @@ split slots, batched slabs), on dense and quantized base weights, with expert_ma
 of qwen3-30b-a3b and gpt-oss-120b, and inside a CUDA graph.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -146,8 +148,6 @@ def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mappe
     fused, rows = [], []
     real = expert_lora.decode_terms
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
-    real_launch = tb.gemv1_rows_kernel.launch
-    monkeypatch.setattr(tb.gemv1_rows_kernel, "launch", lambda *a: rows.append(a[2]) or real_launch(*a))
     E, H, I, k, n, dtype = 7, 64, 96, 3, 2, torch.float16
     w13, w2 = _weights(E, H, I, torch.float32)
     q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
@@ -163,8 +163,9 @@ def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mappe
         q13, q2 = (quantize_experts(w[2:7].contiguous(), fmt) for w in (torch.cat([w13, w13[:2]]),
                                                                        torch.cat([w2, w2[:2]])))
         lora = _lora(n, 5, H, I, 8, dtype, which=which)
-    got = fused_experts(x, q13, q2, tw, tid, activation="swiglu_oai", backend="triton", config=config, lora=lora,
-                        lora_ids=lids, out=_poisoned((T, H), dtype), expert_map=emap)
+    with _recording(tb.gemv1_rows_kernel, rows):
+        got = fused_experts(x, q13, q2, tw, tid, activation="swiglu_oai", backend="triton", config=config, lora=lora,
+                            lora_ids=lids, out=_poisoned((T, H), dtype), expert_map=emap)
     assert [t is not None for t in fused] == [True]
     assert rows and rows[-1].get("LORA_W13", False) == ("w13" in which)  # the rows kernel, with the terms
     ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation="swiglu_oai", lora=lora,
@@ -732,6 +733,18 @@ def test_lora_benchmark_table_and_its_peft_adapter_on_the_cpu():
     assert "peft_lora_mode=RuntimeError: boom" in md
 
 
+@contextlib.contextmanager
+def _recording(kernel, constants: list):
+    """``kernel``'s launches record their constexprs into ``constants``. The instance attribute is removed after
+    (monkeypatch would leave the bound method there, and a later class-level stub would miss this instance)."""
+    real = kernel.launch
+    kernel.launch = lambda *a: constants.append(a[2]) or real(*a)
+    try:
+        yield
+    finally:
+        del kernel.launch
+
+
 @pytest.mark.parametrize("which", [("w13", "w2"), ("w13",)])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_the_w13_shrink_inside_gemv1(monkeypatch, which, fmt):
@@ -743,8 +756,6 @@ def test_the_w13_shrink_inside_gemv1(monkeypatch, which, fmt):
 
     monkeypatch.setattr(expert_lora, "SHRINK_IN_GEMV1", True)
     launched = []
-    real = tb.gemv1_act_kernel.launch
-    monkeypatch.setattr(tb.gemv1_act_kernel, "launch", lambda *a: launched.append(a[2]) or real(*a))
     T, E, H, I, k, n = 5, 7, 96, 32, 3, 2  # H = 3 K chunks of 32: the shrink's chunks follow the weights'
     w13, w2 = _weights(E, H, I, torch.float32)
     if fmt == "mxfp4":
@@ -753,8 +764,9 @@ def test_the_w13_shrink_inside_gemv1(monkeypatch, which, fmt):
     x = torch.randn(T, H)
     tw, tid = _routes(T, E, k)
     lids = _lora_ids(T, n)
-    got = fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", backend="triton", config=GEMV, lora=lora,
-                        lora_ids=lids, out=_poisoned((T, H), torch.float32))
+    with _recording(tb.gemv1_act_kernel, launched):
+        got = fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", backend="triton", config=GEMV, lora=lora,
+                            lora_ids=lids, out=_poisoned((T, H), torch.float32))
     assert launched and all(c.get("LORA_W13_SHRINK") for c in launched), "GEMV1 did not take the shrink"
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", lora=lora, lora_ids=lids)
     check_close(f"{'+'.join(which)} {fmt} shrink in GEMV1", got, ref, _tol(torch.float32))
