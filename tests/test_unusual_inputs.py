@@ -254,9 +254,11 @@ def test_batched_layout_with_no_capacity():
     lambda x, w: moekit.route(x @ w.T, 2, "softmax_topk", impl="triton"),
     lambda x, w: moekit.router_gemm(x, w, tier="triton"),
     lambda x, w: moekit.fused_router(x, w, top_k=2, method="softmax_topk", impl="fused"),
-], ids=["route", "router_gemm", "fused_router"])
-def test_routing_kernels_say_when_they_drop_gradients(monkeypatch, call):
-    # the Triton paths compute no gradients: a trainable router silently got none (the experts ops warned already)
+    lambda x, w: fused_experts(x[:, :8].contiguous(), w.view(1, 14, 8).expand(2, 14, 8).contiguous(), torch.randn(2, 8, 7),
+                               torch.rand(5, 1), torch.randint(0, 2, (5, 1), dtype=torch.int32), backend="triton"),
+], ids=["route", "router_gemm", "fused_router", "fused_experts"])
+def test_kernels_say_when_they_drop_gradients(monkeypatch, call):
+    # the Triton paths compute no gradients: a trainable router (or expert stack) silently got none
     _launchable("cpu")
     from moekit import _checks
 

@@ -64,11 +64,14 @@ def check_top_k(top_k, num_experts: int) -> None:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
 
 
-def int32_ids(ids: torch.Tensor) -> torch.Tensor:
-    """Expert ids as int32 (no host sync): an int64 id past int32's range is no expert (-1), where a cast would
-    wrap it into a real expert's id."""
+def int32_ids(ids: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    """Expert ids as int32 (no host sync): an int64 id past int32's range is no expert, where a cast would wrap it
+    into a real expert's id. ``exact``: such ids become -1 (five ops); otherwise every id is clamped into [-1,
+    int32 max] (two ops, for a hot path that only needs them to stay past every expert)."""
     if ids.dtype == torch.int64:
         int32 = torch.iinfo(torch.int32)
+        if not exact:
+            return ids.clamp(-1, int32.max).to(torch.int32)
         ids = torch.where((ids >= int32.min) & (ids <= int32.max), ids, -1)
     return ids.to(torch.int32)
 
@@ -76,17 +79,24 @@ def int32_ids(ids: torch.Tensor) -> torch.Tensor:
 _WARNED_DETACHED: set[str] = set()
 
 
-def warned_if_detached(op: str, advice: str, result, *inputs):
-    """``result`` (a tensor, or a tuple whose first one decides), after a RuntimeWarning, once per op, where gradients
-    were asked of inputs and its kernels dropped them: a Triton path computes none, and an output that silently does
-    not require grad would leave a trainer's parameters frozen."""
-    first = result[0] if isinstance(result, tuple) else result
-    if (torch.is_grad_enabled() and not first.requires_grad and op not in _WARNED_DETACHED
+def warn_gradients_dropped(op: str, advice: str, *inputs) -> None:
+    """A RuntimeWarning, once per op, where gradients are asked of ``inputs`` (grad mode on, one of them requires
+    grad) and ``op`` runs kernels that compute none: an output that silently does not require grad would leave a
+    trainer's parameters frozen."""
+    if (op not in _WARNED_DETACHED and torch.is_grad_enabled()
             and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
             and not torch.compiler.is_compiling()):
         _WARNED_DETACHED.add(op)
         warnings.warn(f"moekit's {op} ran kernels that compute no gradients: its output does not require grad; "
-                      f"run under torch.no_grad(), or {advice} to differentiate", RuntimeWarning, stacklevel=3)
+                      f"run under torch.no_grad(), or {advice} to differentiate", RuntimeWarning, stacklevel=4)
+
+
+def warned_if_detached(op: str, advice: str, result, *inputs):
+    """``result`` (a tensor, or a tuple whose first one decides), after :func:`warn_gradients_dropped` where it does
+    not require grad: a Triton path computes no gradients."""
+    first = result[0] if isinstance(result, tuple) else result
+    if not first.requires_grad:
+        warn_gradients_dropped(op, advice, *inputs)
     return result
 
 

@@ -9,14 +9,14 @@ This module holds the public API, its validation and the ``out=`` contract; the 
 
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
 
 from .. import _invariant, gate
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_out, check_shape, check_tensor, may_sync, tensor_version
+from .._checks import (check_disjoint, check_out, check_shape, check_tensor, may_sync, tensor_version,
+                       warn_gradients_dropped)
 from ..formats import format_of
 from ..presets import ACTIVATIONS
 from . import backends
@@ -139,19 +139,11 @@ def check_ids_within_map(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> No
                              f"expert_map: one entry per global expert) or -1, got ids in [{lo}, {hi}]")
 
 
-_WARNED_NO_GRAD: set[str] = set()
-
-
 def _warn_if_gradients_asked(chosen, *tensors) -> None:
     """The kernels compute no gradients (moekit's experts are for inference): say so once per backend when a call
     asks for them, rather than hand back an output that silently does not require grad."""
-    if chosen.name == "torch" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return
-    if chosen.name not in _WARNED_NO_GRAD and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-        _WARNED_NO_GRAD.add(chosen.name)
-        warnings.warn(f"moekit's {chosen.name} experts compute no gradients (inference only): the output does not "
-                      "require grad; run under torch.no_grad(), or backend='torch' to differentiate", RuntimeWarning,
-                      stacklevel=3)
+    if chosen.name != "torch":
+        warn_gradients_dropped(f"{chosen.name} experts", "backend='torch'", *tensors)
 
 
 def _storage(w) -> torch.Tensor:

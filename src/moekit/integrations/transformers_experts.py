@@ -37,7 +37,7 @@ import weakref
 import torch
 from torch import nn
 
-from .._checks import tensor_version
+from .._checks import int32_ids, tensor_version
 from ..experts import ExpertsLoRA, fused_experts
 from ..reference import ACTIVATION_FNS
 from .peft import active_factors
@@ -57,9 +57,6 @@ def register(name: str = NAME) -> bool:
     return True
 
 
-_INT32_MAX = torch.iinfo(torch.int32).max
-
-
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ExpertsInterface signature: ``self`` the experts module, hidden_states [T, H], top_k_index [T, k]
@@ -69,9 +66,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         return _fallback(self, plan)(self, hidden_states, top_k_index, top_k_weights)
     w13, w2, activation = plan
     lora = _peft_lora(self)
-    # ids past int32 must stay past every expert (a cast wraps them into real ones): clamped, two ops where
-    # int32_ids' exact -1 takes five, on every layer's call
-    ids = top_k_index.clamp(-1, _INT32_MAX).int() if top_k_index.dtype == torch.int64 else top_k_index.int()
+    ids = int32_ids(top_k_index, exact=False)  # (on every layer's call: the two-op form)
     return fused_experts(hidden_states, w13, w2, top_k_weights.float(), ids, activation=activation,
                          w13_bias=self.gate_up_proj_bias if self.has_bias else None,
                          w2_bias=self.down_proj_bias if self.has_bias else None, lora=lora,
