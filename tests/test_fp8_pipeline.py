@@ -43,8 +43,12 @@ def test_the_check_sees_unwritten_output():
     assert fp.reference_error(c, block_expert) == float("inf")
 
 
-@pytest.mark.parametrize("product,block_n", [("scaled", 128), ("accumulated", 256)])
-def test_fp8_loop_probe_kernel(product, block_n):
+@pytest.mark.parametrize("product,block_m,block_n", [
+    ("scaled", 128, 128),  # moekit's loop
+    ("accumulated", 128, 256),  # the loop's ceiling, wide tile
+    ("scaled", 64, 128),  # 64-row blocks: less padding multiplied
+])
+def test_fp8_loop_probe_kernel(product, block_m, block_n):
     # the probe's scaled loop is moekit's promotion; accumulating without scales is the same product on unit scales
     if not _triton.can_launch(torch.device("cpu")):
         pytest.skip("no Triton launch here")
@@ -52,15 +56,15 @@ def test_fp8_loop_probe_kernel(product, block_n):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_expert = torch.tensor([1, 0, 1], dtype=torch.int32)
-    c = fp.gemm_case(2, 3, 256, 256, torch.device("cpu"))
+    c = fp.gemm_case(2, 3, 256, 256, torch.device("cpu"), block_m=block_m)
     if product == "accumulated":
         c["a_scale"].fill_(1.0)
         c["w_scale"].fill_(1.0)
     c["out"].fill_(float("nan"))
-    a_desc = TensorDescriptor.from_tensor(c["a"], [128, 128])
+    a_desc = TensorDescriptor.from_tensor(c["a"], [block_m, 128])
     w_desc = TensorDescriptor.from_tensor(c["w"].view(-1, 256), [block_n, 128])
     fp8_loop_probe_kernel[(3 * (256 // block_n),)](
-        c["a"], c["a_scale"], c["w"], c["w_scale"], block_expert, c["out"], a_desc, w_desc, 3, 2, 384, 256, 256,
-        BLOCK_M=128, BLOCK_N=block_n, GROUP_M=8, STAGES=2, WARP_SPECIALIZE=False, DEVICE_DESC=False, PRODUCT=product,
+        c["a"], c["a_scale"], c["w"], c["w_scale"], block_expert, c["out"], a_desc, w_desc, 3, 2, 3 * block_m, 256, 256,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, STAGES=2, WARP_SPECIALIZE=False, DEVICE_DESC=False, PRODUCT=product,
         num_warps=4)
-    assert fp.reference_error(c, block_expert, blocks=range(3)) < TOL
+    assert fp.reference_error(c, block_expert, blocks=range(3), block_m=block_m) < TOL

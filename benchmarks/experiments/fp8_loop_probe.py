@@ -4,11 +4,13 @@ fp8_pipeline.py found the loop at about a third of the dense FP8 rate with any l
 variants never finished. This probe runs fp8_loop_probe_kernel (_fp8_pipeline_kernels.py) over the same aligned
 128-row blocks with one thing changed at a time: the product promoted with its scales (moekit's), promoted without
 them, or accumulated in the tensor cores' accumulator (no promotion: the ceiling of the loop itself); host or device
-TMA descriptors; Triton's warp specialization on or off; 128 or 256 columns. Each variant runs in a subprocess of
+TMA descriptors; Triton's warp specialization on or off; 128 or 256 columns; 128 or 64 rows per block (each
+expert's rows padded to whole blocks: the padding rows are multiplied too, so each record gives the rate of the
+products executed and the share of them that is padding, besides the bytes' rate against a copy's). Each variant runs in a subprocess of
 its own with a time limit, since a warp-specialized build that deadlocks cannot be interrupted from Python; the
 scaled variants are checked against float64 (as fp8_pipeline.py does) before they are timed.
 
-    python benchmarks/experiments/fp8_loop_probe.py --out $OUT            (about 90 s on an H100)
+    python benchmarks/experiments/fp8_loop_probe.py --out $OUT            (about 2 minutes on an H100)
 """
 
 from __future__ import annotations
@@ -21,16 +23,19 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {  # name: (BLOCK_N, num_warps, stages, warp-specialized, device descriptors, product)
-    "scaled 128 w8 s4": (128, 8, 4, False, False, "scaled"),
-    "scaled 128 w8 s4 device-desc": (128, 8, 4, False, True, "scaled"),
-    "scaled 128 w4 s3 ws": (128, 4, 3, True, False, "scaled"),
-    "scaled 128 w4 s3 ws device-desc": (128, 4, 3, True, True, "scaled"),
-    "unscaled 128 w8 s4": (128, 8, 4, False, False, "unscaled"),
-    "unscaled 128 w4 s3 ws device-desc": (128, 4, 3, True, True, "unscaled"),
-    "unscaled 256 w8 s4": (256, 8, 4, False, False, "unscaled"),
-    "accumulated 128 w8 s4": (128, 8, 4, False, False, "accumulated"),
-    "accumulated 256 w8 s4": (256, 8, 4, False, False, "accumulated"),
+VARIANTS = {  # name: (BLOCK_M, BLOCK_N, num_warps, stages, warp-specialized, device descriptors, product)
+    "scaled 128 w8 s4": (128, 128, 8, 4, False, False, "scaled"),
+    "scaled 128 w8 s4 device-desc": (128, 128, 8, 4, False, True, "scaled"),
+    "scaled 128 w4 s3 ws": (128, 128, 4, 3, True, False, "scaled"),
+    "scaled 128 w4 s3 ws device-desc": (128, 128, 4, 3, True, True, "scaled"),
+    "unscaled 128 w8 s4": (128, 128, 8, 4, False, False, "unscaled"),
+    "unscaled 128 w4 s3 ws device-desc": (128, 128, 4, 3, True, True, "unscaled"),
+    "unscaled 256 w8 s4": (128, 256, 8, 4, False, False, "unscaled"),
+    "accumulated 128 w8 s4": (128, 128, 8, 4, False, False, "accumulated"),
+    "accumulated 256 w8 s4": (128, 256, 8, 4, False, False, "accumulated"),
+    # 64-row blocks: each expert's rows padded to 64, not 128 (less padding multiplied, more weight re-reads from L2)
+    "scaled 64x128 w4 s4": (64, 128, 4, 4, False, False, "scaled"),
+    "accumulated 64x256 w4 s4": (64, 256, 4, 4, False, False, "accumulated"),
 }
 
 
@@ -45,22 +50,23 @@ def one(variant: str, T: int) -> dict:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from moekit import presets
-    from moekit.tools.bench.timing import graph_time_us
+    from moekit.tools.bench.timing import copy_rate, graph_time_us
 
-    bn, warps, stages, ws, device_desc, product = VARIANTS[variant]
+    bm, bn, warps, stages, ws, device_desc, product = VARIANTS[variant]
     spec = presets.get("deepseek-v3")
-    block_expert = aligned_blocks(spec, T, 128, "cuda")
+    torch.manual_seed(0)  # the same routing for every variant
+    block_expert = aligned_blocks(spec, T, bm, "cuda")
     n, k = 2 * spec.intermediate_size, spec.hidden_size
-    c = gemm_case(spec.num_experts, block_expert.numel(), n, k, "cuda")
+    c = gemm_case(spec.num_experts, block_expert.numel(), n, k, "cuda", block_m=bm)
     if device_desc:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    a_desc = TensorDescriptor.from_tensor(c["a"], [128, 128])
+    a_desc = TensorDescriptor.from_tensor(c["a"], [bm, 128])
     w_desc = TensorDescriptor.from_tensor(c["w"].view(-1, k), [bn, 128])
     grid = (block_expert.numel() * triton.cdiv(n, bn),)
 
     def launch():
         fp8_loop_probe_kernel[grid](c["a"], c["a_scale"], c["w"], c["w_scale"], block_expert, c["out"], a_desc, w_desc,
-                                    block_expert.numel(), spec.num_experts, c["a"].shape[0], n, k, BLOCK_M=128,
+                                    block_expert.numel(), spec.num_experts, c["a"].shape[0], n, k, BLOCK_M=bm,
                                     BLOCK_N=bn, GROUP_M=GROUP_M, STAGES=stages, WARP_SPECIALIZE=ws,
                                     DEVICE_DESC=device_desc, PRODUCT=product, num_warps=warps)
 
@@ -69,11 +75,18 @@ def one(variant: str, T: int) -> dict:
     launch()
     torch.cuda.synchronize()
     if product == "scaled":
-        rec["max_rel_err"] = reference_error(c, block_expert)
+        rec["max_rel_err"] = reference_error(c, block_expert, block_m=bm)
     rec["us"] = graph_time_us([launch], replays=20)
     flops = 2 * T * spec.top_k * n * k
     rec["tflops"] = flops / rec["us"] / 1e6
-    rec["of_fp8_rate"] = rec["tflops"] / fp8_rate_tflops(flops, "cuda")
+    rate = fp8_rate_tflops(flops, "cuda")
+    rec["of_fp8_rate"] = rec["tflops"] / rate
+    # the tensor cores also multiply the padding rows of each expert's last block: the rate they actually run at
+    executed = block_expert.numel() * bm
+    rec["padding_share"] = 1 - T * spec.top_k / executed
+    rec["executed_of_fp8_rate"] = rec["of_fp8_rate"] * executed / (T * spec.top_k)
+    # and the bytes the loop must stream at least: every expert's weights once, the gathered rows once
+    rec["of_copy_rate"] = (spec.num_experts * n * k + executed * k) / (rec["us"] * 1e-6) / copy_rate()
     return rec
 
 

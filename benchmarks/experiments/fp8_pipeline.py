@@ -54,8 +54,8 @@ def aligned_blocks(spec, T: int, block_m: int, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(spec.num_experts), blocks).to(device, torch.int32)
 
 
-def gemm_case(num_experts: int, num_blocks: int, n: int, k: int, device) -> dict:
-    m = num_blocks * 128
+def gemm_case(num_experts: int, num_blocks: int, n: int, k: int, device, block_m: int = 128) -> dict:
+    m = num_blocks * block_m
     w = torch.empty(num_experts, n, k, device=device, dtype=E4M3)
     for e in range(num_experts):  # one expert's float32 draw at a time (GEMM1's whole stack would be 30 GB)
         w[e] = torch.randn(n, k, device=device).mul_(0.5)
@@ -80,7 +80,7 @@ def launch(v: dict, c: dict, block_expert: torch.Tensor, warmup: bool = False):
                                   STAGES=v["STAGES"], num_warps=v["num_warps"], grid=grid, warmup=warmup)
 
 
-def reference_error(c: dict, block_expert: torch.Tensor, blocks=(0, 1, -1)) -> float:
+def reference_error(c: dict, block_expert: torch.Tensor, blocks=(0, 1, -1), block_m: int = 128) -> float:
     """Largest relative error (to each block's largest output) of the kernel's output on a few row blocks; inf if
     any output element was left unwritten (the callers fill it with NaN first) or is not finite."""
     if not torch.isfinite(c["out"]).all():
@@ -88,7 +88,7 @@ def reference_error(c: dict, block_expert: torch.Tensor, blocks=(0, 1, -1)) -> f
     worst = 0.0
     for b in blocks:
         b = b % block_expert.numel()
-        e, rows = int(block_expert[b]), slice(b * 128, (b + 1) * 128)
+        e, rows = int(block_expert[b]), slice(b * block_m, (b + 1) * block_m)
         a = c["a"][rows].double() * c["a_scale"][rows].double().repeat_interleave(GROUP, 1)
         ws = c["w_scale"][e].double().repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
         ref = a @ (c["w"][e].double() * ws).T
