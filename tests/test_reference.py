@@ -161,6 +161,15 @@ def test_batched_experts_ignores_padding_and_zeroes_it():
     torch.testing.assert_close(out[2, 1], reference.expert_mlp(x[2, 1:2], w13[2], w2[2], "silu_and_mul")[0])
 
 
+def test_batched_counts_out_of_range_read_as_the_kernels_do():
+    # a negative count is no rows (x[e, :-1] took M - 1 of them); a count past M is all M
+    E, M, H, I = 2, 4, 8, 6
+    x, w13, w2 = torch.randn(E, M, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    out = reference.batched_experts(x, torch.tensor([-1, 6], dtype=torch.int32), w13, w2)
+    assert (out[0] == 0).all()
+    torch.testing.assert_close(out[1], reference.expert_mlp(x[1], w13[1], w2[1], "silu_and_mul"))
+
+
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "deepseek-v3"])
 def test_moe_layer_composes_router_routing_experts_and_shared(name):
     from moekit import presets

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moekit
-from moekit import reference
+from moekit import _triton, reference
 from moekit.metrics import routes_agree, separable_tokens
 
 TOKENS = [0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129]
@@ -86,6 +86,19 @@ def test_route_near_ties_resolve_like_float64(impl):
     rw, rids = reference.route(logits.float(), k, "topk_softmax")
     agree, werr = routes_agree(w, ids, rw, rids)
     assert agree == 1.0 and werr < 1e-6
+
+
+def test_float64_logits_route_in_float64():
+    # the kernel works in float32: a 1e-9 gap vanished (another expert), 1e39 became inf (NaN weights)
+    near = torch.tensor([[3.0, 3.0 + 1e-9, 0.0]], dtype=torch.float64)
+    big = torch.tensor([[1e39, 0.0, -1.0]], dtype=torch.float64)
+    assert moekit.route(near, 1, "softmax_topk")[1].tolist() == [[1]]
+    assert moekit.route(big, 2, "topk_softmax")[0].tolist() == [[1.0, 0.0]]
+    if _triton.can_launch(near.device):
+        with pytest.raises(TypeError, match="impl='triton' ranks and weighs in float32"):
+            moekit.route(near, 1, "softmax_topk", impl="triton")
+    if torch.cuda.is_available():  # "auto" on CUDA: the torch path
+        assert moekit.route(near.cuda(), 1, "softmax_topk")[1].tolist() == [[1]]
 
 
 def test_every_token_on_one_expert():

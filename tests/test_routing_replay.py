@@ -110,7 +110,9 @@ def test_the_layer_records_and_replays():
     ("a record buffer of one dimension", dict(record_ids=torch.zeros(T * 3, dtype=torch.int32)), ValueError,
      "record_ids must have 2 dimensions"),
     ("a record buffer broadcast over its tokens", dict(record_ids=torch.zeros(1, 3, dtype=torch.int32).expand(T, 3)),
-     ValueError, r"record_ids must give each element memory of its own, got strides \(0, 1\)"),
+     ValueError, r"record_ids must give each element memory of its own, got shape \(9, 3\) and strides \(0, 1\)"),
+    ("a record buffer whose rows overlap", dict(record_ids=torch.zeros(40, dtype=torch.int32).as_strided((T, 3), (2, 1))),
+     ValueError, "record_ids must give each element memory of its own"),  # copy_ left a mix of two rows' ids
     ("a record buffer over the replayed ids", dict(replay_ids=torch.zeros(T + 1, 3, dtype=torch.int32)[:T],
                                                    record_ids=torch.zeros(T + 1, 3, dtype=torch.int32)[1:]),
      None, None),  # (separate storages: allowed; the overlapping case is below)

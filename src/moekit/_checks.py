@@ -46,8 +46,21 @@ def check_out(name: str, out: torch.Tensor, shape: tuple[int, ...], dtype: torch
         raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
     if out.numel() and out.dim() and out.stride(-1) != 1 and out.shape[-1] != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {out.stride()}")
+    check_own_memory(name, out)
     if not torch.compiler.is_compiling():  # traced tensors have no memory: the ops check it when they run
         check_disjoint(name, out, inputs)
+
+
+def check_own_memory(name: str, t: torch.Tensor) -> None:
+    """Every element of ``t`` has memory of its own: parallel writes into shared memory leave one writer's value,
+    silently. Refused where the strides do not prove it (dims by increasing stride, each stride past the span of
+    the smaller ones): every layout torch makes passes."""
+    span = 0
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            raise ValueError(f"{name} must give each element memory of its own, got shape {tuple(t.shape)} and "
+                             f"strides {t.stride()}")
+        span += stride * (size - 1)
 
 
 def check_disjoint(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | None]) -> None:

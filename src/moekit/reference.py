@@ -328,7 +328,7 @@ def batched_experts(
         raise ValueError(f"expert_num_tokens must have shape ({num_experts},), got {tuple(expert_num_tokens.shape)}")
     out = torch.zeros(num_experts, max_tokens, w2.shape[1], dtype=F64, device=x.device)
     for e in range(num_experts):
-        n = int(expert_num_tokens[e])
+        n = min(max(int(expert_num_tokens[e]), 0), max_tokens)  # a negative count is no rows, as the kernels read it
         if n:
             out[e, :n] = _expert(e, x[e, :n], w13, w2, activation, w13_bias, w2_bias, lora,
                                  None if lora_ids is None else lora_ids[e, :n])

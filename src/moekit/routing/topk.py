@@ -1,7 +1,7 @@
 """Top-k routing: which experts each token goes to, and with what weight.
 
-``route`` runs a Triton kernel on CUDA (one launch, any E up to 4096) and a float64 torch
-path elsewhere. Both follow the selection rules of :mod:`moekit.reference`.
+``route`` runs a Triton kernel on CUDA (one launch, any E up to 4096; it works in float32) and a float64 torch
+path elsewhere and for float64 logits. Both follow the selection rules of :mod:`moekit.reference`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from .. import _triton, reference
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_tensor, check_top_k, int32_ids, warned_if_detached
+from .._checks import check_disjoint, check_own_memory, check_tensor, check_top_k, int32_ids, warned_if_detached
 from ..presets import ROUTING_METHODS
 from . import gate_case
 from .options import RoutingOptions, empty_routes
@@ -86,7 +86,8 @@ def route(
         correction_bias: [E] float, added to sigmoid scores for selection only (sigmoid_grouped).
         num_groups, topk_groups: group-limited selection (sigmoid_grouped).
         scaling: routed scaling factor applied to the final weights (sigmoid_grouped).
-        impl: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch"``.
+        impl: ``"auto"`` (Triton on CUDA, torch elsewhere and for float64 logits or correction bias),
+            ``"triton"`` (float32 work: refuses float64) or ``"torch"``.
         replay_ids: int32/int64 [T, k]: routing replay (reinforcement learning replays the experts a
             rollout chose): these ids are returned (as int32) instead of a selection, with the weights
             ``method`` gives them from these logits (:func:`moekit.reference.route_weights`); an id
@@ -112,7 +113,7 @@ def route(
         correction_bias=correction_bias, num_groups=num_groups, topk_groups=topk_groups, scaling=scaling,
     )
     check_replay(replay_ids, record_ids, logits.shape[0], top_k, logits.device)
-    _check_impl(impl, logits.device)
+    _check_impl(impl, logits.device, logits, correction_bias)
     if replay_ids is not None:
         return record(replay(logits, replay_ids, opts), record_ids)
     if key is None:  # routing replay, recording, or torch.compile tracing
@@ -164,8 +165,8 @@ def check_replay(replay_ids, record_ids, num_tokens: int, top_k: int, device) ->
             check_tensor(name, t, ndim=2, dtypes=ID_DTYPES, device=device)
             if tuple(t.shape) != (num_tokens, top_k):
                 raise ValueError(f"{name} must have shape ({num_tokens}, {top_k}) (tokens, top_k), got {tuple(t.shape)}")
-    if record_ids is not None and any(st == 0 and n > 1 for st, n in zip(record_ids.stride(), record_ids.shape)):
-        raise ValueError(f"record_ids must give each element memory of its own, got strides {record_ids.stride()}")
+    if record_ids is not None:
+        check_own_memory("record_ids", record_ids)
     if replay_ids is not None and record_ids is not None:
         check_disjoint("record_ids", record_ids, {"replay_ids": replay_ids})
 
@@ -184,26 +185,34 @@ def record(routes: tuple[torch.Tensor, torch.Tensor], record_ids) -> tuple[torch
     return routes
 
 
-def _check_impl(impl: str, device: torch.device) -> None:
+def _check_impl(impl: str, device: torch.device, logits=None, correction_bias=None) -> None:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "triton" and not _triton.can_launch(device):
         raise ValueError(f"impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got device {device}")
+    if impl == "triton" and _float64(logits, correction_bias):
+        raise TypeError("impl='triton' ranks and weighs in float32: float64 logits or correction_bias would be "
+                        "rounded (another expert in a near tie, inf past float32's range); use impl='torch' or 'auto'")
 
 
-def _triton_serves_auto(logits: torch.Tensor) -> bool:
-    return logits.is_cuda and _triton.can_launch(logits.device)
+def _float64(logits, correction_bias) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in (logits, correction_bias))
+
+
+def _triton_serves_auto(logits: torch.Tensor, correction_bias=None) -> bool:
+    # float64 routes on the torch path, in float64 as the reference does (the kernel works in float32)
+    return logits.is_cuda and _triton.can_launch(logits.device) and not _float64(logits, correction_bias)
 
 
 def route_with(logits, opts: RoutingOptions, correction_bias=None, *, impl: str = "auto"):
     """:func:`route` on already validated arguments (used by the router)."""
-    _check_impl(impl, logits.device)
+    _check_impl(impl, logits.device, logits, correction_bias)
     return _route_run(logits, opts, correction_bias, _route_choice(logits, opts, correction_bias, impl))
 
 
 def _route_choice(logits, opts: RoutingOptions, correction_bias, impl: str) -> bool:
     """Whether the Triton routing kernel serves the call (else the torch path)."""
-    use_triton = impl == "triton" or (impl == "auto" and _triton_serves_auto(logits))
+    use_triton = impl == "triton" or (impl == "auto" and _triton_serves_auto(logits, correction_bias))
     if use_triton and impl == "auto" and logits.shape[0]:
         use_triton = gate_case.route_refusal(logits, correction_bias, opts, route_with) is None
     return use_triton
