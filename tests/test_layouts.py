@@ -69,3 +69,15 @@ def test_pack_drops_invalid_ids():
     ids = torch.tensor([[0, 7], [-1, 1], [1, 1]], dtype=torch.int32)
     _, counts, slot = layouts.pack_batched(x, ids, 2, 4)
     assert slot[0, 1] == -1 and slot[1, 0] == -1 and counts.tolist() == [1, 3]
+
+
+def test_combine_ignores_padding_rows_of_dropped_pairs():
+    # a dropped pair gathered row 0 (padding here, never written by the kernels) and NaN times its zero weight was NaN
+    x = torch.randn(2, 4)
+    ids = torch.tensor([[1, 2], [1, 2]], dtype=torch.int32)
+    xb, counts, slot = layouts.pack_batched(x, ids, 3, 1)  # token 1's pairs do not fit: dropped
+    assert counts.tolist() == [0, 1, 1] and (slot[1] == -1).all()
+    yb = torch.full((3, 1, 4), float("nan"))
+    yb[1, 0], yb[2, 0] = 1.0, 2.0
+    out = layouts.combine_batched(yb, slot, torch.full((2, 2), 0.5))
+    assert torch.equal(out, torch.tensor([[1.5] * 4, [0.0] * 4]))

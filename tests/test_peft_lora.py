@@ -149,3 +149,48 @@ def test_conversion_refuses_what_it_cannot_take():
         moekit_peft.experts_lora(experts)
     lora = moekit_peft.experts_lora(wrapper, adapters=["second"], dtype=torch.float16)
     assert lora.num_adapters == 1 and lora.dtype == torch.float16 and lora.w2_a.shape[2] == 8
+
+
+@pytest.mark.parametrize("flow", ["merge_and_unload", "merge_adapter", "disable_after_merge", "unmerge"])
+def test_peft_merges_reach_a_transposed_stacks_prepared_copy(flow):
+    # PEFT merges through param.data, which bumps no version counter: gpt-oss's transposed copy kept serving the
+    # weights from before (the whole adapter's effect lost, or kept after PEFT took it out)
+    model = _adapt(_model("gpt_oss"), adapters=(("only", 4, 8),))
+    ids = torch.randint(0, 97, (2, 7))
+    inner = model.base_model.model
+
+    def logits(impl):
+        inner.set_experts_implementation(impl)
+        return model(ids).logits
+
+    with torch.no_grad():
+        adapted = logits("grouped_mm")
+        with model.disable_adapter():
+            base = logits("grouped_mm")
+        if flow in ("merge_and_unload", "merge_adapter"):
+            logits(NAME)  # the copy is made of the stored weights, the adapter beside them
+            if flow == "merge_adapter":
+                model.merge_adapter()
+                got, expect = logits(NAME), adapted
+            else:
+                merged = model.merge_and_unload()
+                merged.set_experts_implementation(NAME)
+                got, expect = merged(ids).logits, adapted
+        else:
+            model.merge_adapter()
+            logits(NAME)  # the copy is made of the merged weights
+            if flow == "unmerge":
+                model.unmerge_adapter()
+            with model.disable_adapter():
+                got, expect = logits(NAME), base
+    check_close(f"gpt-oss after {flow}", got, expect, FP32)
+
+
+def test_patch_leaves_peft_wrapped_blocks_alone():
+    # the converters read the stacks through PEFT's wrappers (AttributeError), and would drop the adapters
+    from moekit.integrations.transformers import patch
+
+    model = _adapt(_model("qwen3_moe"), adapters=(("only", 4, 8),))
+    report = patch(model)
+    assert not report.replaced and len(report.left_alone) == 2
+    assert all("PEFT adapters wrap its experts" in why for _, why in report.left_alone)

@@ -125,6 +125,8 @@ def combine_batched(yb: torch.Tensor, slot: torch.Tensor, topk_weights: torch.Te
     flat = yb.reshape(-1, yb.shape[-1])
     if flat.shape[0] == 0:  # no capacity (M = 0): every pair was dropped, and there is no row to gather
         flat = torch.zeros(1, yb.shape[-1], dtype=yb.dtype, device=yb.device)
-    gathered = flat[slot.clamp(min=0)].float()                      # [T, k, H]
-    w = torch.where(slot >= 0, topk_weights.float(), 0.0)
+    kept = slot >= 0
+    # a dropped pair gathers row 0, which may be padding (never written: NaN times a zero weight is NaN)
+    gathered = torch.where(kept[..., None], flat[slot.clamp(min=0)].float(), 0.0)  # [T, k, H]
+    w = torch.where(kept, topk_weights.float(), 0.0)
     return (gathered * w[..., None]).sum(dim=1).to(yb.dtype)

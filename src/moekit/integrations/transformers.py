@@ -150,6 +150,15 @@ def _build(spec, router_w, router_b, w13, w2, dtype) -> FusedMoE:
     return layer
 
 
+def _peft_wrapped(block: nn.Module) -> str | None:
+    """Why a block whose experts or router PEFT wraps is left alone: moekit's layer would take the weights without
+    the adapters (and the wrappers hide the stacks)."""
+    if any(hasattr(m, "base_layer") and hasattr(m, "lora_A") for m in block.modules()):
+        return ("PEFT adapters wrap its experts or router: experts_implementation='moekit' serves expert adapters, "
+                "or merge them first (merge_and_unload)")
+    return None
+
+
 def _unserved_activation(block: nn.Module, cls: str) -> str | None:
     """Why moekit's layer would compute another function than ``block`` (its config's activation, gpt-oss's swiglu
     limit or alpha), or None: the experts' gate function and a shared expert's activation, each run on a probe."""
@@ -206,7 +215,7 @@ def patch(model: nn.Module, *, dtype: torch.dtype | None = None, batch_invariant
         if module.training and getattr(module, "jitter_noise", 0):
             report.left_alone.append((path, "training with router jitter noise (moekit layers are for inference)"))
             continue
-        why = _unserved_activation(module, cls)
+        why = _peft_wrapped(module) or _unserved_activation(module, cls)
         if why:
             report.left_alone.append((path, why))
             continue

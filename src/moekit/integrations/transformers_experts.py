@@ -113,6 +113,8 @@ def _plan(module: nn.Module):
     Built once per module and weights: a weight replaced, moved, cast or changed in place (its version
     counter) builds it again; a transposed stack's copy is the only one made. Under torch.compile the plan
     built by the eager call before serves as it is (tracing reads no version counters)."""
+    if not _PEFT_MERGES_SEEN:
+        _see_peft_merges()
     cache = module.__dict__.get("_moekit_plan")
     if torch.compiler.is_compiling():
         return cache.plan if cache is not None else _build_plan(module, module.gate_up_proj, module.down_proj)
@@ -136,9 +138,38 @@ def _plan(module: nn.Module):
     return plan
 
 
+_PEFT_MERGES_SEEN: list[bool] = []  # (non-empty once PEFT's ParamWrapper tells moekit of its merges)
+
+
+def _see_peft_merges() -> None:
+    """PEFT merges an adapter into the stored weight (and unmerges it) through ``param.data``, which bumps no version
+    counter: a transposed stack's prepared copy would go on serving the weights before it. Once PEFT is imported, its
+    ParamWrapper's merge and unmerge (merge_adapter, merge_and_unload, disable_adapter on a merged model) are made to
+    drop the experts module's prepared weights after they run."""
+    import sys
+
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    wrapper = getattr(layer, "ParamWrapper", None)
+    if wrapper is None:
+        return
+    for name in ("merge", "unmerge"):
+        original = getattr(wrapper, name)
+
+        def then_forget(self, *args, _original=original, **kwargs):
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                forget(self.get_base_layer())
+        then_forget.__wrapped__ = original
+        then_forget.__doc__ = original.__doc__
+        setattr(wrapper, name, then_forget)
+    _PEFT_MERGES_SEEN.append(True)
+
+
 def forget(module: nn.Module) -> None:
     """Drop the module's prepared weights: after writes that no version counter sees (``param.data[...] = ...``,
-    numpy or DLPack views of the weights), so that the next call prepares them again."""
+    numpy or DLPack views of the weights), so that the next call prepares them again. PEFT's adapter merges call it
+    themselves (see _see_peft_merges)."""
     module.__dict__.pop("_moekit_plan", None)
 
 
