@@ -20,13 +20,15 @@ Barriers (count 1; the loader's arrivals are TMA expect-tx, the MMA partition's 
 that read the slot has retired): ready[s] loader -> MMA, empty[s] MMA -> loader. Step i uses slot i % STAGES at
 phase (i // STAGES) & 1; producers wait "empty" at the flipped phase, so the first pass does not block.
 
-Program order: moekit's (experts/kernels/moe_gemm.py _tile_ids): GROUP_M row blocks, all column tiles of a group
-before the next, so a block's A and an expert's weight tile are shared through L2 by the CTAs in flight.
+Program order: _gluon_moe_kernels.grouped_tile (moekit's): GROUP_M row blocks, all column tiles of a group before the
+next, so a block's A and an expert's weight tile are shared through L2 by the CTAs in flight.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from _gluon_moe_kernels import grouped_tile
 
 GROUP = gl.constexpr(128)  # the quantization group: 1x128 activations, 128x128 weights; one K step
 
@@ -106,14 +108,7 @@ def fp8_grouped_ws_kernel(a_desc, w_desc, a_scale_ptr, w_scale_ptr, block_expert
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     gl.static_assert(GROUP % BN == 0, "a tile takes one weight scale per step")
-    # moekit's _tile_ids: groups of GROUP_M row blocks, all column tiles of a group before the next
-    pid = gl.program_id(0)
-    n_tiles = gl.cdiv(N, BN)
-    per_group = GROUP_M * n_tiles
-    first = (pid // per_group) * GROUP_M
-    group_m = gl.minimum(num_blocks - first, GROUP_M)
-    block = first + (pid % per_group) % group_m
-    off_n = ((pid % per_group) // group_m) * BN
+    block, off_n = grouped_tile(num_blocks, N, BN, GROUP_M)
     expert = gl.load(block_expert_ptr + block)
     off_m = block * BM
     k_steps = K // GROUP

@@ -51,6 +51,20 @@ def _activate(gate, up, ACTIVATION: gl.constexpr):
 
 
 @gluon.jit
+def grouped_tile(num_blocks, N, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """(row block, first column) of this program. Groups of GROUP_M row blocks, all the column tiles of a group
+    before the next, row blocks fastest inside a group: the CTAs in flight share a few blocks of A (read from L2 by
+    every column tile) and an expert's weight tile serves its neighbouring blocks from L2. Row blocks fastest over
+    the whole grid re-read every block of A from HBM once per column tile (45 times x's gathered rows for gpt-oss's
+    GEMM1). moekit's own order (experts/kernels/moe_gemm.py _tile_ids)."""
+    pid = gl.program_id(0)
+    per_group = GROUP_M * gl.cdiv(N, BN)
+    first = (pid // per_group) * GROUP_M
+    group_m = gl.minimum(num_blocks - first, GROUP_M)
+    return first + (pid % per_group) % group_m, ((pid % per_group) // group_m) * BN
+
+
+@gluon.jit
 def _mma_moe(a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, out_ptr, stride_out, bias_ptr, pairs_ptr,
              weights_ptr, num_pairs, N, expert, off_m, n0, k_steps, EPILOGUE: gl.constexpr,
              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
@@ -93,20 +107,9 @@ def moe_w4_kernel(a_desc, q_desc, s_desc, out_ptr, stride_out, bias_ptr, block_e
     this launch serves only the blocks whose rows (``block_rows``: the run's rows in the block, a prefix) are in
     (min_rows, max_rows], their BM rows from ``row_offset`` on; the host launches one tile per class and part, so
     that a block computes about the rows it holds."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = q_desc.block_type.shape[0]
-    # Groups of GROUP_M row blocks, all the column tiles of a group before the next, row blocks fastest inside a
-    # group: the CTAs in flight share a few blocks of A (read from L2 by every column tile) and an expert's weight
-    # tile serves its neighbouring blocks from L2. Row blocks fastest over the whole grid re-read every block of A
-    # from HBM once per column tile (45 times x's gathered rows for gpt-oss's GEMM1).
-    pid = gl.program_id(0)
-    n_tiles = gl.cdiv(N, BN)
-    per_group = GROUP_M * n_tiles
-    first = (pid // per_group) * GROUP_M
-    group_m = gl.minimum(num_blocks - first, GROUP_M)
-    block = first + (pid % per_group) % group_m
-    n0 = ((pid % per_group) // group_m) * BN
+    block, n0 = grouped_tile(num_blocks, N, BN, GROUP_M)
     expert = gl.load(block_expert_ptr + block)
     serve = expert >= 0
     if ROW_CLASSES:

@@ -90,6 +90,26 @@ def one(variant: str, T: int) -> dict:
     return rec
 
 
+def run_each(script: str, variants, tokens: int, limit: float, show) -> list[dict]:
+    """Each variant's record from ``script --one VARIANT --tokens T`` in a process of its own, killed after
+    ``limit`` seconds (a hang is a record too); ``show(record)`` printed as each one ends."""
+    records = []
+    for variant in variants:
+        t0 = time.time()
+        try:
+            done = subprocess.run([sys.executable, script, "--one", variant, "--tokens", str(tokens)],
+                                  capture_output=True, text=True, timeout=limit)
+            lines = done.stdout.strip().splitlines()
+            rec = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+                "variant": variant, "error": done.stderr.strip().splitlines()[-1][:200] if done.stderr else "no output"}
+        except subprocess.TimeoutExpired:
+            rec = {"variant": variant, "error": f"hung: killed after {limit:.0f} s"}
+        rec["seconds"] = round(time.time() - t0, 1)
+        records.append(rec)
+        print(show(rec), flush=True)
+    return records
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
@@ -100,20 +120,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.tokens)))
         return
-    records = []
-    for variant in VARIANTS:
-        t0 = time.time()
-        try:
-            done = subprocess.run([sys.executable, __file__, "--one", variant, "--tokens", str(args.tokens)],
-                                  capture_output=True, text=True, timeout=args.limit)
-            lines = done.stdout.strip().splitlines()
-            rec = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                "variant": variant, "error": done.stderr.strip().splitlines()[-1][:200] if done.stderr else "no output"}
-        except subprocess.TimeoutExpired:
-            rec = {"variant": variant, "error": f"hung: killed after {args.limit:.0f} s"}
-        rec["seconds"] = round(time.time() - t0, 1)
-        records.append(rec)
-        print(rec, flush=True)
+    records = run_each(__file__, VARIANTS, args.tokens, args.limit, str)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fp8_loop_probe.json").write_text(json.dumps({"records": records}, indent=1))
 

@@ -23,9 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 if "--compile-only" in sys.argv:  # real JIT functions, not the interpreter (read when the kernels are defined)
@@ -203,20 +201,10 @@ def main(argv=None) -> int:
         p.error("needs a CUDA GPU (or --compile-only)")
     from moekit.tools.bench.timing import archive_stem, environment, write_results
 
-    env, records = environment(), []
-    for variant in variants():
-        t0 = time.time()
-        try:
-            done = subprocess.run([sys.executable, __file__, "--one", variant, "--tokens", str(args.tokens)],
-                                  capture_output=True, text=True, timeout=args.limit)
-            lines = done.stdout.strip().splitlines()
-            rec = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                "variant": variant, "error": done.stderr.strip().splitlines()[-1][:200] if done.stderr else "no output"}
-        except subprocess.TimeoutExpired:
-            rec = {"variant": variant, "error": f"hung: killed after {args.limit:.0f} s"}
-        rec["seconds"] = round(time.time() - t0, 1)
-        records.append(rec)
-        print(row(rec), flush=True)
+    from fp8_loop_probe import run_each
+
+    env = environment()
+    records = run_each(__file__, variants(), args.tokens, args.limit, row)
     lines = [f"# DeepSeek-V3 FP8 GEMM1 at T={args.tokens}: a Gluon producer/consumer loop ({env['gpu']}, "
              f"{env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}. `benchmarks/experiments/gluon_fp8.py`: GEMM1 over aligned "
