@@ -179,6 +179,27 @@ def test_experts_on_the_torch_backend_are_batch_invariant(weights, act_quant, dt
     assert all(r.ok for r in rows), [r.detail for r in rows if not r.ok]
 
 
+@pytest.mark.parametrize("activation", ["silu_and_mul", "swiglu_oai"])
+def test_the_torch_backends_activations_keep_a_rows_bits(activation):
+    # a CPU kernel's vector loop and its scalar tail (past a multiple of its step, or past a thread's share of the
+    # flattened tensor) round sigmoid differently: I = 40 leaves a tail in every row alone, and two threads split
+    # 901 x 40 elements mid-row (before: token 450 of silu_and_mul, 40 tokens of swiglu_oai changed bits)
+    _on()
+    torch.manual_seed(0)
+    E, H, I, T = 1, 16, 40, 901
+    w13, w2 = torch.randn(E, 2 * I, H) * H ** -0.5, torch.randn(E, H, I) * I ** -0.5
+    x, ids, tw = torch.randn(T, H) * 4, torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        full = fused_experts(x, w13, w2, tw, ids, activation=activation, backend="torch")
+        alone = torch.cat([fused_experts(x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], activation=activation,
+                                         backend="torch") for t in range(T)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(full, alone), f"tokens {(full != alone).any(1).nonzero().flatten().tolist()[:8]}"
+
+
 @pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-20b"])  # a shared expert; biases
 def test_the_whole_layer_is_batch_invariant_on_the_cpu(name):
     _on()
@@ -547,3 +568,22 @@ def test_the_benchmarks_probe_and_table_on_the_cpu():
     md = bench.markdown({"gpu": "cpu"}, rows)
     assert md.count("| met |") == 1 and md.count("**missed**") == 2 and "error: RuntimeError: boom" in md
     assert "4 rows measured, 1 errors; bitwise invariant in 4 of 4; speed target missed in 2." in md
+
+
+@pytest.mark.gpu
+def test_a_router_gemm_the_gate_refuses_falls_back_to_the_torch_tier_in_the_mode(monkeypatch):
+    # cuBLAS picks its kernel by T and the gate's verdict is kept per token-count class: a refused Triton GEMM on
+    # cuBLAS changed a token's logits with T
+    from moekit.routing import router as router_mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(router_mod.router_tiers, "choose_tier",
+                        lambda *a, **k: tiers.TierChoice("triton", "forced"))
+    monkeypatch.setattr(router_mod.gate_case, "gemm_refusal", lambda *a, **k: "refused for the test")
+    x, w = torch.randn(5, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+    out = torch.empty(5, 8, device="cuda")
+    assert router_mod._gemm(router_mod._GemmArgs(x, w, None, None), out)[0] == "cublas"
+    _on()
+    assert router_mod._gemm(router_mod._GemmArgs(x, w, None, None), out)[0] == "torch"
+    torch.testing.assert_close(out, x @ w.T)

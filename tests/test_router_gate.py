@@ -26,7 +26,7 @@ def fast_paths(monkeypatch):
 
     monkeypatch.setattr(router_tiers, "choose_tier", choose_triton)
     monkeypatch.setattr(router_tiers, "fused_applies", lambda *a: True)
-    monkeypatch.setattr(routing, "_triton_serves_auto", lambda logits: True)
+    monkeypatch.setattr(routing, "_triton_serves_auto", lambda logits, correction_bias=None: True)
     gate.reset()
     gate.set_verification(True)
     yield monkeypatch

@@ -8,7 +8,7 @@ with T, or a scale shared by the whole batch. Under the switch each op fixes one
 (routing/tiers.py, experts/configs.py) and refuses what cannot be made invariant, naming the switch.
 
 This module is low in the runtime (layer 0) so that every op can read the switch; it holds no policy of its own
-beyond the switch and the one matmul the torch paths share.
+beyond the switch and the one matmul and elementwise form the torch paths share.
 """
 
 from __future__ import annotations
@@ -82,6 +82,30 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [n, K] @ b [K, N]: in batch-invariant mode by :func:`rows_matmul`, else one matmul. The torch paths' row
     products (experts, their LoRA terms, the router) go through here, so none of them is left out of the mode."""
     return rows_matmul(a, b) if enabled() else a @ b
+
+
+ELEMENTWISE_PIECE = 32767
+"""Elements of one piece of an elementwise op under the switch: under torch's parallel grain (32768), so one thread
+runs it."""
+ELEMENTWISE_ROW_ALIGN = 64
+"""Row padding under the switch: a multiple of every CPU vector loop's step, so that no element takes the scalar
+tail."""
+
+
+def elementwise(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)``, an elementwise function of [n, C] tensors, with each row's bits independent of n and of the
+    row's place under the switch. A CPU kernel runs most elements in a vector loop and the last few (past a multiple
+    of its step, or past a thread's share of the flattened tensor) in scalar code, and the two round transcendental
+    functions differently (sigmoid, exp: 1 ulp): under the switch every row is padded to ELEMENTWISE_ROW_ALIGN
+    elements and the rows go in pieces that one thread runs, so every element takes the vector loop."""
+    n, cols = xs[0].shape
+    if not enabled() or n == 0:
+        return fn(*xs)
+    padded = -(-cols // ELEMENTWISE_ROW_ALIGN) * ELEMENTWISE_ROW_ALIGN
+    rows = max(1, ELEMENTWISE_PIECE // padded)
+    pieces = [fn(*(torch.nn.functional.pad(x[i:i + rows], (0, padded - cols)) for x in xs))[:, :cols]
+              for i in range(0, n, rows)]
+    return torch.cat(pieces)
 
 
 SIZES = (1, 2, 7, 64, 129, 1000)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _invariant
 from .formats import expert, fp8
 
 F64 = torch.float64
@@ -60,7 +61,7 @@ def _rank(key: torch.Tensor, eligible: torch.Tensor | None = None) -> torch.Tens
 
 def _softmax(v: torch.Tensor) -> torch.Tensor:
     # Written out (not torch.softmax) so the IEEE behaviour on inf/NaN is explicit.
-    e = torch.exp(v - v.max(dim=-1, keepdim=True).values)
+    e = _invariant.elementwise(torch.exp, v - v.max(dim=-1, keepdim=True).values)
     return e / e.sum(dim=-1, keepdim=True)
 
 
@@ -88,7 +89,7 @@ def route(
     if method in ("softmax_topk", "topk_softmax", "sigmoid_top1"):
         ids = _rank(l64)[:, :top_k]
     elif method == "sigmoid_grouped":
-        s = torch.sigmoid(l64)
+        s = _invariant.elementwise(torch.sigmoid, l64)
         choice = s if correction_bias is None else s + correction_bias.to(F64)
         choice = selection_key(choice)
         group_size = num_experts // num_groups
@@ -120,9 +121,9 @@ def route_weights(logits: torch.Tensor, ids: torch.Tensor, method: str, *, renor
         # written this way a NaN logit of an unchosen expert does not poison the weights.
         w = _softmax(torch.gather(l64, 1, safe).masked_fill(~valid, -torch.inf))
     elif method == "sigmoid_top1":
-        w = torch.sigmoid(torch.gather(l64, 1, safe))
+        w = _invariant.elementwise(torch.sigmoid, torch.gather(l64, 1, safe))
     elif method == "sigmoid_grouped":
-        w = torch.where(valid, torch.gather(torch.sigmoid(l64), 1, safe), 0.0)
+        w = torch.where(valid, torch.gather(_invariant.elementwise(torch.sigmoid, l64), 1, safe), 0.0)
         if renormalize:
             w = w / w.sum(dim=-1, keepdim=True)
         w = w * scaling

@@ -14,12 +14,20 @@ from .lora import torch_term
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """fp32 [.., 2I] -> [.., I] (layouts: [gate; up] for silu_and_mul, interleaved for swiglu_oai)."""
+    """fp32 [n, 2I] -> [n, I] (layouts: [gate; up] for silu_and_mul, interleaved for swiglu_oai)."""
     if activation == "silu_and_mul":
         gate, up = h.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-    gate = h[..., 0::2].clamp(max=SWIGLU_LIMIT)
-    up = h[..., 1::2].clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+        return _invariant.elementwise(_silu_and_mul, gate, up)
+    return _invariant.elementwise(_swiglu_oai, h[..., 0::2], h[..., 1::2])
+
+
+def _silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def _swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
     return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
 
 

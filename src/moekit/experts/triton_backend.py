@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _triton
-from .._checks import check_disjoint
+from .._checks import check_written_memory
 from ..formats import FOUR_BIT_FORMATS, format_of, from_parts, to_parts
 from . import configs as expert_configs
 from .configs import ExpertsConfig, GemmConfig
@@ -1334,7 +1334,7 @@ def _fused_experts_op(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2:
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
                       w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
                       expert_map: torch.Tensor | None) -> None:
-    check_disjoint("out", out, {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
+    check_written_memory("out", out, {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
     fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map)
 
 
@@ -1347,7 +1347,7 @@ def _(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, ex
 def _batched_experts_op(out: torch.Tensor, x: torch.Tensor, expert_num_tokens: torch.Tensor, w13: torch.Tensor,
                         w2: torch.Tensor, activation: str, w13_bias: torch.Tensor | None,
                         w2_bias: torch.Tensor | None) -> None:
-    check_disjoint("out", out, {"x": x, "w13": w13, "w2": w2})
+    check_written_memory("out", out, {"x": x, "w13": w13, "w2": w2})
     batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
 
 
@@ -1371,7 +1371,7 @@ def _fused_experts_general_op(out: torch.Tensor, x: torch.Tensor, fmt: str,
                               lora_w13_a: torch.Tensor | None, lora_w13_b: torch.Tensor | None,
                               lora_w2_a: torch.Tensor | None, lora_w2_b: torch.Tensor | None,
                               lora_scaling: torch.Tensor | None, lora_ids: torch.Tensor | None) -> None:
-    check_disjoint("out", out, {"x": x, "w13": w13_data, "w2": w2_data, "topk_weights": topk_weights})
+    check_written_memory("out", out, {"x": x, "w13": w13_data, "w2": w2_data, "topk_weights": topk_weights})
     w13 = from_parts(fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape)
     w2 = from_parts(fmt, w2_data, w2_scales, w2_global, w2_tag, w2_shape)
     fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
@@ -1397,7 +1397,7 @@ def _batched_experts_general_op(out: torch.Tensor, x: torch.Tensor, expert_num_t
                                 lora_w13_b: torch.Tensor | None, lora_w2_a: torch.Tensor | None,
                                 lora_w2_b: torch.Tensor | None, lora_scaling: torch.Tensor | None,
                                 lora_ids: torch.Tensor | None) -> None:
-    check_disjoint("out", out, {"x": x, "w13": w13_data, "w2": w2_data})
+    check_written_memory("out", out, {"x": x, "w13": w13_data, "w2": w2_data})
     w13 = from_parts(fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape)
     w2 = from_parts(fmt, w2_data, w2_scales, w2_global, w2_tag, w2_shape)
     batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, _config_of(config),

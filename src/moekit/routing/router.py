@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import _invariant, _triton
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_out, check_shape, check_tensor, warned_if_detached
+from .._checks import check_disjoint, check_out, check_shape, check_tensor, check_written_memory, warned_if_detached
 from . import gate_case
 from . import tiers as router_tiers
 from .options import RoutingOptions, empty_routes
@@ -164,7 +164,7 @@ def _lora_parts(lora: RouterLoRA | None):
 @torch.library.custom_op("moekit::router_gemm_into", mutates_args=("out",))
 def _router_gemm_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, lora_scale: float, tier: str) -> None:
-    check_disjoint("out", out, {"x": x, "weight": weight, "bias": bias})
+    check_written_memory("out", out, {"x": x, "weight": weight, "bias": bias})
     lora = None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale)
     _gemm(_GemmArgs(x, weight, bias, lora), out, tier)
 
@@ -182,7 +182,9 @@ def _gemm(args: _GemmArgs, out2: torch.Tensor, tier: str = "auto", prepare: bool
     run = choice.tier
     if tier == "auto" and run == "triton" and args.x.shape[0] > 0:
         if gate_case.gemm_refusal(args.x.shape[0], args.weight, args.bias, args.lora, out2.dtype, router_gemm):
-            run = "cublas" if args.weight.is_cuda else "torch"
+            # batch-invariant mode: the torch tier's fixed-shape matmuls (cuBLAS picks its kernel by T, and the
+            # gate's verdict is kept per token-count class: one class could run Triton, another cuBLAS)
+            run = "cublas" if args.weight.is_cuda and not _invariant.enabled() else "torch"
     prepared = _RUNNERS[run](args, out2, prepare) if args.x.shape[0] > 0 else None
     return run, prepared
 
