@@ -542,6 +542,8 @@ def test_fused_moe_serves_loaded_adapters():
     check_close("FusedMoE with LoRA", got.reshape(-1, H), ref, EXPERTS_TOL[torch.float32])
     assert not torch.allclose(got, base)                              # no lora_ids: the base layer
     _bad(lambda: layer(x, lora_ids=lids[:, :4]), ValueError, "lora_ids must have one entry per token")
+    # as many entries in another shape: the adapters would be given to other tokens
+    _bad(lambda: layer(x, lora_ids=lids.T.contiguous()), ValueError, "lora_ids must have one entry per token")
     layer.load_lora(None)
     _bad(lambda: layer(x, lora_ids=lids), ValueError, "no adapters are loaded")
     _bad(lambda: layer.load_lora(_lora(n, E, H, I, 4, torch.float16)), TypeError, "x's dtype torch.float32")

@@ -333,3 +333,25 @@ def test_router_gemm_gpu_past_2_31_elements():
         out = router_gemm(x, w, b, tier=tier)
         check_close(tier, out[-64:], _ref(x[-64:], w, b, None), LOGITS_TOL)
     del x
+
+
+def test_a_router_adapter_travels_with_the_state_dict():
+    # the adapter was a plain attribute: state_dict() had no trace of it, and a twin loaded "all keys matched"
+    # then routed without it
+    H, E = 32, 8
+    gate = GateLinear(H, E, params_dtype=torch.float32)
+    gate.set_lora(torch.randn(4, H), torch.randn(E, 4), scale=2.0)
+    state = gate.state_dict()
+    assert {"lora_a", "lora_b", "lora_scale"} <= set(state)
+    twin = GateLinear(H, E, params_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        twin.load_state_dict(state)  # an adapter it does not have: said, not dropped
+    twin.set_lora(torch.zeros(4, H), torch.zeros(E, 4))
+    twin.load_state_dict(state)
+    x = torch.randn(5, H)
+    assert twin.lora.scale == 2.0 and torch.equal(twin(x), gate(x))
+    with torch.no_grad():
+        twin.lora_scale.fill_(0.5)  # a write torch sees: the next call reads the new scale
+    assert twin.lora.scale == 0.5
+    twin.set_lora(None)
+    assert twin.lora is None and "lora_a" not in twin.state_dict()

@@ -17,6 +17,7 @@ import triton.language as tl
 from moekit.experts.kernels.moe_gemm import _tile_ids
 
 GROUP = 128  # the quantization group: 1x128 for activations, 128x128 for weights
+_GROUP = tl.constexpr(GROUP)  # (what a kernel may read: Triton 3.6 refuses a plain global on a GPU)
 
 
 @triton.jit
@@ -62,20 +63,20 @@ def fp8_loop_probe_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, block_expert_p
     (tl.dot into the accumulator, no promotion: the loop's ceiling; BLOCK_N may be 256). DEVICE_DESC: descriptors made in
     the kernel (tl.make_tensor_descriptor) instead of on the host."""
     if DEVICE_DESC:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, GROUP])
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, _GROUP])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * N, K], strides=[K, 1],
-                                           block_shape=[BLOCK_N, GROUP])
+                                           block_shape=[BLOCK_N, _GROUP])
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_steps = K // GROUP
+    k_steps = K // _GROUP
     a_scales = a_scale_ptr + rows.to(tl.int64) * k_steps
-    w_scales = w_scale_ptr + (expert * (N // GROUP) + (pid_n * BLOCK_N) // GROUP) * k_steps
+    w_scales = w_scale_ptr + (expert * (N // _GROUP) + (pid_n * BLOCK_N) // _GROUP) * k_steps
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for step in tl.range(0, k_steps, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
-        a = a_desc.load([pid_m * BLOCK_M, step * GROUP])
-        w = w_desc.load([(expert * N + pid_n * BLOCK_N).to(tl.int32), step * GROUP])
+        a = a_desc.load([pid_m * BLOCK_M, step * _GROUP])
+        w = w_desc.load([(expert * N + pid_n * BLOCK_N).to(tl.int32), step * _GROUP])
         if PRODUCT == "accumulated":
             acc = tl.dot(a, w.T, acc)
         elif PRODUCT == "unscaled":

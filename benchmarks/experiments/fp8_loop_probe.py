@@ -110,6 +110,19 @@ def run_each(script: str, variants, tokens: int, limit: float, show) -> list[dic
     return records
 
 
+TABLE_HEAD = ("| variant | us | TFLOP/s | of FP8 | padding | executed of FP8 | of copy | err |",
+              "|---|---|---|---|---|---|---|---|")
+
+
+def row(r: dict) -> str:
+    """A record as a line of TABLE_HEAD's table."""
+    if "us" not in r:
+        return f"| {r['variant']} | - | - | - | - | - | - | {r.get('error', 'no time')} |"
+    err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "(unscaled)"
+    return (f"| {r['variant']} | {r['us']:.1f} | {r['tflops']:.0f} | {r['of_fp8_rate']:.2f} | "
+            f"{r['padding_share']:.2f} | {r['executed_of_fp8_rate']:.2f} | {r['of_copy_rate']:.2f} | {err} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
@@ -117,12 +130,21 @@ def main() -> None:
     p.add_argument("--limit", type=float, default=50.0, help="seconds a variant may take before it counts as hung")
     p.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args()
+    from moekit.tools.bench.timing import archive_stem, environment, write_results
+
     if args.one:
         print(json.dumps(one(args.one, args.tokens)))
         return
-    records = run_each(__file__, VARIANTS, args.tokens, args.limit, str)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fp8_loop_probe.json").write_text(json.dumps({"records": records}, indent=1))
+    records = run_each(__file__, VARIANTS, args.tokens, args.limit, row)
+    env = environment()
+    lines = [f"# DeepSeek-V3 FP8 GEMM1 loop at T={args.tokens}: one change at a time ({env['gpu']}, {env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}. `benchmarks/experiments/fp8_loop_probe.py`: "
+             "fp8_loop_probe_kernel over aligned row blocks, CUDA graphs; a variant that hangs is killed. TFLOP/s on "
+             "the routed rows; of FP8: against torch._scaled_mm's dense rate; padding: the share of the rows "
+             "multiplied that are padding; executed: the rate of all products multiplied; of copy: the weights' "
+             "and rows' bytes against a device copy's rate; err: float64 check (scaled variants; inf: not finite).",
+             "", *TABLE_HEAD] + [row(r) for r in records]
+    write_results(args.out, archive_stem("fp8_loop_probe", env), env, records, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ def one(variant: str, T: int) -> dict:
     if product == "scaled":
         rec["max_rel_err"] = reference_error(c, block_expert, block_m=bm)
         if not rec["max_rel_err"] <= MAX_REL:
+            rec["error"] = f"max rel err {rec['max_rel_err']:.1e} over {MAX_REL}"
             return rec
     rec["us"] = graph_time_us([run], replays=20)
     flops = 2 * T * spec.top_k * n * k
@@ -173,15 +174,6 @@ def one(variant: str, T: int) -> dict:
     rec["executed_of_fp8_rate"] = rec["of_fp8_rate"] * executed / (T * spec.top_k)
     rec["of_copy_rate"] = (spec.num_experts * n * k + executed * k) / (rec["us"] * 1e-6) / copy_rate()
     return rec
-
-
-def row(r: dict) -> str:
-    if "us" not in r:
-        why = r.get("error") or f"max rel err {r.get('max_rel_err', float('nan')):.1e} over {MAX_REL}"
-        return f"| {r['variant']} | - | - | - | - | - | - | {why} |"
-    err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "(unscaled)"
-    return (f"| {r['variant']} | {r['us']:.1f} | {r['tflops']:.0f} | {r['of_fp8_rate']:.2f} | "
-            f"{r['padding_share']:.2f} | {r['executed_of_fp8_rate']:.2f} | {r['of_copy_rate']:.2f} | {err} |")
 
 
 def main(argv=None) -> int:
@@ -201,7 +193,7 @@ def main(argv=None) -> int:
         p.error("needs a CUDA GPU (or --compile-only)")
     from moekit.tools.bench.timing import archive_stem, environment, write_results
 
-    from fp8_loop_probe import run_each
+    from fp8_loop_probe import TABLE_HEAD, row, run_each
 
     env = environment()
     records = run_each(__file__, variants(), args.tokens, args.limit, row)
@@ -212,8 +204,7 @@ def main(argv=None) -> int:
              "FP8: against torch._scaled_mm's dense rate in the same run; padding: the share of the rows multiplied "
              "that are padding; executed: the rate of all products multiplied; of copy: the weights' and rows' "
              "bytes against a device copy's rate; err: float64 check over three row blocks.", "",
-             "| variant | us | TFLOP/s | of FP8 | padding | executed of FP8 | of copy | err |",
-             "|---|---|---|---|---|---|---|---|"] + [row(r) for r in records]
+             *TABLE_HEAD] + [row(r) for r in records]
     write_results(args.out, archive_stem("gluon_fp8", env), env, records, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -11,7 +11,6 @@ every GEMV1 program recomputes it from A13, no launch and no wait), checked agai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from moekit import FusedMoE, presets
 from moekit.experts import ExpertsLoRA, fused_experts
 from moekit.experts import lora as expert_lora
 from moekit.tools.bench.lora import lora_ids, random_lora
-from moekit.tools.bench.timing import environment, graph_time_us, kernel_times_us
+from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, kernel_times_us, write_results
 
 
 def split(name: str, rank: int = 16, shrink_in_gemv1: bool = False) -> list[dict]:
@@ -77,8 +76,27 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = p.parse_args()
     records = [r for name in args.preset for r in split(name, shrink_in_gemv1=args.shrink_in_gemv1)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lora_decode_split.json").write_text(json.dumps({"env": environment(), "records": records}, indent=1))
+    env = environment()
+    write_results(args.out, archive_stem("lora_decode_split", env), env, records, markdown(env, records))
+
+
+def markdown(env: dict, records: list[dict]) -> str:
+    """The table: each call's graph time, its excess over the same preset's call without adapters, its kernels."""
+    none = {r["preset"]: r["graph_us"] for r in records if r["adapters"] == "none"}
+    lines = [f"# Expert LoRA at one token: each term's share ({env['gpu']}, {env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}; bf16, rank 16, one adapter, the whole fused_experts call "
+             "in a CUDA graph (median of three); kernels: device time per kernel, eager, torch.profiler. `shrink in "
+             "GEMV1`: W13's shrink in GEMV1's K loop (experts/lora.py SHRINK_IN_GEMV1) instead of its launch. "
+             "`benchmarks/experiments/lora_decode_split.py`.", "",
+             "| preset | adapters | W13 shrink | graph us | over none | kernels (us) |", "|---|---|---|---|---|---|"]
+    for r in records:
+        over = r["graph_us"] - none[r["preset"]] if r["adapters"] != "none" else None
+        where = ("in GEMV1" + ("" if r.get("taken", True) else " (not taken)")) if r["shrink_in_gemv1"] else (
+            "launch" if r["adapters"] in ("both terms", "W13 only") else "-")
+        kernels = ", ".join(f"{k} {v}" for k, v in r["kernels_us"].items())
+        lines.append(f"| {r['preset']} | {r['adapters']} | {where} | {r['graph_us']:.1f} | "
+                     f"{'-' if over is None else f'+{over:.1f}'} | {kernels} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
