@@ -745,30 +745,3 @@ def _recording(kernel, constants: list):
         yield
     finally:
         del kernel.launch
-
-
-@pytest.mark.parametrize("which", [("w13", "w2"), ("w13",)])
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_the_w13_shrink_inside_gemv1(monkeypatch, which, fmt):
-    """SHRINK_IN_GEMV1: every GEMV1 program recomputes its pair's W13 shrink in its K loop (no shrink launch), which
-    must give the same terms as the launch (fp32 activations: the 4-bit weights take GEMV1 on x as it is)."""
-    from moekit.experts import lora as expert_lora
-    from moekit.experts import triton_backend as tb
-    from moekit.formats import quantize_experts
-
-    monkeypatch.setattr(expert_lora, "SHRINK_IN_GEMV1", True)
-    launched = []
-    T, E, H, I, k, n = 5, 7, 96, 32, 3, 2  # H = 3 K chunks of 32: the shrink's chunks follow the weights'
-    w13, w2 = _weights(E, H, I, torch.float32)
-    if fmt == "mxfp4":
-        w13, w2 = quantize_experts(w13, "mxfp4"), quantize_experts(w2, "mxfp4")
-    lora = _lora(n, E, H, I, 8, torch.float32, which=which)
-    x = torch.randn(T, H)
-    tw, tid = _routes(T, E, k)
-    lids = _lora_ids(T, n)
-    with _recording(tb.gemv1_act_kernel, launched):
-        got = fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", backend="triton", config=GEMV, lora=lora,
-                            lora_ids=lids, out=_poisoned((T, H), torch.float32))
-    assert launched and all(c.get("LORA_W13_SHRINK") for c in launched), "GEMV1 did not take the shrink"
-    ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", lora=lora, lora_ids=lids)
-    check_close(f"{'+'.join(which)} {fmt} shrink in GEMV1", got, ref, _tol(torch.float32))

@@ -1,11 +1,10 @@
 """Where expert LoRA's decode time goes (GPU; issue 30): one token, rank 16, one adapter, the whole call in a CUDA
 graph with both adapter terms, with W13's only, with W2's only, and without adapters; beside each, the device time
 per kernel (torch.profiler, eager). The terms run inside the GEMVs (kernels/lora.py, decode terms): W13's needs its
-shrink launched before GEMV1, W2's a reduction across GEMV1's programs that GEMV2 reads. With --shrink-in-gemv1,
-the calls with W13's term run a second time with the shrink inside GEMV1's K loop (experts/lora.py SHRINK_IN_GEMV1:
-every GEMV1 program recomputes it from A13, no launch and no wait), checked against the launch's output first.
+shrink launched before GEMV1, W2's a reduction across GEMV1's programs that GEMV2 reads. (W13's shrink inside
+GEMV1's K loop was timed against its launch with this script and was slower: commit ea7e20d has both.)
 
-    python benchmarks/experiments/lora_decode_split.py --shrink-in-gemv1 --out $OUT        (about 90 s)
+    python benchmarks/experiments/lora_decode_split.py --out $OUT         (about 60 s)
 """
 
 from __future__ import annotations
@@ -18,12 +17,11 @@ import torch
 
 from moekit import FusedMoE, presets
 from moekit.experts import ExpertsLoRA, fused_experts
-from moekit.experts import lora as expert_lora
 from moekit.tools.bench.lora import lora_ids, random_lora
 from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, kernel_times_us, write_results
 
 
-def split(name: str, rank: int = 16, shrink_in_gemv1: bool = False) -> list[dict]:
+def split(name: str, rank: int = 16) -> list[dict]:
     spec = presets.get(name)
     torch.manual_seed(0)
     layer = FusedMoE(spec, dtype=torch.bfloat16, device="cuda")
@@ -36,46 +34,26 @@ def split(name: str, rank: int = 16, shrink_in_gemv1: bool = False) -> list[dict
         tw, tid = layer.route(x)
         ids = lora_ids(1, 1)
         kw = dict(activation=spec.activation, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
-        runs = [(label, lora, False) for label, lora in variants.items()]
-        if shrink_in_gemv1:
-            runs += [(label, lora, True) for label, lora in variants.items() if lora is not None and lora.w13_a is not None]
-        launched = {}
-        for label, lora, in_gemv1 in runs:
+        for label, lora in variants.items():
             extra = {} if lora is None else dict(lora=lora, lora_ids=ids)
 
             def call(extra=extra):
                 return fused_experts(x, layer.w13, layer.w2, tw, tid, **kw, **extra)
 
-            expert_lora.SHRINK_IN_GEMV1 = in_gemv1
-            try:
-                out = call().float()
-                rec = {"preset": name, "T": 1, "rank": rank, "adapters": label, "shrink_in_gemv1": in_gemv1}
-                if in_gemv1:  # the same terms as the launch's, up to the sums' order
-                    ref = launched[label]
-                    rec["rel_diff_vs_launch"] = ((out - ref).norm() / ref.norm()).item()
-                else:
-                    launched[label] = out
-                rec["graph_us"] = sorted(graph_time_us([call]) for _ in range(3))[1]
-                rec["kernels_us"] = {k: round(t, 1) for k, t, _ in kernel_times_us(call, 10)}
-                if in_gemv1:  # (not where A13's chunk would not fit GEMV1's registers: the launch then serves)
-                    rec["taken"] = not any("lora_shrink" in k for k in rec["kernels_us"])
-            finally:
-                expert_lora.SHRINK_IN_GEMV1 = False
+            rec = {"preset": name, "T": 1, "rank": rank, "adapters": label,
+                   "graph_us": sorted(graph_time_us([call]) for _ in range(3))[1],
+                   "kernels_us": {k: round(t, 1) for k, t, _ in kernel_times_us(call, 10)}}
             records.append(rec)
-            diff = (f" | rel diff {rec['rel_diff_vs_launch']:.1e}{'' if rec['taken'] else ' (NOT TAKEN)'}"
-                    if in_gemv1 else "")
-            print(f"{name} T=1 {label:10s}{' shrink in GEMV1' if in_gemv1 else ''} {rec['graph_us']:7.1f} us | "
-                  f"{rec['kernels_us']}{diff}", flush=True)
+            print(f"{name} T=1 {label:10s} {rec['graph_us']:7.1f} us | {rec['kernels_us']}", flush=True)
     return records
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-120b"], choices=presets.names())
-    p.add_argument("--shrink-in-gemv1", action="store_true", help="also time W13's shrink inside GEMV1")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = p.parse_args()
-    records = [r for name in args.preset for r in split(name, shrink_in_gemv1=args.shrink_in_gemv1)]
+    records = [r for name in args.preset for r in split(name)]
     env = environment()
     write_results(args.out, archive_stem("lora_decode_split", env), env, records, markdown(env, records))
 
@@ -85,16 +63,13 @@ def markdown(env: dict, records: list[dict]) -> str:
     none = {r["preset"]: r["graph_us"] for r in records if r["adapters"] == "none"}
     lines = [f"# Expert LoRA at one token: each term's share ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}; bf16, rank 16, one adapter, the whole fused_experts call "
-             "in a CUDA graph (median of three); kernels: device time per kernel, eager, torch.profiler. `shrink in "
-             "GEMV1`: W13's shrink in GEMV1's K loop (experts/lora.py SHRINK_IN_GEMV1) instead of its launch. "
+             "in a CUDA graph (median of three); kernels: device time per kernel, eager, torch.profiler. "
              "`benchmarks/experiments/lora_decode_split.py`.", "",
-             "| preset | adapters | W13 shrink | graph us | over none | kernels (us) |", "|---|---|---|---|---|---|"]
+             "| preset | adapters | graph us | over none | kernels (us) |", "|---|---|---|---|---|"]
     for r in records:
         over = r["graph_us"] - none[r["preset"]] if r["adapters"] != "none" else None
-        where = ("in GEMV1" + ("" if r.get("taken", True) else " (not taken)")) if r["shrink_in_gemv1"] else (
-            "launch" if r["adapters"] in ("both terms", "W13 only") else "-")
         kernels = ", ".join(f"{k} {v}" for k, v in r["kernels_us"].items())
-        lines.append(f"| {r['preset']} | {r['adapters']} | {where} | {r['graph_us']:.1f} | "
+        lines.append(f"| {r['preset']} | {r['adapters']} | {r['graph_us']:.1f} | "
                      f"{'-' if over is None else f'+{over:.1f}'} | {kernels} |")
     return "\n".join(lines) + "\n"
 

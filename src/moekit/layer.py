@@ -261,7 +261,8 @@ class FusedMoE(nn.Module):
         w13, w2 = self.expert_weights()
         lora = self.expert_lora()
         if lora_ids is not None and lora is not None:
-            if not isinstance(lora_ids, torch.Tensor) or lora_ids.numel() != x2.shape[0]:
+            if not isinstance(lora_ids, torch.Tensor) or tuple(lora_ids.shape) not in (tuple(x.shape[:-1]),
+                                                                                     (x2.shape[0],)):
                 raise ValueError(f"lora_ids must have one entry per token, shape {tuple(x.shape[:-1])} or "
                                  f"({x2.shape[0]},), got {getattr(lora_ids, 'shape', type(lora_ids).__name__)}")
             lora_ids = lora_ids.reshape(-1)

@@ -401,10 +401,6 @@ def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_depen
 
 # ------------------------------------------------------------------------------ decode terms inside the GEMVs
 DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program (4 warps); past it, the kernels above
-# W13's shrink in GEMV1's own K loop (every program of a pair recomputes it from A13 in L2) instead of a launch
-# that GEMV1 waits for: the alternative to the launch's hand-over (benchmarks/LIMITS.md, Expert LoRA). Off until
-# benchmarks/experiments/lora_decode_split.py (--shrink-in-gemv1) has measured it on a GPU against the launch.
-SHRINK_IN_GEMV1 = False
 
 
 @dataclass(frozen=True)
@@ -420,16 +416,14 @@ class DecodeTerms:
 
 
 def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_block_n: int, gemv1_slots: int,
-                 gemv2_block_n: int, pdl: bool, fence: bool, gemv1_block_k: int | None = None) -> DecodeTerms | None:
+                 gemv2_block_n: int, pdl: bool, fence: bool) -> DecodeTerms | None:
     """Run the adapters of a decode call (GEMV1 + GEMV2 on x [T, H] in its dtype) inside the two GEMVs: what the
     GEMV launches add, W13's shrink (when the adapters touch w13) among it, for GEMV1 to launch right before itself
     (as the shrink's programmatic dependent GEMV1 reads, until it waits, only what earlier launches wrote). None
     where the terms' tiles would not fit a program's registers, a stack is not contiguous or GEMV1's program groups
     outnumber the arrival counters: the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's
     programmatic dependent (its K loop overlaps the shrink; a link of its own, whatever the config says of GEMV2's);
-    ``fence``: the kernels are built for the GPU (the counters' memory fence is PTX); ``gemv1_block_k``: GEMV1's K
-    chunk where its kernel can take W13's shrink in its K loop (gemv1_act_kernel on x as it is), which it then does
-    under :data:`SHRINK_IN_GEMV1` when the chunk of A13 fits a program's registers."""
+    ``fence``: the kernels are built for the GPU (the counters' memory fence is PTX)."""
     stacks = [t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None]
     if not all(t.is_contiguous() for t in stacks):
         return None
@@ -448,14 +442,9 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
         return None
     parts1 = parts2 = counters = x
     splits, launch_shrink = 1, _nothing
-    in_gemv1 = (SHRINK_IN_GEMV1 and r1 > 0 and gemv1_block_k is not None
-                and gemv1_slots * r1_pad * gemv1_block_k <= DECODE_TILE)
-    if in_gemv1:
-        parts1 = lora.w13_a  # GEMV1 reads A13 itself: no shrink launch, no wait
-    elif r1:
+    if r1:
         parts1, splits, launch_shrink = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows,
                                                      launch_dependents=pdl)
-    waits = pdl and r1 > 0 and not in_gemv1
     if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program)
         parts2 = torch.empty(rows.ids.numel(), blocks + 1, r2_pad, dtype=torch.float32, device=x.device)
         counters = _triton.counters(x.device)
@@ -464,10 +453,9 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
     n = lora.num_adapters
     return DecodeTerms(
         (parts1, b13, a2, parts2, counters, lora.scaling, lora_ids, n, r1, r2),
-        dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=waits, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
+        dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
              LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence,
-             **({"LORA_W13_SHRINK": True} if in_gemv1 else {}),  # (gemv1_act_kernel's alone)
-             **({"launch_pdl": True} if waits else {})),
+             **({"launch_pdl": True} if pdl and r1 else {})),
         (parts2, b2, lora_ids, n, r2, blocks),
         dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad),
         launch_shrink,

@@ -908,14 +908,10 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
         if lora is not None and gemv and not config.split_slots:
             # the adapters' terms inside the two GEMVs: one launch of their own at most (the rows GEMV1 takes one
             # pair per program)
-            rows1 = _row_scaled(config.gemm1, w13, dtype)
-            slots1, packed1, block_k1, _ = _gemv1_constants(w13.format, dtype, config.gemm1, top_k, activation,
-                                                            w13_bias is not None, expert_map is not None, False, pdl,
-                                                            w13.pairs)
             terms = expert_lora.decode_terms(x, lora, lora_ids, pairs, two_i // 2, config.gemm1.block_n,
-                                             1 if rows1 else slots1, config.gemm2.block_n, dependent,
-                                             gemv1_act_kernel.compiled,
-                                             None if rows1 or packed1 else block_k1)
+                                             1 if _row_scaled(config.gemm1, w13, dtype) else
+                                             gemv1_slots(config.gemm1, top_k), config.gemm2.block_n, dependent,
+                                             gemv1_act_kernel.compiled)
         if terms is not None:
             gemv1(x, w13, w13_bias, h, ids, expert_map, num_global, activation, top_k, config.gemm1, pdl,
                   terms=terms)

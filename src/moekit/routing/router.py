@@ -16,11 +16,12 @@ from torch import nn
 
 from .. import _invariant, _triton
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_out, check_shape, check_tensor, check_written_memory, warned_if_detached
+from .._checks import (check_disjoint, check_out, check_shape, check_tensor, check_written_memory, tensor_version,
+                       warned_if_detached)
 from . import gate_case
 from . import tiers as router_tiers
 from .options import RoutingOptions, empty_routes
-from .topk import (FLOAT_DTYPES, check_replay, record, replay, route_decided, route_deciding,
+from .topk import (FLOAT_DTYPES, check_replay, record, replay, route_decided, route_deciding, route_with,
                    validate_routing)
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -141,12 +142,22 @@ def router_gemm(
             raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
     else:
         out2 = torch.empty(args.x.shape[0], num_experts, dtype=out_dtype, device=weight.device)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and _gradients_traced(args, tier):
+        _run_torch(args, out2)
+    elif torch.compiler.is_compiling():
         torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
     else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
         _CHECKED_GEMMS.put(key, _gemm(args, out2, tier, prepare=key is not None))
     return warned_if_detached("router_gemm", "tier='torch'", out if out is not None else out2.view(out_shape), x,
                               weight, bias, *_lora_parts(lora)[:2])
+
+
+def _gradients_traced(args: _GemmArgs, tier: str) -> bool:
+    """Under torch.compile: gradients are asked where the eager call would compute them (the torch tier: asked for,
+    or off CUDA), so the torch ops are traced instead of the opaque op, which has no autograd formula."""
+    return (torch.is_grad_enabled() and (tier == "torch" or not args.weight.is_cuda)
+            and any(isinstance(t, torch.Tensor) and t.requires_grad
+                    for t in (args.x, args.weight, args.bias, *_lora_parts(args.lora)[:2])))
 
 
 # A repeated eager call without LoRA skips the checks and the tier choice (moekit._calls): signature -> (tier, the
@@ -302,7 +313,9 @@ def fused_router(
         return record(replay(logits, replay_ids, opts), record_ids)
     corr_bias = routing_kwargs.get("correction_bias")
     corr_bias = None if corr_bias is None else corr_bias.contiguous()
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and _gradients_traced(args, "auto"):  # router_gemm then route, traced
+        routes = route_with(router_gemm(args.x, weight, bias, lora=lora), opts, corr_bias)
+    elif torch.compiler.is_compiling():
         routes = torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
                                                opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
                                                opts.scaling, impl)
@@ -412,7 +425,7 @@ class GateLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
         # The bias is kept in fp32: it is added in fp32, and a stored copy costs no conversion per call.
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32, device=device)) if bias else None
-        self.lora: RouterLoRA | None = None
+        self._lora_cache = None  # (the buffers, the scale's version, their RouterLoRA)
         self.tier = "auto"
         self.reset_parameters()
 
@@ -422,26 +435,43 @@ class GateLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def _apply(self, fn, recurse=True):
-        """``.to()`` and the like: the weight follows ``fn``, the fp32 bias only moves (:func:`keep_dtypes_through`).
-        The LoRA adapter is not a parameter, so it is carried here: ``a`` as the weight (it must keep the
-        weight's dtype), ``b`` only to the new device."""
-        keep_dtypes_through(self, ("bias",), lambda: super(GateLinear, self)._apply(fn, recurse))
-        if self.lora is not None:
-            with torch.no_grad():
-                a = fn(self.lora.a)
-            self.lora = RouterLoRA(a, self.lora.b.to(a.device), self.lora.scale)
+        """``.to()`` and the like: the weight and the adapter's ``a`` follow ``fn`` (``a`` keeps the weight's dtype),
+        the fp32 bias, the adapter's fp32 ``b`` and scale only move (:func:`keep_dtypes_through`)."""
+        keep_dtypes_through(self, ("bias", "lora_b", "lora_scale"), lambda: super(GateLinear, self)._apply(fn, recurse))
         return self
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None = None, scale: float = 1.0) -> None:
         """Attach (or with ``a=None`` remove) a LoRA adapter: logits += scale * (x a^T) b^T, with
-        a [r, H] in the weight's dtype and b [E, r] (checked now, against this module's H and E)."""
+        a [r, H] in the weight's dtype and b [E, r] (checked now, against this module's H and E). They become
+        buffers (``lora_a``, ``lora_b`` fp32, ``lora_scale`` fp32 []), so that ``state_dict()``, ``.to()`` and
+        copies carry them (a module loading such a state dict takes an adapter of the same rank first)."""
+        for name in ("lora_a", "lora_b", "lora_scale"):
+            self._buffers.pop(name, None)
+        self._lora_cache = None
         if a is None:
-            self.lora = None
             return
         check_tensor("b", b)
         lora = RouterLoRA(a, b.float(), float(scale) if isinstance(scale, (int, float, torch.Tensor)) else scale)
         _validate_gemm(self.weight.new_empty(0, self.hidden_size), self.weight, None, lora)
-        self.lora = lora
+        self.register_buffer("lora_a", lora.a)
+        self.register_buffer("lora_b", lora.b)
+        self.register_buffer("lora_scale", torch.tensor(lora.scale, dtype=torch.float32, device=lora.b.device))
+
+    @property
+    def lora(self) -> RouterLoRA | None:
+        """The adapter of :meth:`set_lora` (its buffers as they are now), or None."""
+        buffers = self._buffers
+        a = buffers.get("lora_a")
+        if a is None:
+            return None
+        b, scale = buffers["lora_b"], buffers["lora_scale"]
+        version = tensor_version(scale)
+        cached = self._lora_cache
+        if (cached is None or cached[0] is not a or cached[1] is not b or cached[2] is not scale
+                or version is None or cached[3] != version):
+            # the scale as a float once per value (on a GPU, reading it is a sync)
+            cached = self._lora_cache = (a, b, scale, version, RouterLoRA(a, b, float(scale)))
+        return cached[4]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._parameters  # the dict, not nn.Module.__getattr__ (about a microsecond a name, per call)

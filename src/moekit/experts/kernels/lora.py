@@ -336,32 +336,8 @@ def w13_decode_terms(parts_ptr, scaling_ptr, adapter, live, pair, bg, bu, SPLITS
     s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
     for i in tl.static_range(SPLITS):
         s += tl.load(parts_ptr + rows + i * R_PAD, mask=live[:, None], other=0.0)
-    return w13_expand(s, scaling_ptr, adapter, live, bg, bu)
-
-
-@triton.jit
-def w13_expand(s, scaling_ptr, adapter, live, bg, bu):
-    """(gate, up) terms [SLOTS, BLOCK_N] in fp32 of the pairs' shrinks ``s`` [SLOTS, R_PAD]: scaled, times B13's
-    rows ``bg`` / ``bu`` (w13_decode_rows)."""
     s *= tl.load(scaling_ptr + tl.where(live, adapter, 0), mask=live, other=0.0)[:, None]
     return (tl.sum(bg.to(tl.float32) * s[:, None, :], axis=2), tl.sum(bu.to(tl.float32) * s[:, None, :], axis=2))
-
-
-@triton.jit
-def w13_shrink_chunk(a_ptr, adapter, live, e64, x_row, stride_xk, k0, K, num_local, R, R_PAD: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """(A13's columns k0 .. k0 + BLOCK_K of the pairs [SLOTS, R_PAD, BLOCK_K], x's same chunk [BLOCK_K] in fp32),
-    masked past K: one step of W13's shrink inside GEMV1's K loop (GEMV1 with the shrink in its own programs).
-    A13: contiguous [adapters, E, R, K]."""
-    offs_r = tl.arange(0, R_PAD)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    a64 = tl.where(live, adapter, 0).to(tl.int64)
-    base = a_ptr + ((a64 * num_local + e64) * R) * K  # [SLOTS]: A13[a, e]
-    a = tl.load(base[:, None, None] + offs_r[None, :, None] * K + offs_k[None, None, :],
-                mask=live[:, None, None] & (offs_r < R)[None, :, None] & k_ok[None, None, :], other=0.0)
-    x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-    return a, x
 
 
 @triton.jit

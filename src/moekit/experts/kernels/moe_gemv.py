@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .lora import (w2_decode_cols, w2_decode_parts, w2_decode_rows, w2_decode_term, w13_decode_rows,
-                   w13_decode_terms, w13_expand, w13_shrink_chunk)
+                   w13_decode_terms)
 from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert, _slot_operands
 
 FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14 of their value
@@ -411,10 +411,8 @@ def gemv1_act_kernel(
     LORA_WAIT: tl.constexpr = False,  # launched as the W13 shrink's programmatic dependent: wait before its partials
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
     LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
-    LORA_W13_SHRINK: tl.constexpr = False,  # W13's shrink in this kernel's K loop (lora_parts_ptr: A13), no launch
     W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
-    tl.static_assert(not (LORA_W13_SHRINK and PACKED), "the shrink in GEMV1 reads x as it is, not packed")
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
@@ -455,10 +453,6 @@ def gemv1_act_kernel(
         wu, su = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, 0, K, stride_wk, FORMAT, BLOCK_K)
         e_row = xe_ptr + t.to(tl.int64) * stride_xem
         xv, xf = _load_act(x_row, e_row, 0, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED, W4_PAIRS)
-        if LORA_W13_SHRINK:  # every program of a pair computes its shrink: no launch, no wait, A13 read from L2
-            shrink = tl.zeros([SLOTS, LORA_R1_PAD], dtype=tl.float32)
-            la, lx = w13_shrink_chunk(lora_parts_ptr, adapter, lora_live, e64, x_row, stride_xk, 0, K, num_local,
-                                      lora_r1, LORA_R1_PAD, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K
             wg_next, sg_next = _load_slots_chunk(w_ptr, s_ptr, wg_rows, sg_rows, ok, k1, K, stride_wk, FORMAT,
@@ -466,11 +460,6 @@ def gemv1_act_kernel(
             wu_next, su_next = _load_slots_chunk(w_ptr, s_ptr, wu_rows, su_rows, ok, k1, K, stride_wk, FORMAT,
                                                  BLOCK_K)
             xv_next, xf_next = _load_act(x_row, e_row, k1, K, stride_xk, wg, FORMAT, BLOCK_K, PACKED, W4_PAIRS)
-            if LORA_W13_SHRINK:
-                la_next, lx_next = w13_shrink_chunk(lora_parts_ptr, adapter, lora_live, e64, x_row, stride_xk, k1, K,
-                                                    num_local, lora_r1, LORA_R1_PAD, BLOCK_K)
-                shrink += tl.sum(la.to(tl.float32) * lx[None, None, :], axis=2)
-                la, lx = la_next, lx_next
             acc_gate += _act_sums(wg, sg, xv, xf, FORMAT, HALVES_ASM, PACKED)
             acc_up += _act_sums(wu, su, xv, xf, FORMAT, HALVES_ASM, PACKED)
             wg, sg, wu, su, xv, xf = wg_next, sg_next, wu_next, su_next, xv_next, xf_next
@@ -489,13 +478,10 @@ def gemv1_act_kernel(
             gate += tl.load(d_rows + gate_rows[None, :], mask=ok, other=0.0).to(tl.float32)
             up += tl.load(d_rows + up_rows[None, :], mask=ok, other=0.0).to(tl.float32)
         if LORA_W13:
-            if LORA_W13_SHRINK:
-                gate_term, up_term = w13_expand(shrink, lora_scaling_ptr, adapter, lora_live, lora_bg, lora_bu)
-            else:
-                if LORA_WAIT:  # the shrink's partials: written by the grid this one was launched after
-                    gdc_wait()
-                gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair,
-                                                      lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
+            if LORA_WAIT:  # the shrink's partials: written by the grid this one was launched after
+                gdc_wait()
+            gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair,
+                                                  lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
             gate += gate_term
             up += up_term
         act = _activate(gate, up, ACTIVATION).to(h_ptr.dtype.element_ty)
