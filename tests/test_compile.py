@@ -191,3 +191,19 @@ def test_out_under_compile_is_written_in_full_and_checked_for_overlap_when_it_ru
     check_close("compiled router_gemm into out=", logits, router_gemm(x, w, out_dtype=dtype, tier="triton"), tol)
     with pytest.raises(ValueError, match="out must not overlap the memory of x"):
         gemm(x, x[:, :E])
+
+
+def test_compiled_router_and_layer_give_gradients_where_eager_does():
+    # on the CPU the eager calls differentiate (the torch tiers); compiled, fused_router crashed (its op has no
+    # autograd formula) and router_gemm's logits silently required no grad
+    torch._dynamo.reset()
+    layer = moekit.FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+    x = torch.randn(4, layer.spec.hidden_size)
+    eager = layer(x)
+    compiled = torch.compile(layer, fullgraph=True)(x)
+    assert compiled.requires_grad and torch.equal(compiled, eager)
+    compiled.sum().backward()
+    assert layer.gate.weight.grad is not None and layer.w13.grad is not None
+    gate = moekit.GateLinear(64, 8, params_dtype=torch.float32)
+    logits = torch.compile(gate, fullgraph=True)(x[:, :64])
+    assert logits.requires_grad and torch.equal(logits, gate(x[:, :64]))

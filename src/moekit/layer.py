@@ -136,7 +136,9 @@ class FusedMoE(nn.Module):
         of each stack (memory of the stacks' size, not the buffers themselves), and bytes written into
         ``w13_data`` / ``w2_data`` other than through ``load_state_dict`` must be in the buffers' layout
         (``expert_weights()[0].layout``). A module saved or written in place often is better loaded with
-        ``prepare=False``.
+        ``prepare=False``. Write the buffers with torch's in-place ops (``copy_`` under ``no_grad``) or
+        ``load_state_dict``: a write through ``.data`` bumps no version counter, and swizzled NVFP4 scales keep
+        serving their unswizzled copy from before it.
         """
         fmt = format_of(w13)
         if fmt == "dense" or format_of(w2) != fmt:
