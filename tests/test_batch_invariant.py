@@ -587,3 +587,32 @@ def test_a_router_gemm_the_gate_refuses_falls_back_to_the_torch_tier_in_the_mode
     _on()
     assert router_mod._gemm(router_mod._GemmArgs(x, w, None, None), out)[0] == "torch"
     torch.testing.assert_close(out, x @ w.T)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_gates_invariance_check_covers_calls_with_adapters(lora):
+    # the check was skipped for LoRA calls, whose verdict was still stored as batch-invariant
+    from moekit.experts import backends as experts_backends
+    from moekit.experts import batched_torch, fused_torch
+    from moekit.experts import gate_case as experts_gate
+
+    def noisy(out, n):  # bits that depend on the batch: a perturbation of 1e-6 x (n mod 7)
+        out.add_(out * (1e-6 * (n % 7)))
+
+    def fused(out, x, *args, **kw):
+        fused_torch(out, x, *args, **kw)
+        noisy(out, x.shape[0])
+
+    def batched(out, x, counts, *args, **kw):
+        batched_torch(out, x, counts, *args, **kw)
+        noisy(out, int(counts.sum()))
+
+    varies = experts_backends.Backend("varies_with_T", lambda c, e: None, "planted", fused, batched, lora=True)
+    _on()
+    for op in ("fused", "batched"):
+        call = experts_backends.ExpertsCall("dense", torch.float32, torch.device("cpu"), 9, op=op, lora=lora)
+        passed, detail = experts_gate.check(varies, call)
+        assert not passed and "not batch-invariant" in detail, detail
+        torch_backend = next(b for b in experts_backends.BACKENDS if b.name == "torch")
+        passed, detail = experts_gate.check(torch_backend, call)
+        assert passed and "batch-invariant at T" in detail, detail

@@ -7,7 +7,7 @@ can see the difference)."""
 import pytest
 import torch
 
-from moekit import backends, reference
+from moekit import backends, presets, reference
 from moekit.experts.backends import Backend
 from moekit.experts import batched_experts, batched_torch, fused_experts, fused_torch
 from moekit import gate
@@ -202,3 +202,24 @@ def test_the_gate_checks_each_byte_layout_of_4_bit_codes():
         backends.unregister(broken.name)
         gate.set_verification(False)
         gate.reset()
+
+
+def test_verify_checks_a_dense_only_backend_on_what_it_serves():
+    # verify asked every dense backend for adapters and 4-bit weights: a correct backend that refuses them failed
+    # the whole case, its dense results thrown away
+    from moekit.experts import backends as experts_backends
+    from moekit.experts import batched_torch, fused_torch
+    from moekit.tools.verify.experts_checks import check_experts
+
+    def dense_only(call, explicit):
+        return None if call.weight_format == "dense" and call.act_quant is None and not call.lora else "dense only"
+
+    experts_backends.register(experts_backends.Backend(
+        "dense_only", dense_only, "dense only", lambda out, *a, **k: fused_torch(out, *a[:9]),
+        lambda out, *a, **k: batched_torch(out, *a[:7])))
+    try:
+        results = check_experts(presets.get("mixtral-8x7b").scaled(), 7, torch.float32, torch.device("cpu"),
+                                only=["dense_only"], with_layer=False)
+    finally:
+        experts_backends.unregister("dense_only")
+    assert [r.op for r in results] == ["fused_experts", "batched_experts"] and all(r.ok for r in results)

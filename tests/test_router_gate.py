@@ -156,3 +156,30 @@ def test_gpu_gate_refuses_to_check_inside_a_graph_capture():
     finally:
         gate.set_verification(False)
         gate.reset()
+
+
+def test_the_gemm_check_runs_in_the_token_tile_of_the_call():
+    # the regimes stopped at T=33 while the GEMM's token tile widens past 128 and 256 tokens: a fault in the wider
+    # tiles served unchecked
+    from moekit.routing import gate_case
+
+    def tile(T):
+        return router_tiers.kernel_config(T, 512, 16, 0, False).block_t if T > router_tiers.GEMV_MAX_TOKENS else 0
+
+    for T in (1, 2, 3, 16, 17, 128, 129, 256, 257, 4096):
+        check_T = gate_case._regime_tokens(T)
+        assert tile(check_T) == tile(T), (T, check_T)
+        assert check_T % max(tile(check_T), 1) or check_T <= 2, "the check leaves a partial token tile"
+
+
+def test_a_routing_kernel_ranking_fp16_scores_is_refused(fast_paths):
+    # the planted near ties sat a bf16 step apart only: a kernel ranking fp16-rounded scores passed
+    from moekit.routing import gate_case
+    from moekit.routing.options import RoutingOptions
+
+    def route_fp16(logits, opts, corr, impl="auto"):
+        _, ids = reference.route(logits.half().double(), opts.top_k, opts.method, renormalize=opts.renormalize)
+        return torch.softmax(logits.double().gather(1, ids), 1).float(), ids.int()
+
+    opts = RoutingOptions(8, "softmax_topk", True, 1, 1, 1.0)
+    assert "failed the verification gate" in gate_case.route_refusal(torch.randn(4, 128), None, opts, route_fp16)

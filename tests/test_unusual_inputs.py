@@ -303,3 +303,15 @@ def test_a_layer_refuses_stacks_reassigned_with_another_expert_count():
     shared.shared_w13 = torch.nn.Parameter(torch.randn(6, shared.spec.hidden_size))
     with pytest.raises(ValueError, match="shared_w13 must be"):
         shared(torch.randn(3, shared.spec.hidden_size))
+
+
+def test_tokens_with_no_expert_slot_get_zeros():
+    # top_k = 0 on the Triton backend returned at once and left out as it was (NaN here, or torch.empty's memory)
+    _launchable("cpu")
+    E, H, I, T = 5, 16, 16, 4
+    w13, w2, x = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(T, H)
+    tw, tid = torch.zeros(T, 0), torch.zeros(T, 0, dtype=torch.int32)
+    for backend in ("triton", "torch"):
+        out = torch.full((T, H), float("nan"))
+        fused_experts(x, w13, w2, tw, tid, out=out, backend=backend)
+        assert torch.equal(out, torch.zeros(T, H)), backend

@@ -122,10 +122,10 @@ def check(backend, call) -> tuple[bool, str]:
     tol = W8A8_TOL if w8a8 else EXPERTS_TOL[dt]
     detail = f"max_rel={max_rel:.2e} rms_rel={rms_rel:.2e} (budget {tol.max_rel:.0e}/{tol.rms_rel:.0e})"
     accurate = max_rel <= tol.max_rel and rms_rel <= tol.rms_rel
-    if not accurate or not _invariant.enabled() or call.lora:
+    if not accurate or not _invariant.enabled():
         return accurate, detail
     try:
-        mismatch = invariance(backend, call, w13, w2, b13, b2, gen)
+        mismatch = invariance(backend, call, w13, w2, b13, b2, gen, lora=lora)
     except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
         return False, f"invariance check raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     if mismatch:
@@ -136,32 +136,49 @@ def check(backend, call) -> tuple[bool, str]:
 GATE_SIZES = (1, 7, 64, 129)  # the check case's row blocks change height at 37 and 109 tokens (k=2 of 6 experts)
 
 
-def invariance(backend, call, w13, w2, b13, b2, gen, sizes=GATE_SIZES) -> str | None:
+def invariance(backend, call, w13, w2, b13, b2, gen, sizes=GATE_SIZES, lora=None) -> str | None:
     """None when ``backend`` gives a token the same bits alone and among others (:mod:`moekit._invariant`), else
     where it did not: the standard format in batches of ``sizes`` at three positions; the batched format in slabs
-    of those heights, and its rows against the standard format's (one slot of weight 1)."""
+    of those heights, and its rows against the standard format's (one slot of weight 1). With ``lora`` (the case's
+    adapters) every token or row takes one of them, the probe the first."""
     E, H = w13.shape[0], w13.shape[2]
     dev, dt = call.device, call.act_dtype
     act, aq = call.activation, call.act_quant
 
-    def fused(x, tw, ids):
+    def adapters(n, probe=False):
+        if lora is None:
+            return None
+        if probe:
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+        return torch.randint(-1, lora.num_adapters, (n,), generator=gen).to(dev, torch.int32)
+
+    def fused(x, tw, ids, lora_ids=None):
         out = torch.empty(x.shape, dtype=dt, device=dev)
-        backend.fused(out, x, w13, w2, tw, ids, act, b13, b2, None, None, aq)
+        if lora_ids is None and lora is not None:  # the batched format's row as a token: its adapter, the first
+            lora_ids = adapters(x.shape[0], probe=True)
+        backend.fused(out, x, w13, w2, tw, ids, act, b13, b2, None, None, aq, **_lora_args(lora, lora_ids))
         return out
 
     def batched(x, counts):
         out = torch.zeros(x.shape, dtype=dt, device=dev)
-        backend.batched(out, x, counts, w13, w2, act, b13, b2, None, aq)
+        lora_ids = None
+        if lora is not None:  # every row of expert E - 1 (the probe's) takes the first adapter, the others any
+            lora_ids = adapters(x.shape[0] * x.shape[1]).reshape(x.shape[0], x.shape[1])
+            lora_ids[E - 1] = 0
+        backend.batched(out, x, counts, w13, w2, act, b13, b2, None, aq, **_lora_args(lora, lora_ids))
         return out
 
     if call.op == "fused":
-        def tokens(n):
+        def tokens(n, probe=False):
             ids = torch.stack([torch.randperm(E - 1, generator=gen)[:2] for _ in range(n)]).to(dev, torch.int32)
-            return dict(x=torch.randn(n, H, generator=gen).to(dev, dt), tw=torch.rand(n, 2, generator=gen).to(dev),
+            case = dict(x=torch.randn(n, H, generator=gen).to(dev, dt), tw=torch.rand(n, 2, generator=gen).to(dev),
                         ids=ids)
+            if lora is not None:
+                case["lora_ids"] = adapters(n, probe)
+            return case
 
-        return _invariant.token_mismatch(lambda b: fused(b["x"], b["tw"], b["ids"]), tokens(1), tokens(max(sizes)),
-                                         sizes)
+        return _invariant.token_mismatch(lambda b: fused(b["x"], b["tw"], b["ids"], b.get("lora_ids")),
+                                         tokens(1, probe=True), tokens(max(sizes)), sizes)
     return batched_mismatch(batched, fused, E, H, dt, dev, gen, sizes)
 
 

@@ -876,6 +876,7 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
     num_experts, two_i, hidden = w13.shape
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
+        out.zero_()  # tokens with no expert slot (k = 0): nothing added to zero
         return
     fp8 = fp8_activations(w13, act_quant)
     # once per call (NVFP4: scales unswizzled here)

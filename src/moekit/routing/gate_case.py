@@ -22,10 +22,15 @@ from . import tiers as router_tiers
 
 
 def _regime_tokens(num_tokens: int) -> int:
-    """The token count the check runs: one per kernel-config regime, with a partial token tile."""
+    """The token count the check runs: one per kernel-config regime (routing/tiers.py _kernel_config: the GEMV, then
+    16-, 32- and 64-token tiles), with a partial token tile."""
     if num_tokens <= router_tiers.GEMV_MAX_TOKENS:
         return 2
-    return 9 if num_tokens <= 16 else 33
+    if num_tokens <= 16:
+        return 9
+    if num_tokens <= 128:
+        return 33
+    return 161 if num_tokens <= 256 else 289
 
 
 def _rand(gen, *shape, device, dtype=torch.float32, scale=1.0):
@@ -141,15 +146,18 @@ def fused_refusal(num_tokens: int, weight, bias, corr_bias, lora, opts, fused_ro
 
 
 def _near_ties(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Every other token's (k+1)-th logit moved to 2e-3 * max|logit| below its k-th: separable for
-    the reference (gap > 1e-4 of the max) but inside one bf16 step, so bf16-rounded scores pick wrong."""
+    """Near ties every rounding below fp32 breaks: the (k+1)-th logit of every other token moved to 2e-3 x
+    max|logit| below its k-th (inside one bf16 step), of every fourth of the others 2e-4 x max below (inside one fp16
+    step); both separable for the reference (a gap over 1e-4 of the max), so bf16- or fp16-rounded scores pick
+    wrong."""
     if top_k >= logits.shape[1]:
         return logits
     lg = logits.clone()
     order = lg.argsort(dim=1, descending=True)
-    rows = torch.arange(0, lg.shape[0], 2, device=lg.device)
-    kth = lg[rows, order[rows, top_k - 1]]
-    lg[rows, order[rows, top_k]] = kth - 2e-3 * lg[rows].abs().amax(dim=1)
+    for first, step, gap in ((0, 2, 2e-3), (1, 4, 2e-4)):
+        rows = torch.arange(first, lg.shape[0], step, device=lg.device)
+        kth = lg[rows, order[rows, top_k - 1]]
+        lg[rows, order[rows, top_k]] = kth - gap * lg[rows].abs().amax(dim=1)
     return lg
 
 

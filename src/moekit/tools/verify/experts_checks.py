@@ -21,6 +21,14 @@ def experts_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [b.name for b in backends.BACKENDS if b.rejects(call, True) is None]
 
 
+def _serving(names: list[str], x: torch.Tensor, weights, act_quant=None, op="fused", lora=False) -> list[str]:
+    """The backends of ``names`` that take such a call when asked by name (a dense-only backend is not checked on
+    4-bit weights or adapters, which it refuses: that is no failure of its own checks)."""
+    call = backends.ExpertsCall.of(x, weights, act_quant, op=op, lora=lora)
+    by_name = {b.name: b for b in backends.BACKENDS}
+    return [n for n in names if (not lora or by_name[n].lora) and by_name[n].rejects(call, True) is None]
+
+
 def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, device: torch.device,
                   only: list[str] | None = None, with_layer: bool = True, low_bit: bool = True) -> list[CheckResult]:
     """Experts checks for the backends in ``only`` (default: every one here): dense weights, and
@@ -62,7 +70,7 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
     lora_ids = _lora_ids(num_tokens, lora.num_adapters, device)
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
                                   lora=lora, lora_ids=lora_ids)
-    for backend in backends:
+    for backend in _serving(backends, x, w13, lora=True):
         out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
         got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                             backend=backend, lora=lora, lora_ids=lora_ids)
@@ -81,7 +89,7 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
     valid = torch.arange(M, device=device)[None, :] < counts[:, None]
     xb[~valid] = float("nan")                                                      # garbage padding
     ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2)
-    for backend in backends:
+    for backend in _serving(backends, xb, w13, op="batched"):
         out = torch.full_like(xb, float("nan"))
         got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                               backend=backend)
@@ -90,7 +98,7 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
     lora_ids = torch.randint(-1, lora.num_adapters, (E, M), dtype=torch.int32, device=device)
     ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2,
                                     lora=lora, lora_ids=lora_ids)
-    for backend in backends:
+    for backend in _serving(backends, xb, w13, op="batched", lora=True):
         out = torch.full_like(xb, float("nan"))
         got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                               backend=backend, lora=lora, lora_ids=lora_ids)
@@ -169,7 +177,7 @@ def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[C
                 # the prepared copies live for this check only (a preset's cache already holds its stacks in every
                 # format: at kimi-k2's size two more 4-bit copies would not fit beside them on an 80 GB GPU)
                 s13, s2 = (q13, q2) if layout == "packed" else (prepare(q13), prepare(q2))
-                for backend in backends:
+                for backend in _serving(backends, x, s13, act_quant, lora=adapters[0] is not None):
                     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
                     got = fused_experts(x, s13, s2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
                                         out=out, backend=backend, act_quant=act_quant, lora=adapters[0],
