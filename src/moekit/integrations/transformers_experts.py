@@ -31,6 +31,7 @@ by transformers' own ``grouped_mm`` forward, with one warning per class saying w
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
@@ -155,13 +156,12 @@ def _see_peft_merges() -> None:
     for name in ("merge", "unmerge"):
         original = getattr(wrapper, name)
 
+        @functools.wraps(original)
         def then_forget(self, *args, _original=original, **kwargs):
             try:
                 return _original(self, *args, **kwargs)
             finally:
                 forget(self.get_base_layer())
-        then_forget.__wrapped__ = original
-        then_forget.__doc__ = original.__doc__
         setattr(wrapper, name, then_forget)
     _PEFT_MERGES_SEEN.append(True)
 

@@ -142,10 +142,11 @@ def router_gemm(
             raise ValueError(f"out must be viewable as [T, E]; its strides {out.stride()} are not") from None
     else:
         out2 = torch.empty(args.x.shape[0], num_experts, dtype=out_dtype, device=weight.device)
-    if torch.compiler.is_compiling() and _gradients_traced(args, tier):
-        _run_torch(args, out2)
-    elif torch.compiler.is_compiling():
-        torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
+    if torch.compiler.is_compiling():
+        if _gradients_traced(args, tier):
+            _run_torch(args, out2)
+        else:
+            torch.ops.moekit.router_gemm_into(out2, args.x, weight, args.bias, *_lora_parts(lora), tier)
     else:  # eager: straight to the launch (the op is for torch.compile, and its dispatch costs host time)
         _CHECKED_GEMMS.put(key, _gemm(args, out2, tier, prepare=key is not None))
     return warned_if_detached("router_gemm", "tier='torch'", out if out is not None else out2.view(out_shape), x,
@@ -313,12 +314,13 @@ def fused_router(
         return record(replay(logits, replay_ids, opts), record_ids)
     corr_bias = routing_kwargs.get("correction_bias")
     corr_bias = None if corr_bias is None else corr_bias.contiguous()
-    if torch.compiler.is_compiling() and _gradients_traced(args, "auto"):  # router_gemm then route, traced
-        routes = route_with(router_gemm(args.x, weight, bias, lora=lora), opts, corr_bias)
-    elif torch.compiler.is_compiling():
-        routes = torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora), opts.top_k,
-                                               opts.method, opts.renormalize, opts.num_groups, opts.topk_groups,
-                                               opts.scaling, impl)
+    if torch.compiler.is_compiling():
+        if _gradients_traced(args, "auto"):  # router_gemm then route, traced
+            routes = route_with(router_gemm(args.x, weight, bias, lora=lora), opts, corr_bias)
+        else:
+            routes = torch.ops.moekit.fused_router(args.x, weight, args.bias, corr_bias, *_lora_parts(lora),
+                                                   opts.top_k, opts.method, opts.renormalize, opts.num_groups,
+                                                   opts.topk_groups, opts.scaling, impl)
     else:  # eager: straight to the implementation (the op is for torch.compile)
         fused = _fused_router_choice(args, opts, corr_bias, impl)
         routes, prepared = _fused_router_run(args, opts, corr_bias, fused, prepare=key is not None)

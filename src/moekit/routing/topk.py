@@ -10,7 +10,7 @@ import torch
 
 from .. import _triton, reference
 from .._calls import CheckedCalls
-from .._checks import check_disjoint, check_own_memory, check_tensor, check_top_k, int32_ids, warned_if_detached
+from .._checks import check_tensor, check_top_k, check_written_memory, int32_ids, warned_if_detached
 from ..presets import ROUTING_METHODS
 from . import gate_case
 from .options import RoutingOptions, empty_routes
@@ -165,10 +165,8 @@ def check_replay(replay_ids, record_ids, num_tokens: int, top_k: int, device) ->
             check_tensor(name, t, ndim=2, dtypes=ID_DTYPES, device=device)
             if tuple(t.shape) != (num_tokens, top_k):
                 raise ValueError(f"{name} must have shape ({num_tokens}, {top_k}) (tokens, top_k), got {tuple(t.shape)}")
-    if record_ids is not None:
-        check_own_memory("record_ids", record_ids)
-    if replay_ids is not None and record_ids is not None:
-        check_disjoint("record_ids", record_ids, {"replay_ids": replay_ids})
+    if record_ids is not None:  # (what is written: as an out= tensor)
+        check_written_memory("record_ids", record_ids, {"replay_ids": replay_ids})
 
 
 def replay(logits: torch.Tensor, ids: torch.Tensor, opts: RoutingOptions) -> tuple[torch.Tensor, torch.Tensor]:
