@@ -4,10 +4,13 @@ kernels reverted. With the gate on, every one is disabled with a warning naming 
 reference-correct backend serves instead; with the gate off, the broken one serves (so the test
 can see the difference)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from moekit import backends, presets, reference
+from moekit.experts import backends as backends_module
 from moekit.experts.backends import Backend
 from moekit.experts import batched_experts, batched_torch, fused_experts, fused_torch
 from moekit import gate
@@ -223,3 +226,171 @@ def test_verify_checks_a_dense_only_backend_on_what_it_serves():
     finally:
         experts_backends.unregister("dense_only")
     assert [r.op for r in results] == ["fused_experts", "batched_experts"] and all(r.ok for r in results)
+
+
+# The gate checks what the call will run: the kernel variant a backend names for it (its config at the call's token
+# count and sizes), and the call's slots per token, biases and expert map. Each broken backend below is right on the
+# small case the gate used to check (k = 2, both biases, no map, the backend's own choice of kernels) and wrong on
+# the call.
+
+def _wrong_in_per_pair_mode(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap)
+    if cfg is not None and cfg.mode == "per_pair":
+        out.mul_(1.01)                                           # the decode kernel's epilogue scales wrongly
+
+
+def _wrong_without_biases(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap)
+    if b2 is None:
+        out.add_(0.01)                                           # the variant compiled without a bias reads junk
+
+
+def _ignores_expert_map(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids.remainder(w13.shape[0]), act, b13, b2, None)   # global ids as local
+
+
+def _sums_four_slots(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw[:, :4].contiguous(), ids[:, :4].contiguous(), act, b13, b2, emap)  # k <= 4 only
+
+
+def _stale_plan(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq, plan=False):
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap)
+    first = out.clone()
+
+    def replay(out, *args):                                      # replays the first call's result: stale inputs
+        out.copy_(first)
+        return True
+    return replay if plan else None
+
+
+def _gated(backend):
+    backends.register(backend)
+    gate.reset()
+    gate.set_verification(True)
+
+
+def _ungate(backend):
+    backends.unregister(backend.name)
+    gate.set_verification(False)
+    gate.reset()
+
+
+def _case(T, k, E=7, H=32, I=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+    x, tw = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    return x, w13, w2, tw, ids
+
+
+def test_the_gate_checks_the_kernel_variant_each_call_runs():
+    # dense calls of 1 token run the per-pair decode kernels, of 40 the aligned ones (the heuristic): the gate used to
+    # check one small case in whichever mode it fell, so a decode-only fault served every decode call
+    broken = Backend("wrong_in_per_pair_mode", _fused_only, "broken", _wrong_in_per_pair_mode,
+                     variant=backends_module._triton_variant)
+    _gated(broken)
+    try:
+        for T, faulty in ((40, False), (1, True)):
+            x, w13, w2, tw, ids = _case(T, 2)
+            ref = reference.fused_experts(x, w13, w2, tw, ids)
+            if faulty:
+                with pytest.warns(RuntimeWarning, match="wrong_in_per_pair_mode' failed .* mode 'per_pair'"):
+                    got = fused_experts(x, w13, w2, tw, ids)
+            else:
+                got = fused_experts(x, w13, w2, tw, ids)
+            check_close(f"T={T}", got, ref, Tolerance(1e-5, 1e-5))
+        verdicts = {key.config.mode: passed for (name, key), (passed, _) in gate.results().items()
+                    if name == broken.name}
+        assert verdicts == {"aligned": True, "per_pair": False}
+        assert "failed the verification gate" in backends.explain(backends.ExpertsCall.of(x, w13, w2=w2, top_k=2))
+    finally:
+        _ungate(broken)
+
+
+@pytest.mark.parametrize("broken,call", [
+    (_wrong_without_biases, dict(biases=False)),  # a kernel compiled without biases
+    (_ignores_expert_map, dict(expert_map=True)),  # expert parallelism: global ids read as local
+    (_sums_four_slots, dict(k=6)),  # k not a power of two, more slots than the check's 2
+])
+def test_the_gate_checks_the_calls_slots_biases_and_expert_map(broken, call):
+    backend = Backend(broken.__name__, _fused_only, "broken", broken)
+    _gated(backend)
+    try:
+        k = call.get("k", 2)
+        x, w13, w2, tw, ids = _case(9, k)
+        b13, b2 = (None, None) if call.get("biases") is False else (torch.randn(7, 32) * 0.1, torch.randn(7, 32) * 0.1)
+        emap = None
+        if call.get("expert_map"):                               # 7 local experts of 10, at shuffled global places
+            where = torch.randperm(10)[:7]
+            emap = torch.full((10,), -1, dtype=torch.int32)
+            emap[where] = torch.arange(7, dtype=torch.int32)
+            ids = where[ids.long()].int()
+        ref = reference.fused_experts(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, expert_map=emap)
+        with pytest.warns(RuntimeWarning, match=f"'{broken.__name__}' failed its accuracy check"):
+            got = fused_experts(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, expert_map=emap)
+        check_close("the reference served", got, ref, Tolerance(1e-5, 1e-5))
+    finally:
+        _ungate(backend)
+
+
+def test_the_gate_checks_a_plan_on_the_next_call():
+    # a planned call replays launches prepared on its first call: the gate serves a second case through the plan
+    backend = Backend("stale_plan", _fused_only, "broken", _stale_plan, plans=True)
+    _gated(backend)
+    try:
+        x, w13, w2, tw, ids = _case(9, 2)
+        with pytest.warns(RuntimeWarning, match="'stale_plan' failed .*a call and its plan's"):
+            fused_experts(x, w13, w2, tw, ids)
+    finally:
+        _ungate(backend)
+
+
+def test_a_failure_is_honoured_while_torch_compile_traces(monkeypatch):
+    # no check can run inside a trace; a backend that failed a check of the call's kind is refused there
+    broken = Backend("wrong_in_per_pair_mode", _fused_only, "broken", _wrong_in_per_pair_mode,
+                     variant=backends_module._triton_variant)
+    _gated(broken)
+    try:
+        x, w13, w2, tw, ids = _case(1, 2)
+        with pytest.warns(RuntimeWarning):
+            fused_experts(x, w13, w2, tw, ids)
+        call = backends.ExpertsCall.of(x[:0], w13, w2=w2, top_k=2)          # a token count not checked yet
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert "failed the verification gate" in gate_case.refusal(broken, call)
+        assert gate_case.refusal(broken, dataclasses.replace(call, act_dtype=torch.float16)) is None  # another kind
+    finally:
+        monkeypatch.undo()
+        _ungate(broken)
+
+
+@pytest.mark.parametrize("fmt,T,mode", [
+    ("dense", 1, "per_pair"),  # the decode kernels on 16-row tensor-core tiles
+    ("dense", 40, "aligned"),  # row blocks: alignment, GEMMs, combine
+    ("dense", 200, "aligned"),  # over 256 pairs (k=6): the three-launch alignment
+    ("mxfp4", 3, "gemv"),  # 4-bit decode on the CUDA cores (rows GEMV1)
+    ("mxfp4", 40, "aligned"),  # 4-bit codes decoded in the tensor-core GEMMs
+])
+def test_the_triton_kernels_pass_the_check_of_each_variant(fmt, T, mode):
+    # the Triton backend (the interpreter, fp16) in the config each call runs, with k = 6, no w13 bias and an
+    # expert map: the case the gate builds for it is right
+    from moekit.formats import quantize_experts
+
+    if not _interpreting():
+        pytest.skip("the Triton interpreter (TRITON_INTERPRET=1) runs the kernels on the CPU")
+    x, w13, w2, _, _ = _case(T, 6, E=9, H=64, I=32)
+    if fmt != "dense":
+        w13, w2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    else:
+        w13, w2 = w13.half(), w2.half()
+    call = backends.ExpertsCall.of(x.half(), w13, w2=w2, top_k=6, biases=(False, True), expert_map=True)
+    triton = next(b for b in backends.BACKENDS if b.name == "triton")
+    cls = gate_case.gate_class(triton, call)
+    assert cls.config.mode == mode and cls.top_k == 6 and cls.expert_map
+    passed, detail = gate_case.check(triton, call)
+    assert passed, detail
+
+
+def _interpreting():
+    from moekit import _triton
+
+    return _triton.triton_importable() and _triton.interpreting()

@@ -81,3 +81,19 @@ def test_combine_ignores_padding_rows_of_dropped_pairs():
     yb[1, 0], yb[2, 0] = 1.0, 2.0
     out = layouts.combine_batched(yb, slot, torch.full((2, 2), 0.5))
     assert torch.equal(out, torch.tensor([[1.5] * 4, [0.0] * 4]))
+
+
+def test_batch_invariant_mode_refuses_a_capacity_that_can_drop_a_token():
+    # whether a pair fits depends on the tokens before it: a token alone is kept, the same token behind a full expert
+    # is dropped (its output zero). In the mode a capacity below T is refused; at T it cannot drop (shape-only check).
+    import moekit
+
+    x = torch.randn(5, 4)
+    ids = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+    with moekit.batch_invariant():
+        with pytest.raises(ValueError, match="max_tokens=4 below the 5 tokens is not batch-invariant.*"
+                                             "set_batch_invariant"):
+            layouts.pack_batched(x, ids, 3, 4)
+        xb, counts, slot = layouts.pack_batched(x, ids, 3, 5)
+        assert counts.tolist() == [5, 5, 0] and (slot >= 0).all()
+    assert layouts.pack_batched(x, ids, 3, 4)[1].tolist() == [4, 4, 0]   # the default mode drops as documented

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _invariant
 from ._checks import check_tensor
 
 
@@ -86,6 +87,9 @@ def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_
         (xb [E, M, H] with x's dtype, expert_num_tokens int32 [E], slot [T, k] int64): ``slot`` is the
         flat row ``e * M + m`` each (token, choice) went to, or -1 if dropped (bad id or expert full).
         Pairs keep token order within an expert. Padding rows of ``xb`` are zero.
+
+    In batch-invariant mode (:mod:`moekit._invariant`) a capacity below the token count is a ValueError: whether a
+    token is dropped would depend on the tokens before it.
     """
     check_tensor("x", x, ndim=2)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=x.device)
@@ -95,6 +99,10 @@ def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids must have {x.shape[0]} rows (x's tokens), got {topk_ids.shape[0]}")
     T, k = topk_ids.shape
+    if max_tokens < T and _invariant.enabled():
+        raise ValueError(_invariant.refusal(
+            f"pack_batched with max_tokens={max_tokens} below the {T} tokens",
+            "a token is dropped when an expert is full of the tokens before it; pass max_tokens >= T"))
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
     key = torch.where(valid, ids, num_experts)               # invalid ids sort last, into a spare bin

@@ -19,7 +19,7 @@ import torch
 
 from .. import _invariant, _triton, gate
 from ..formats import FOUR_BIT_FORMATS, FP8_ACTIVATION_FORMATS, WEIGHT_FORMATS, format_of, fp4
-from . import gate_case, torch_backend
+from . import configs, gate_case, torch_backend
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -38,17 +38,28 @@ class ExpertsCall:
     lora: bool = False  # expert LoRA adapters (moekit.experts.ExpertsLoRA) ride along
     layout: str = "packed"  # 4-bit codes' byte layout (formats.fp4): "packed", "pairs", or "w13's/w2's" if they
     # differ: a class of its own for the gate (other kernel variants read each layout)
+    # What else picks a kernel variant, for the gate's check (defaults: unknown, the gate's small case decides):
+    dims: tuple = ()  # (E, 2I, H) of w13
+    top_k: int = 0  # the standard format's slots per token
+    biases: tuple = (True, True)  # (w13_bias, w2_bias) given
+    expert_map: bool = False  # an expert map (expert parallelism)
+    granularity: str = ""  # FP8 weights' scales: "block", "channel" or "tensor"
+    config: object = None  # an ExpertsConfig the caller forces
 
     @classmethod
     def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
-           activation: str = "silu_and_mul", lora: bool = False, w2=None) -> "ExpertsCall":
+           activation: str = "silu_and_mul", lora: bool = False, w2=None, top_k: int = 0, biases: tuple = (True, True),
+           expert_map: bool = False, config=None) -> "ExpertsCall":
         tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
-        return cls(format_of(w13), x.dtype, x.device, tokens, act_quant, op, activation, lora,
-                   call_layout(w13, w13 if w2 is None else w2))
+        fmt = format_of(w13)
+        return cls(fmt, x.dtype, x.device, tokens, act_quant, op, activation, lora,
+                   call_layout(w13, w13 if w2 is None else w2), tuple(w13.shape), top_k, tuple(biases), expert_map,
+                   w13.granularity if fmt == "fp8" else "", config)
 
     def shape_class(self) -> "ExpertsCall":
-        """What the verification gate checks once: the call without its token count."""
-        return dataclasses.replace(self, num_tokens=0)
+        """What the verification gate checks once when it knows no kernel variant: the call without its token
+        count and sizes."""
+        return dataclasses.replace(self, num_tokens=0, dims=())
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,10 @@ class Backend:
     one without it is not asked to serve such calls. A backend with ``plans`` takes ``plan=True`` on a checked eager
     call and may return a plan that serves later calls of the same signature, returning False where it did not (then
     run the call): ``plan(out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool`` from
-    ``fused``, ``plan(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias) -> bool`` from ``batched``."""
+    ``fused``, ``plan(out, x, expert_num_tokens, w13, w2, w13_bias, w2_bias) -> bool`` from ``batched``.
+    A backend with ``variant`` names the kernel variant it would run for a call, as the ``config`` its ``fused`` and
+    ``batched`` take (None: its own choice): the verification gate checks each variant once, forcing it on a case
+    cut from the call's sizes."""
 
     name: str
     rejects: Callable[[ExpertsCall, bool], str | None]
@@ -70,6 +84,7 @@ class Backend:
     batched: Callable = None
     lora: bool = False
     plans: bool = False
+    variant: Callable[[ExpertsCall], object] | None = None
 
     def refuses(self, call: ExpertsCall, explicit: bool) -> str | None:
         """``rejects`` plus what every backend declares: expert LoRA."""
@@ -119,6 +134,29 @@ def _torch_rejects(call: ExpertsCall, explicit: bool) -> str | None:
     return None
 
 
+def _triton_variant(call: ExpertsCall):
+    """(the ExpertsConfig the Triton backend runs ``call`` with, the check case's tokens that reach its kernels: the
+    same alignment launches), or None where the call's sizes are unknown."""
+    if call.config is None and not call.dims:
+        return None
+    E, n1, k1 = call.dims if call.dims else (0, 0, 0)
+    k = call.top_k or 1
+    config = call.config
+    if config is None:
+        fmt = configs.config_family(call.weight_format, call.act_quant)
+        if call.op == "batched":  # (as triton_backend.batched_experts_into: the regime of M rows per expert)
+            config = configs.choose(call.num_tokens, E, 1, n1, k1, call.device, call.act_dtype, fmt, batched=True)[0]
+        else:
+            config = configs.choose(call.num_tokens, E, k, n1, k1, call.device, call.act_dtype, fmt, lora=call.lora)[0]
+    if call.op == "batched":
+        return config, config.block_m + 9  # rows per expert: a full row block and a partial one
+    if config.per_pair:
+        return config, 9
+    # aligned: one alignment program up to ALIGN_ONE_PROGRAM_MAX pairs, three launches above
+    most = configs.ALIGN_ONE_PROGRAM_MAX
+    return config, max(config.block_m + 9, most // k + 9) if call.num_tokens * k > most else max(most // k, 1)
+
+
 def _triton_fused(*args, **kwargs):
     from . import triton_backend  # the kernels are built on first use (TRITON_INTERPRET is read then)
 
@@ -135,7 +173,7 @@ BUILTIN = (
     Backend("triton", _triton_rejects, "Triton grouped GEMMs: alignment, GEMM1 + activation, GEMM2 + router "
                                        "weight, fixed-order combine; 4-bit weights dequantized in the kernel, "
                                        "FP8 W8A8 and MXFP4 W4A8 on FP8 tensor cores",
-            _triton_fused, _triton_batched, lora=True, plans=True),
+            _triton_fused, _triton_batched, lora=True, plans=True, variant=_triton_variant),
     Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
             torch_backend.fused_torch, torch_backend.batched_torch, lora=True),
 )

@@ -24,6 +24,8 @@ PER_PAIR_MAX_TOKENS = 2  # heuristic: the per-pair decode mode up to this many t
 FOUR_BIT_GEMV_MAX_TOKENS = 16  # heuristic: 4-bit weights on the CUDA-core decode kernels up to here
 FOUR_BIT_MIN_BLOCK_K = 32  # a K tile must hold whole scale groups (32 for MXFP4, 16 for NVFP4)
 FOUR_BIT_TILE_BUDGET = 16384  # dequantized weight elements per K step for 4 warps (16-bit, in MMA registers)
+ALIGN_ONE_PROGRAM_MAX = 256  # the alignment's pairs in one program: above, its serial chunk steps cost more than
+# the three-launch version's 2 extra launches
 FP8_BLOCK_K = fp8_format.BLOCK  # FP8 activations: one 1x128 group per K step, each step promoted with its scale
 
 

@@ -1,14 +1,20 @@
-"""The experts' case for the verification gate (:mod:`moekit.gate`): a backend is checked once per
-shape class (op, weight format, dtype, activation, device) on a small random case against the
+"""The experts' case for the verification gate (:mod:`moekit.gate`): a backend is checked once per gate class
+(:func:`gate_class`: the call's kind, and the kernel variant the backend names for it) on a random case against the
 float64 reference before it serves an automatic call.
 
-The case exercises what broke engines' kernels: biases, a strided input, a token count that leaves
-a partial tile, an expert with no tokens, NaN padding rows (batched), and ``out`` poisoned with NaN
-so that an unwritten or rebound output shows. A call with expert LoRA is its own shape class: its case adds
-three adapters of rank 5 (both matrices), mixed over the tokens with some of none (-1).
+The case exercises what broke engines' kernels: biases (or none, as the call), a strided input, row blocks that
+end partly filled and one expert's rows filling a whole block, an expert with no tokens, the call's slots per token
+and expert map (ids of another rank), NaN padding rows (batched), and ``out`` poisoned with NaN so that an
+unwritten or rebound output shows. The Triton backend's config for the call is forced on sizes cut from the
+call's (K loops of several steps, the call's tile tails); a backend that plans calls serves a second case through
+its plan. A call with expert LoRA is its own class: its case adds three adapters of rank 5 (both matrices), mixed
+over the tokens with some of none (-1).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,29 +23,86 @@ from ..formats import FP8_ACTIVATION_FORMATS, dequantize, prepare, quantize_expe
 from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
 from .lora import ExpertsLoRA
 
+if TYPE_CHECKING:
+    from .backends import ExpertsCall
+
 
 def refusal(backend, call) -> str | None:
-    """None when ``backend`` may serve ``call`` (gate off, or its check passed), else why not."""
-    if not gate.active():
+    """None when ``backend`` may serve ``call`` (gate off, or its check passed), else why not. While torch.compile
+    traces, no check runs: a backend that failed any check of the call's kind is refused."""
+    if not gate.enabled():
         return None
-    return gate.verdict(_key(backend, call), backend.name, _describe(call), lambda: check(backend, call))
+    if torch.compiler.is_compiling():
+        return _failure_of_kind(backend, call)
+    cls = gate_class(backend, call)
+    return gate.verdict(_key(backend, cls), backend.name, _describe(cls), lambda: check(backend, cls))
 
 
 def known_failure(backend, call) -> str | None:
-    """The gate's refusal if this backend already failed for the call's shape class (no new check)."""
-    return gate.known_failure(_key(backend, call))
+    """The gate's refusal if this backend already failed for the call's gate class (no new check)."""
+    return gate.known_failure(_key(backend, gate_class(backend, call)))
 
 
-def _key(backend, call) -> tuple:
+def gate_class(backend, call) -> ExpertsCall:
+    """What the gate checks once for ``backend`` on ``call``: the call's kind (format, dtypes, op, activation,
+    adapters, slots per token, biases, expert map, scales) with, for a backend that names its kernel variant
+    (``Backend.variant``: a config, and the case's tokens, or rows per expert in the batched format, that reach the
+    same kernels), that config and the sizes of :func:`case_sizes`; without one, the small case's."""
+    variant = backend.variant(call) if backend.variant is not None else None
+    if variant is None or variant[0] is None:
+        return dataclasses.replace(call, num_tokens=0, dims=(), config=None)
+    config, tokens = variant
+    E, H, I = case_sizes(call, config)
+    return dataclasses.replace(call, num_tokens=tokens * (E if call.op == "batched" else 1), dims=(E, 2 * I, H),
+                               config=config)
+
+
+def case_sizes(call, config=None) -> tuple[int, int, int]:
+    """(E, H, I) of the check case: k distinct experts of E - 1 per token and one expert without tokens; with a
+    config, H and I cut from the call's (:func:`_cut`) so that both GEMMs loop over K in several steps and end
+    their K and column tiles as the call does."""
+    E = max(6, (call.top_k or 2) + 3)
+    if config is None or not call.dims:
+        return E, 64, 32
+    _, n1, H = call.dims
+    g1, g2 = config.gemm1, config.gemm2
+    return E, _cut(H, g1.block_k, g2.block_n), _cut(n1 // 2, g2.block_k, g1.block_n)
+
+
+def _cut(n: int, *tiles: int) -> int:
+    """``n``, or a smaller size with two whole tiles and then ``n``'s own tail: the same residue modulo the largest
+    tile (powers of two, taken at least 128 so that every format's scale groups and blocks stay whole)."""
+    t = max(128, *tiles)
+    return n if n <= 3 * t else 2 * t + n % t
+
+
+def _key(backend, cls) -> tuple:
     # batch-invariant mode adds the invariance check: its verdicts are kept apart
-    return (backend.name, (call.shape_class(), "batch-invariant") if _invariant.enabled() else call.shape_class())
+    return (backend.name, (cls, "batch-invariant") if _invariant.enabled() else cls)
 
 
-def _describe(call) -> str:
-    dtype = str(call.act_dtype).removeprefix("torch.")
-    lora = ", LoRA" if call.lora else ""
-    codes = "" if call.layout == "packed" else f" ({call.layout} codes)"
-    return f"{call.op} experts, {call.weight_format} weights{codes}{lora}, {dtype}, {call.activation}, {call.device}"
+_KIND = ("weight_format", "act_dtype", "device", "act_quant", "op", "activation", "lora", "layout", "granularity")
+
+
+def _failure_of_kind(backend, call) -> str | None:
+    """The refusal of a backend that failed a check of any class of the call's kind (formats, dtypes, op)."""
+    kind = tuple(getattr(call, f) for f in _KIND)
+    for (name, cls), (passed, detail) in gate.results().items():
+        cls = cls[0] if isinstance(cls, tuple) else cls
+        if name == backend.name and not passed and tuple(getattr(cls, f) for f in _KIND) == kind:
+            return f"failed the verification gate ({detail})"
+    return None
+
+
+def _describe(cls) -> str:
+    dtype = str(cls.act_dtype).removeprefix("torch.")
+    lora = ", LoRA" if cls.lora else ""
+    codes = "" if cls.layout == "packed" else f" ({cls.layout} codes)"
+    scales = f" ({cls.granularity} scales)" if cls.granularity else ""
+    text = f"{cls.op} experts, {cls.weight_format} weights{scales}{codes}{lora}, {dtype}, {cls.activation}, {cls.device}"
+    if cls.config is not None:
+        text += f", mode {cls.config.mode!r} (block_m {cls.config.block_m})"
+    return text
 
 
 def _lora_case(call, gen, E, H, I, rows):
@@ -56,76 +119,133 @@ def _lora_case(call, gen, E, H, I, rows):
 
 
 def _case(call, gen):
-    """Small random weights and inputs in the call's format, plus their float reference weights."""
-    E, H, I, dev, dt = 6, 64, 32, call.device, call.act_dtype
+    """Random weights in the call's format (and scales), the biases the call has, and the float reference
+    weights, at :func:`case_sizes`."""
+    E, H, I = case_sizes(call, call.config)
+    dev, dt = call.device, call.act_dtype
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
     w13, w2 = rnd(E, 2 * I, H) * H ** -0.5, rnd(E, H, I) * I ** -0.5
     if call.weight_format == "dense":
         w13, w2 = w13.to(dt), w2.to(dt)
         ref13, ref2 = w13, w2
     else:
-        fmt = "fp8_block" if call.weight_format == "fp8" else call.weight_format
+        fmt = f"fp8_{call.granularity or 'block'}" if call.weight_format == "fp8" else call.weight_format
         w13, w2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
         ref13, ref2 = dequantize(w13), dequantize(w2)
         l13, l2 = (call.layout.split("/") * 2)[:2]  # the call's byte layouts of w13 and w2
         w13, w2 = (prepare(w13) if l13 == "pairs" else w13), (prepare(w2) if l2 == "pairs" else w2)
-    biases = (rnd(E, 2 * I).mul(0.1).to(dt), rnd(E, H).mul(0.1).to(dt))
+    b13, b2 = rnd(E, 2 * I).mul(0.1).to(dt), rnd(E, H).mul(0.1).to(dt)
+    biases = (b13 if call.biases[0] else None, b2 if call.biases[1] else None)
     return E, H, w13, w2, ref13, ref2, biases
 
 
+def _routing(T: int, k: int, E: int, gen, expert_map: bool, device):
+    """(float32 weights [T, k], int32 ids [T, k], expert map or None): each token's first slot on expert 0 but for
+    the last 8 tokens (a full row block and a partial one when T exceeds the block by 9), the other slots distinct
+    random experts of the E - 1 first; expert E - 1 gets none. With ``expert_map``, ids are global among E + 3
+    experts, 3 of them another rank's (-1 in the map), which some slots pick."""
+    first = torch.where(torch.arange(T) < T - 8, 0, torch.arange(T) % (E - 1))
+    scores = torch.rand(T, E - 1, generator=gen)
+    scores[torch.arange(T), first] = 2.0
+    ids = scores.topk(k, dim=1).indices
+    emap = None
+    if expert_map:
+        where = torch.randperm(E + 3, generator=gen)  # global position of local expert e (the first E), others away
+        emap = torch.full((E + 3,), -1, dtype=torch.int32)
+        emap[where[:E]] = torch.arange(E, dtype=torch.int32)
+        ids = where[ids]
+        away = torch.rand(T, k, generator=gen) < 0.2
+        ids[away] = where[E:][torch.randint(0, 3, (int(away.sum()),), generator=gen)]
+        emap = emap.to(device)
+    return torch.rand(T, k, generator=gen).to(device), ids.to(device, torch.int32), emap
+
+
 def check(backend, call) -> tuple[bool, str]:
-    """(passed, detail) of ``backend`` on a small random case shaped like ``call``. FP8 W8A8 and
-    MXFP4 W4A8 calls are checked against the W8A8 float64 reference (activations rounded to E4M3
-    1x128 groups)."""
+    """(passed, detail) of ``backend`` on a random case of ``call``'s gate class (:func:`gate_class`), in the
+    class's config when it has one; a backend that plans a call also serves a second case through its plan. FP8
+    W8A8 and MXFP4 W4A8 calls are checked against the W8A8 float64 reference (activations rounded to E4M3 1x128
+    groups)."""
+    call = gate_class(backend, call)
     w8a8 = call.act_quant == "fp8_group" and call.weight_format in FP8_ACTIVATION_FORMATS
     if call.act_quant is not None and not w8a8:
         return True, "activation emulation: the torch reference is the definition"
     gen = torch.Generator().manual_seed(1234)
-    dt, dev = call.act_dtype, call.device
+    dt, dev, config = call.act_dtype, call.device, call.config
     E, H, w13, w2, ref13, ref2, (b13, b2) = _case(call, gen)
+    I = w2.shape[2]
+    planning = backend.plans and not call.lora
+    errors = []
     try:
         if call.op == "batched":
-            M = 9
-            x = torch.randn(E, M, H, generator=gen).to(dev, dt)
-            counts = torch.tensor([9, 0, 3, 1, 8, 5], dtype=torch.int32, device=dev)   # full, empty, partial
-            valid = torch.arange(M, device=dev)[None, :] < counts[:, None].long()
-            x[~valid] = float("nan")                                                      # padding must not leak
+            M = call.num_tokens // E if call.num_tokens else 9
+            sizes = [M, 0, min(3, M), 1, max(M - 1, 0), min(5, M)]
+
+            def case():
+                x = torch.randn(E, M, H, generator=gen).to(dev, dt)
+                counts = torch.tensor((sizes * E)[:E], dtype=torch.int32, device=dev)   # full, empty, partial
+                valid = torch.arange(M, device=dev)[None, :] < counts[:, None].long()
+                x[~valid] = float("nan")                                                   # padding must not leak
+                return x, counts, valid
+
+            def expected(x, counts, valid, lora, lora_ids):
+                if w8a8:
+                    ref = torch.stack([_w8a8_one_expert(x[e], w13, w2, e, call.activation, b13, b2, lora,
+                                                        None if lora is None else lora_ids[e]) for e in range(E)])
+                else:
+                    ref = reference.batched_experts(x, counts, ref13, ref2, activation=call.activation, w13_bias=b13,
+                                                    w2_bias=b2, lora=lora, lora_ids=lora_ids)
+                return ref[valid]
+
+            x, counts, valid = case()
             out = torch.full_like(x, float("nan"))
-            lora, lora_ids = _lora_case(call, gen, E, H, w2.shape[2], (E, M))
-            backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, None, call.act_quant,
-                            **_lora_args(lora, lora_ids))
-            if w8a8:
-                ref = torch.stack([_w8a8_one_expert(x[e], w13, w2, e, call.activation, b13, b2, lora,
-                                                    None if lora is None else lora_ids[e]) for e in range(E)])
-            else:
-                ref = reference.batched_experts(x, counts, ref13, ref2, activation=call.activation, w13_bias=b13,
-                                                w2_bias=b2, lora=lora, lora_ids=lora_ids)
-            got, ref = out[valid], ref[valid]
+            lora, lora_ids = _lora_case(call, gen, E, H, I, (E, M))
+            plan = backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, config, call.act_quant,
+                                   **_lora_args(lora, lora_ids), **({"plan": True} if planning else {}))
+            errors.append(rel_errors(out[valid], expected(x, counts, valid, lora, lora_ids)))
+            if planning and plan:  # the plan serves the next call of this signature: new values, same layout
+                x, counts, valid = case()
+                out = torch.full_like(x, float("nan"))
+                if plan(out, x, counts, w13, w2, b13, b2):
+                    errors.append(rel_errors(out[valid], expected(x, counts, valid, None, None)))
         else:
-            T, k = 9, 2                                                                   # a partial row block
-            x = torch.randn(T, H + 3, generator=gen).to(dev, dt)[:, 3:]                    # row stride H + 3, offset
-            first = torch.arange(T) % (E - 1)                                             # expert E-1 gets no token
-            second = (first + 1 + torch.randint(0, E - 2, (T,), generator=gen)) % (E - 1)  # distinct from first
-            ids = torch.stack([first, second], dim=1).to(dev, torch.int32)
-            tw = torch.rand(T, k, generator=gen).to(dev)
+            T, k = call.num_tokens or 9, call.top_k or 2
+            tw, ids, emap = _routing(T, k, E, gen, call.expert_map, dev)
+
+            def case():
+                return torch.randn(T, H + 3, generator=gen).to(dev, dt)[:, 3:]               # row stride H + 3
+
+            def expected(x, tw, ids, emap, lora, lora_ids):
+                ref_fn = reference.fused_experts_w8a8 if w8a8 else reference.fused_experts
+                return ref_fn(x, w13 if w8a8 else ref13, w2 if w8a8 else ref2, tw, ids, activation=call.activation,
+                              w13_bias=b13, w2_bias=b2, expert_map=emap, lora=lora, lora_ids=lora_ids)
+
+            x = case()
             out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
-            lora, lora_ids = _lora_case(call, gen, E, H, w2.shape[2], (T,))
-            backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, None, None, call.act_quant,
-                          **_lora_args(lora, lora_ids))
-            got = out
-            ref_fn = reference.fused_experts_w8a8 if w8a8 else reference.fused_experts
-            ref = ref_fn(x, w13 if w8a8 else ref13, w2 if w8a8 else ref2, tw, ids, activation=call.activation,
-                         w13_bias=b13, w2_bias=b2, lora=lora, lora_ids=lora_ids)
+            lora, lora_ids = _lora_case(call, gen, E, H, I, (T,))
+            plan = backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, emap, config, call.act_quant,
+                                 **_lora_args(lora, lora_ids), **({"plan": True} if planning else {}))
+            errors.append(rel_errors(out, expected(x, tw, ids, emap, lora, lora_ids)))
+            if planning and plan:
+                x = case()
+                tw, ids, emap = _routing(T, k, E, gen, call.expert_map, dev)
+                out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
+                if plan(out, x, w13, w2, tw, ids, b13, b2, emap):
+                    errors.append(rel_errors(out, expected(x, tw, ids, emap, None, None)))
     except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
         return False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    max_rel, rms_rel = rel_errors(got, ref)
+    max_rel, rms_rel = (max(e[0] for e in errors), max(e[1] for e in errors))
     tol = W8A8_TOL if w8a8 else EXPERTS_TOL[dt]
     detail = f"max_rel={max_rel:.2e} rms_rel={rms_rel:.2e} (budget {tol.max_rel:.0e}/{tol.rms_rel:.0e})"
+    if len(errors) > 1:
+        detail += ", a call and its plan's"
     accurate = max_rel <= tol.max_rel and rms_rel <= tol.rms_rel
     if not accurate or not _invariant.enabled():
         return accurate, detail
+    small = dataclasses.replace(call, num_tokens=0, dims=(), config=None, top_k=0, expert_map=False)
+    E, H, w13, w2, _, _, (b13, b2) = _case(small, gen)
     try:
-        mismatch = invariance(backend, call, w13, w2, b13, b2, gen, lora=lora)
+        mismatch = invariance(backend, small, w13, w2, b13, b2, gen, lora=_lora_case(small, gen, E, H, w2.shape[2],
+                                                                                      (1,))[0])
     except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
         return False, f"invariance check raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     if mismatch:

@@ -23,7 +23,7 @@ from .. import _triton
 from .._checks import check_written_memory
 from ..formats import FOUR_BIT_FORMATS, format_of, from_parts, to_parts
 from . import configs as expert_configs
-from .configs import ExpertsConfig, GemmConfig
+from .configs import ALIGN_ONE_PROGRAM_MAX, ExpertsConfig, GemmConfig
 from . import lora as expert_lora
 from .._launch import Constants, Launcher, arg_builder
 from .kernels import align as align_kernels
@@ -51,7 +51,6 @@ ACTIVATION_IDS = {"silu_and_mul": moe_gemm.SILU_AND_MUL.value, "swiglu_oai": moe
 ALIGN_CHUNK = 64  # pairs per step of the alignment: its rank tile is CHUNK x CHUNK
 ALIGN_TILE = 8192  # elements of the alignment's [blocks x experts] owner tile
 ALIGN_WARPS = 8
-ALIGN_ONE_PROGRAM_MAX = 256  # pairs: above, one program's serial chunk steps cost more than 2 extra launches
 ALIGN_PAIRS_PER_PROGRAM = 256
 ALIGN_PREFIX_EXPERTS = 16  # experts per program of the alignment's prefix step (its tile: chunks x these)
 COMBINE_BLOCK_H = 1024
