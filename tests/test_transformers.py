@@ -144,3 +144,28 @@ def test_patched_blocks_report_router_logits(make, block):
         check_close(f"{block} router logits", a, b, Tolerance(1e-4, 1e-5))
     if getattr(ref, "aux_loss", None) is not None:
         check_close(f"{block} auxiliary loss", got.aux_loss, ref.aux_loss, Tolerance(1e-4, 1e-5))
+
+
+def test_quantized_experts_are_left_alone():
+    # transformers keeps FineGrainedFP8 experts as FP8 codes with block scales (*_scale_inv) and gpt-oss's MXFP4
+    # experts as *_blocks/*_scales: patch() took the FP8 codes as values without their scales (outputs ~1e9 off),
+    # and did not report the MXFP4 block at all
+    from transformers import FineGrainedFP8Config, GptOssConfig, GptOssForCausalLM
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP
+
+    model = _mixtral()
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"],
+                            quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128)))
+    report = patch(model, dtype=torch.float32)
+    assert not report.replaced and len(report.left_alone) == 2, report
+    assert all("its experts are quantized" in why for _, why in report.left_alone), report
+
+    cfg = GptOssConfig(**{**COMMON, "num_hidden_layers": 1}, intermediate_size=64, num_local_experts=4,
+                       num_experts_per_tok=2, head_dim=16, layer_types=["full_attention"])
+    model = GptOssForCausalLM(cfg)
+    mlp = model.model.layers[0].mlp
+    model.model.layers[0].mlp = Mxfp4GptOssMLP(mlp.router, Mxfp4GptOssExperts(cfg))
+    report = patch(model)
+    assert not report.replaced and report.left_alone[0][0] == "model.layers.0.mlp", report
+    assert "Mxfp4GptOssMLP: its experts are quantized" in report.left_alone[0][1]

@@ -159,6 +159,22 @@ def _peft_wrapped(block: nn.Module) -> str | None:
     return None
 
 
+def _quantized_experts(block: nn.Module) -> str | None:
+    """Why a block whose experts transformers keeps quantized (FineGrainedFP8's FP8 codes with ``*_scale_inv``,
+    MXFP4 ``*_blocks`` and ``*_scales``, any one-byte stack) is left alone: the converters read plain weight
+    stacks, and would take the codes as values without their scales."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module):
+        return None
+    for name, t in (*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)):
+        if t.element_size() == 1 or name.endswith(("_scale_inv", "_scales", "_blocks")):
+            return (f"its experts are quantized ({type(experts).__name__}.{name}: {str(t.dtype).removeprefix('torch.')}"
+                    f" {tuple(t.shape)}): patch() takes plain weight stacks; give the codes and scales to "
+                    "FusedMoE.load_quantized_experts (moekit.formats.FP8Tensor, MXFP4Tensor) or load the "
+                    "checkpoint dequantized")
+    return None
+
+
 def _unserved_activation(block: nn.Module, cls: str) -> str | None:
     """Why moekit's layer would compute another function than ``block`` (its config's activation, gpt-oss's swiglu
     limit or alpha), or None: the experts' gate function and a shared expert's activation, each run on a probe."""
@@ -208,14 +224,17 @@ def patch(model: nn.Module, *, dtype: torch.dtype | None = None, batch_invariant
         cls = type(module).__name__
         if cls not in CONVERTERS:
             # (a model's dense MLPs beside its MoE blocks, e.g. Qwen3MoeMLP, have no experts: not MoE blocks)
-            if ("moe" in cls.lower() and not isinstance(module, MoekitBlock) and cls.endswith(("Block", "MoE", "MLP"))
+            quantized = _quantized_experts(module)
+            if quantized:  # e.g. transformers' Mxfp4GptOssMLP in place of GptOssMLP
+                report.left_alone.append((path, f"{cls}: {quantized}"))
+            elif ("moe" in cls.lower() and not isinstance(module, MoekitBlock) and cls.endswith(("Block", "MoE", "MLP"))
                     and hasattr(module, "experts")):
                 report.left_alone.append((path, f"{cls} has no moekit converter"))
             continue
         if module.training and getattr(module, "jitter_noise", 0):
             report.left_alone.append((path, "training with router jitter noise (moekit layers are for inference)"))
             continue
-        why = _peft_wrapped(module) or _unserved_activation(module, cls)
+        why = _peft_wrapped(module) or _quantized_experts(module) or _unserved_activation(module, cls)
         if why:
             report.left_alone.append((path, why))
             continue
