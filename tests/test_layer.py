@@ -195,3 +195,38 @@ def test_gpu_codes_loaded_on_the_cpu_are_prepared_when_they_reach_the_gpu(fmt):
         ref = reference.fused_experts(x, moekit.formats.dequantize(q13).cuda(), moekit.formats.dequantize(q2).cuda(),
                                       tw, tid, activation=layer.spec.activation)
         check_close(f"{fmt} prepared on .cuda()", layer(x), ref, Tolerance(2e-2, 5e-3))
+
+
+def _mxfp4_layer(prepare, fmt="mxfp4"):
+    from moekit import formats
+
+    layer = moekit.FusedMoE.from_preset("mixtral-8x7b", scaled=True, dtype=torch.float32)
+    layer.load_quantized_experts(formats.quantize_experts(torch.randn_like(layer.w13), fmt),
+                                 formats.quantize_experts(torch.randn_like(layer.w2), fmt), prepare=prepare)
+    return layer
+
+
+@pytest.mark.parametrize("prepare", [False, True])
+@pytest.mark.parametrize("fmt,key,dtype", [
+    ("mxfp4", "w13_data", torch.int8),  # the same bytes as int8: a prepared module kept them in the stored layout
+    ("nvfp4", "w2_scales", torch.uint8),  # E4M3 scale bytes as uint8: load_state_dict cast their values
+])
+def test_load_state_dict_refuses_quantized_parts_of_another_dtype(prepare, fmt, key, dtype):
+    layer = _mxfp4_layer(prepare, fmt)
+    state = layer.state_dict()
+    state[key] = state[key].view(dtype)
+    with pytest.raises(TypeError, match=f"{key} must have dtype .*got {dtype}"):
+        _mxfp4_layer(prepare, fmt).load_state_dict(state)
+
+
+def test_load_quantized_experts_refuses_what_the_experts_refuse_before_dropping_the_weights():
+    # an FP8 stack of 1x128 groups (activations' granularity) and NVFP4 per-row global scales were accepted, the
+    # dense stacks dropped, and the first forward raised
+    from moekit import formats
+
+    layer = moekit.FusedMoE.from_preset("mixtral-8x7b", scaled=True, dtype=torch.float32)
+    w13, w2 = layer.w13.detach().clone(), layer.w2.detach().clone()
+    grouped = formats.fp8.quantize_groups(w13)
+    with pytest.raises(ValueError, match="w13: FP8 expert weights are per tensor, per channel or in 128x128 blocks"):
+        layer.load_quantized_experts(grouped, formats.fp8.quantize_groups(w2))
+    assert layer.weight_format == "dense" and torch.equal(layer.w13, w13)

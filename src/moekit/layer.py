@@ -10,6 +10,7 @@ from . import _invariant
 from . import presets as _presets
 from ._checks import check_shape, check_tensor
 from .experts import ExpertsLoRA, check_act_quant, fused_experts
+from .experts.api import check_quantized_stack
 from .experts.lora import check_call as check_lora
 from .formats import TYPES as QUANTIZED_TYPES
 from .formats import FOUR_BIT_FORMATS, format_of, fp4
@@ -153,6 +154,7 @@ class FusedMoE(nn.Module):
             expect = self._expert_shapes[name]
             if tuple(q.shape) != expect:
                 raise ValueError(f"{name} must have shape {expect}, got {tuple(q.shape)}")
+            check_quantized_stack(name, q, 3, w13.data.device)  # what fused_experts would refuse, before a buffer goes
         if prepare or (prepare is None and w13.data.is_cuda):
             w13, w2 = prepare_weights(w13), prepare_weights(w2)
         for name, q in (("w13", w13), ("w2", w2)):
@@ -341,7 +343,17 @@ def _stored_codes(module: FusedMoE, state_dict: dict, prefix: str, local_metadat
 
 
 def _prepared_codes(module: FusedMoE, state_dict: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook: checkpoint codes enter a module that keeps them prepared in its layout."""
+    """load_state_dict pre-hook: quantized parts arrive in the buffers' own dtypes (load_state_dict would cast them:
+    int8 codes to uint8 kept their bytes in the checkpoint's layout, and uint8 scale bytes became E4M3 values), and
+    checkpoint codes enter a module that keeps them prepared in its layout."""
+    for name in module._quantized_meta:
+        for field in _QUANTIZED_PARTS[module.weight_format]:
+            key = f"{name}_{field}"
+            value, buffer = state_dict.get(prefix + key), module._buffers.get(key)
+            if (isinstance(value, torch.Tensor) and buffer is not None and buffer.element_size() == 1
+                    and value.dtype != buffer.dtype):
+                raise TypeError(f"load_state_dict: {prefix + key} must have dtype {buffer.dtype} (the layer's "
+                                f"{module.weight_format} {field}: bytes a cast would change), got {value.dtype}")
     for name in _pairs_codes(module):
         value, buffer = state_dict.get(prefix + name), module._buffers.get(name)
         if (isinstance(value, torch.Tensor) and buffer is not None and value.dtype == torch.uint8

@@ -42,7 +42,7 @@ def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str |
                                          top_k=top_k, biases=biases, expert_map=expert_map, config=config), backend)
 
 
-def _check_quantized(name, w, ndim, device):
+def check_quantized_stack(name, w, ndim, device):
     """What an expert stack adds to its type's own invariants (checked when it was built)."""
     if len(w.shape) != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(w.shape)}")
@@ -74,8 +74,8 @@ def _check_weights(x, w13, w2, activation, w13_bias, w2_bias):
         if x.dtype != w13.dtype:
             raise TypeError(f"x must have the weights' dtype {w13.dtype}, got {x.dtype}")
     else:
-        _check_quantized("w13", w13, 3, x.device)
-        _check_quantized("w2", w2, 3, x.device)
+        check_quantized_stack("w13", w13, 3, x.device)
+        check_quantized_stack("w2", w2, 3, x.device)
     E, two_i, H = w13.shape
     if two_i % 2 or two_i == 0:
         raise ValueError(f"w13 must be [E, 2I, H] with 2I even and > 0, got {tuple(w13.shape)}")
