@@ -47,7 +47,7 @@ def to_parts(w) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | 
     NVFP4 weight's swizzled scales), empty without either. The rebuilt object is
     new on every call, so a swizzled NVFP4 stack is unswizzled in every compiled call (a copy kept across calls
     could live in the private memory pool of the CUDA graph that made it): compiled code should hold linear
-    scales (``NVFP4Tensor(w.data, w.linear_scales(), w.global_scale, w.shape)``)."""
+    scales (``dataclasses.replace(w, scales=w.linear_scales(), swizzled=False)``, which keeps the byte layout)."""
     fmt = format_of(w)
     if fmt == "dense":
         return fmt, w, None, None, "", list(w.shape)
