@@ -423,3 +423,18 @@ def test_prepared_stacks_hold_the_same_values_and_give_the_checkpoint_bytes_back
     with pytest.raises(ValueError, match="layout must be one of"):
         mxfp4.MXFP4Tensor(q.data, q.scales, q.shape, "paired") if recipe == "mxfp4" else \
             nvfp4.NVFP4Tensor(q.data, q.scales, q.global_scale, q.shape, q.swizzled, "paired")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nvfp4_without_the_finite_check_keeps_a_bad_value_in_its_block(bad):
+    # the torch backend rounds activations with check_finite=False: a NaN made the global scale 1 (every other block
+    # rounded to zero) and an Inf made it 0 (every value NaN); now the other blocks quantize as without it
+    x = torch.randn(4, 64)
+    clean = nvfp4.quantize(x)
+    x[1, 20] = bad
+    q = nvfp4.quantize(x, check_finite=False)
+    assert torch.equal(q.global_scale, clean.global_scale)
+    got, want = nvfp4.dequantize(q, torch.float32), nvfp4.dequantize(clean, torch.float32)
+    block = torch.zeros(4, 64, dtype=torch.bool)
+    block[1, 16:32] = True
+    assert torch.equal(got[~block], want[~block]) and got[block].isnan().all()

@@ -83,9 +83,11 @@ def _expand(gs: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def default_global_scale(x: torch.Tensor, scale_dims: int = 0) -> torch.Tensor:
-    """448 * 6 / amax over all but the first ``scale_dims`` dims (1 for per-expert [E, N, K]);
-    an all-zero or empty tensor (or expert) gets 1.0 (its scales and codes are all zero anyway)."""
+    """448 * 6 / amax over all but the first ``scale_dims`` dims (1 for per-expert [E, N, K]), of the finite values
+    (a NaN or Inf stays in its block, see :func:`quantize`); an all-zero or empty tensor (or expert) gets 1.0 (its
+    scales and codes are all zero anyway)."""
     flat = x.abs().float().reshape(*x.shape[:scale_dims], -1)
+    flat = torch.where(torch.isfinite(flat), flat, 0.0)
     if flat.shape[-1] == 0:  # torch's amax refuses an empty reduction; an empty tensor holds no zeros to scale
         return torch.ones(flat.shape[:-1], dtype=torch.float32, device=x.device)
     amax = flat.amax(dim=-1)
@@ -99,7 +101,8 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, 
 
     global_scale: None (computed, see :func:`default_global_scale` with ``scale_dims``), a float,
     or a float32 tensor over leading dims. Block scales above 448 saturate to 448 (only with a
-    caller's global scale larger than the default). NaN/Inf in x raise ValueError.
+    caller's global scale larger than the default). NaN/Inf in x raise ValueError; with ``check_finite=False``
+    a block holding one gets a NaN scale (it dequantizes to NaN) and the other blocks are quantized as without it.
     """
     check_quantize_input("x", x, BLOCK, check_finite)
     if swizzled and x.dim() < 2:
@@ -118,7 +121,8 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, 
     xb = blocks(x.float(), BLOCK)                                   # [..., K/16, 16]
     gsb = _expand(gs, xb.dim())
     amax_b = xb.abs().amax(dim=-1, keepdim=True)
-    sf = (gsb * amax_b / fp4.MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = (gsb * amax_b / fp4.MAX).clamp(max=E4M3_MAX)
+    sf = torch.where(torch.isfinite(amax_b), sf, float("nan")).to(torch.float8_e4m3fn)
     sf32 = sf.float()
     scaled = torch.where(sf32 > 0, xb * gsb / torch.where(sf32 > 0, sf32, 1.0), 0.0)
     codes = fp4.encode(scaled).reshape(x.shape)
