@@ -169,3 +169,14 @@ def test_quantized_experts_are_left_alone():
     report = patch(model)
     assert not report.replaced and report.left_alone[0][0] == "model.layers.0.mlp", report
     assert "Mxfp4GptOssMLP: its experts are quantized" in report.left_alone[0][1]
+
+
+def test_expert_parallel_blocks_are_left_alone():
+    # transformers' expert parallelism (DistributedConfig ep_size > 1) marks the experts and makes their weights
+    # DTensors: patch() replaced such blocks and the forward failed on mixed Tensor/DTensor matmuls
+    model = _qwen3()
+    for layer in model.model.layers:
+        layer.mlp.experts._is_expert_parallel = True
+    report = patch(model)
+    assert not report.replaced and len(report.left_alone) == 2, report
+    assert all("expert-parallel" in why for _, why in report.left_alone), report

@@ -159,6 +159,22 @@ def _peft_wrapped(block: nn.Module) -> str | None:
     return None
 
 
+def _sharded_experts(block: nn.Module) -> str | None:
+    """Why a block transformers runs expert-parallel (its experts' weights DTensors, swapped for each rank's local
+    shard inside its own forward) is left alone: moekit's layer would hold the DTensors and fail in its first
+    matmul; experts_implementation="moekit" serves such blocks."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module):
+        return None
+    sharded = getattr(experts, "_is_expert_parallel", False) or any(
+        type(p).__name__ == "DTensor" for p in block.parameters())
+    if sharded:
+        return ("transformers runs its experts expert-parallel (DTensor weights): patch() takes whole stacks; "
+                "experts_implementation='moekit' serves expert-parallel blocks, moekit.distributed shards moekit's "
+                "own layers")
+    return None
+
+
 def _quantized_experts(block: nn.Module) -> str | None:
     """Why a block whose experts transformers keeps quantized (FineGrainedFP8's FP8 codes with ``*_scale_inv``,
     MXFP4 ``*_blocks`` and ``*_scales``, any one-byte stack) is left alone: the converters read plain weight
@@ -234,7 +250,8 @@ def patch(model: nn.Module, *, dtype: torch.dtype | None = None, batch_invariant
         if module.training and getattr(module, "jitter_noise", 0):
             report.left_alone.append((path, "training with router jitter noise (moekit layers are for inference)"))
             continue
-        why = _peft_wrapped(module) or _quantized_experts(module) or _unserved_activation(module, cls)
+        why = (_peft_wrapped(module) or _sharded_experts(module) or _quantized_experts(module)
+               or _unserved_activation(module, cls))
         if why:
             report.left_alone.append((path, why))
             continue
