@@ -142,6 +142,22 @@ def test_weights_are_used_as_stored_or_prepared_once():
     check_close("gpt-oss after an in-place change", _run(oss, NAME, *args), _run(oss, "eager", *args), FP32)
 
 
+
+@torch.no_grad()
+def test_a_new_view_of_the_same_weights_each_forward_reuses_the_plan():
+    # transformers' expert parallelism sets the experts' weights to DTensor.to_local() inside each forward: a new view
+    # object of the same local shard every time, and gpt-oss's transposed stack was copied again on every call
+    oss = _experts_module("gpt_oss", "GptOssExperts")
+    shard_up, shard_down = oss.gate_up_proj.detach().clone(), oss.down_proj.detach().clone()
+    del oss.gate_up_proj, oss.down_proj
+    oss.gate_up_proj, oss.down_proj = shard_up.view(shard_up.shape), shard_down.view(shard_down.shape)
+    first = transformers_experts._plan(oss)
+    oss.gate_up_proj, oss.down_proj = shard_up.view(shard_up.shape), shard_down.view(shard_down.shape)
+    assert transformers_experts._plan(oss) is first
+    shard_up.mul_(2.0)                                                  # written through the shard: seen
+    oss.gate_up_proj = shard_up.view(shard_up.shape)
+    assert transformers_experts._plan(oss) is not first
+
 def test_expert_parallel_sentinels_contribute_nothing():
     # transformers' EP convention: ids at or past num_experts belong to other ranks
     module = _experts_module("qwen3_moe", "Qwen3MoeExperts")

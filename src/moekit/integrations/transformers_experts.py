@@ -130,11 +130,14 @@ def _plan(module: nn.Module):
     key = (_identity(gate_up), _identity(down))
     # a freed weight's address may hold its replacement, of the same shape and version: the tensors themselves
     # (by weak reference, so that the cache keeps no replaced weight alive) must be the ones the plan was made of
+    # (transformers' expert parallelism hands each forward a new view of the same local shard, DTensor.to_local():
+    # the tensor a view was taken of is compared; a view shares its version counter)
+    owners = tuple(w._base if isinstance(w, torch.Tensor) and w._base is not None else w for w in (gate_up, down))
     if (cache is not None and cache.key == key and None not in key
-            and cache.sources[0]() is gate_up and cache.sources[1]() is down):
+            and cache.sources[0]() is owners[0] and cache.sources[1]() is owners[1]):
         return cache.plan
     plan = _build_plan(module, gate_up, down)
-    sources = None if None in key else (weakref.ref(gate_up), weakref.ref(down))  # (a key with None never serves)
+    sources = None if None in key else tuple(weakref.ref(w) for w in owners)  # (a key with None never serves)
     module.__dict__["_moekit_plan"] = _PlanCache(key, plan, sources)
     return plan
 
