@@ -141,6 +141,13 @@ def _placement_worker(rank, world, port, mode):
         twice = ExpertParallelMoE(shard_layer(full, 0, world), mode=mode)
         with pytest.raises(ValueError, match="expert 0 on 2 ranks"):
             twice(x[:TOKENS_PER_RANK])
+        # rank 0 sends two global experts to its local expert 0 (every expert still has one owner): one served twice,
+        # silently, before
+        dup = shard_layer(full, rank, world)
+        if rank == 0:
+            dup.expert_map = torch.where(dup.expert_map == 1, 0, dup.expert_map)
+        with pytest.raises(ValueError, match="rank 0's expert_map must send each .* local experts \\[0\\]"):
+            ExpertParallelMoE(dup, mode=mode)(x[:TOKENS_PER_RANK])
 
 
 @pytest.mark.parametrize("mode", ["allgather", "all_to_all"])

@@ -124,7 +124,7 @@ class ExpertParallelMoE(nn.Module):
 
     def _placement(self) -> torch.Tensor:
         """Each expert's rank (int64 [E]) from every rank's expert_map, after checking that each expert belongs to
-        exactly one: shards of other splits, a shard run in a group of another size or one rank's shard twice
+        exactly one and that no rank maps two experts to one local stack: shards of other splits, a shard run in a group of another size or one rank's shard twice
         would otherwise drop experts or add them twice, silently."""
         world = dist.get_world_size(self.group)
         maps = _all_gather(self.local.expert_map.to(torch.int32)[None], world, self.group)  # [world, E]
@@ -135,6 +135,12 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"the {world} ranks' expert_maps must give each expert to exactly one rank, got "
                              f"{shown}{' ...' if len(wrong) > 8 else ''} (shard_layer(full, rank, world_size) with "
                              "this group's rank and size makes such shards)")
+        for rank, row in enumerate(maps.tolist()):  # two global experts on one local stack: one served twice
+            local = [v for v in row if v >= 0]
+            if len(set(local)) != len(local):
+                twice = sorted({v for v in local if local.count(v) > 1})
+                raise ValueError(f"rank {rank}'s expert_map must send each of its experts' global ids to a local "
+                                 f"expert of its own, got local experts {twice[:8]} for several global ids")
         return (maps >= 0).to(torch.int64).argmax(dim=0)
 
     def _experts(self, x, weights, ids):
@@ -152,7 +158,7 @@ class ExpertParallelMoE(nn.Module):
                                  f"mode='all_to_all' for uneven batches), got {counts} on ranks 0..{world - 1}")
         gather = lambda t: _all_gather(t, world, self.group)  # noqa: E731
         partial = self._experts(gather(x), gather(weights), gather(ids))
-        # fp32 partial sums across ranks, then this rank's rows in x's dtype
+        # the ranks' partials (in x's dtype, as fused_experts gives them) summed in fp32, then this rank's rows
         partial = partial.float()
         mine = torch.empty(x.shape[0], partial.shape[1], dtype=torch.float32, device=x.device)
         dist.reduce_scatter_tensor(mine, partial, group=self.group)
