@@ -155,3 +155,25 @@ def test_gpu_recording_inside_a_cuda_graph():
         graph.replay()
         _, ids = route(logits, 8, "softmax_topk")
         assert torch.equal(recorded, ids)
+
+
+def test_a_shard_replays_ids_outside_the_experts_as_no_expert_with_the_gate_on():
+    # route gives an id outside [0, E) weight 0; on a shard (an expert map) the gate's check of ids against the map
+    # refused them, so turning verification on changed what a replay accepted
+    from moekit.distributed import shard_layer
+
+    torch.manual_seed(0)
+    full = moekit.FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+    shard = shard_layer(full, 0, 2)
+    E, k = full.spec.num_experts, full.spec.top_k
+    x = torch.randn(5, full.spec.hidden_size)
+    ids = torch.randint(0, E, (5, k), dtype=torch.int32)
+    ids[0, 0], ids[1, 1], ids[2, 0] = E + 3, -7, E
+    with torch.no_grad():
+        ungated = shard(x, replay_ids=ids)
+        moekit.set_verification(True)
+        try:
+            gated = shard(x, replay_ids=ids)
+        finally:
+            moekit.set_verification(None)
+    assert torch.equal(gated, ungated)

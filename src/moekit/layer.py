@@ -262,6 +262,10 @@ class FusedMoE(nn.Module):
         self._check_input(x, expert_map)
         x2 = x if x.dim() == 2 else x.reshape(-1, spec.hidden_size)  # (a reshape or view costs a microsecond)
         weights, ids = self.route(x2, replay_ids=replay_ids, record_ids=record_ids)
+        if replay_ids is not None and expert_map is not None:
+            # a replayed id outside [0, E) has weight 0 and contributes nothing (route's contract), as -1 does here:
+            # the experts' check of ids against the map (the gate's) would refuse it on a shard only
+            ids = torch.where((ids >= 0) & (ids < spec.num_experts), ids, -1)
         w13, w2 = self.expert_weights()
         lora = self.expert_lora()
         if lora_ids is not None and lora is not None:
