@@ -131,6 +131,17 @@ def test_a_record_buffer_may_not_overlap_the_replayed_ids():
         route(torch.randn(T, E), 3, "softmax_topk", replay_ids=buf[:T], record_ids=buf[1:])
 
 
+def test_a_record_buffer_may_not_overlap_the_inputs():
+    # the layer's experts read x after its routing wrote the ids: a record buffer over x's memory changed x first
+    layer = moekit.FusedMoE.from_preset("mixtral-8x7b", dtype=torch.float32, scaled=True)
+    x = torch.randn(T, layer.spec.hidden_size)
+    with pytest.raises(ValueError, match="record_ids must not overlap the memory of x"):
+        layer(x, record_ids=x.view(torch.int32)[:, :layer.spec.top_k])
+    logits = torch.randn(T, E)
+    with pytest.raises(ValueError, match="record_ids must not overlap the memory of logits"):
+        route(logits, 3, "softmax_topk", record_ids=logits.view(torch.int32)[:, :3])
+
+
 def test_int64_replay_ids_past_int32_are_no_expert_not_wrapped_ones():
     """2**32 + 1 cast to int32 is 1, a real expert: it is returned and recorded as -1 (weight 0, as the method
     gives an id outside the experts)."""

@@ -308,7 +308,8 @@ def fused_router(
         raise ValueError(f"impl='fused' needs a CUDA device or TRITON_INTERPRET=1, got {weight.device}")
     if impl == "fused" and num_tokens > router_tiers.FUSED_MAX_TOKENS:
         raise ValueError(f"impl='fused' serves at most {router_tiers.FUSED_MAX_TOKENS} tokens, got T={num_tokens}")
-    check_replay(replay_ids, record_ids, num_tokens, top_k, weight.device)
+    check_replay(replay_ids, record_ids, num_tokens, top_k, weight.device,
+                 {"x": x, "weight": weight, "bias": bias, "correction_bias": routing_kwargs.get("correction_bias")})
     if replay_ids is not None:
         logits = router_gemm(args.x, weight, bias, lora=lora)
         return record(replay(logits, replay_ids, opts), record_ids)

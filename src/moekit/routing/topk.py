@@ -112,7 +112,8 @@ def route(
         logits.shape[1], logits.device, top_k, method, renormalize=renormalize,
         correction_bias=correction_bias, num_groups=num_groups, topk_groups=topk_groups, scaling=scaling,
     )
-    check_replay(replay_ids, record_ids, logits.shape[0], top_k, logits.device)
+    check_replay(replay_ids, record_ids, logits.shape[0], top_k, logits.device,
+                 {"logits": logits, "correction_bias": correction_bias})
     _check_impl(impl, logits.device, logits, correction_bias)
     if replay_ids is not None:
         return record(replay(logits, replay_ids, opts), record_ids)
@@ -158,15 +159,17 @@ def route_decided(logits, correction_bias, decided: tuple):
 ID_DTYPES = (torch.int32, torch.int64)
 
 
-def check_replay(replay_ids, record_ids, num_tokens: int, top_k: int, device) -> None:
-    """Shapes, dtypes and devices of routing replay's and recording's tensors."""
+def check_replay(replay_ids, record_ids, num_tokens: int, top_k: int, device, reads: dict | None = None) -> None:
+    """Shapes, dtypes and devices of routing replay's and recording's tensors; ``record_ids`` shares no memory with
+    the replayed ids or the call's other inputs ``reads`` (name: tensor or None), which may be read after it is
+    written (the layer's experts read x after its routing)."""
     for name, t in (("replay_ids", replay_ids), ("record_ids", record_ids)):
         if t is not None:
             check_tensor(name, t, ndim=2, dtypes=ID_DTYPES, device=device)
             if tuple(t.shape) != (num_tokens, top_k):
                 raise ValueError(f"{name} must have shape ({num_tokens}, {top_k}) (tokens, top_k), got {tuple(t.shape)}")
     if record_ids is not None:  # (what is written: as an out= tensor)
-        check_written_memory("record_ids", record_ids, {"replay_ids": replay_ids})
+        check_written_memory("record_ids", record_ids, {"replay_ids": replay_ids, **(reads or {})})
 
 
 def replay(logits: torch.Tensor, ids: torch.Tensor, opts: RoutingOptions) -> tuple[torch.Tensor, torch.Tensor]:
