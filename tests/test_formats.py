@@ -438,3 +438,24 @@ def test_nvfp4_without_the_finite_check_keeps_a_bad_value_in_its_block(bad):
     block = torch.zeros(4, 64, dtype=torch.bool)
     block[1, 16:32] = True
     assert torch.equal(got[~block], want[~block]) and got[block].isnan().all()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-3, float("inf"), float("nan")])
+def test_from_modelopt_refuses_a_global_scale_that_is_not_finite_and_positive(bad):
+    # 0 zeroed every weight, a negative scale flipped their signs, Inf and NaN made them NaN: all without an error
+    q = nvfp4.quantize(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="weight_scale_2 must be finite and > 0"):
+        nvfp4.from_modelopt(q.data, q.scales, torch.tensor(bad))
+    with pytest.raises(ValueError, match="weight_scale_2 must be a scalar or one per expert"):
+        nvfp4.from_modelopt(q.data, q.scales, torch.ones(2, 2))
+
+
+def test_quantized_tensors_compare_by_identity_and_empty_stacks_prepare():
+    # == compared the fields' tensors elementwise and raised ("Boolean value of Tensor ... is ambiguous"); K = 0
+    # stacks, which the quantizers make, failed to prepare
+    from moekit.formats import prepare
+
+    a, b = mxfp4.quantize(torch.randn(2, 32)), mxfp4.quantize(torch.randn(2, 32))
+    assert a == a and a != b and a in [a] and b not in [a]
+    for q in (nvfp4.quantize(torch.randn(3, 0)), mxfp4.quantize(torch.randn(0, 32))):
+        assert prepare(q).shape == q.shape and prepare(q).layout == "pairs"

@@ -78,6 +78,8 @@ def _relayout_words(data: torch.Tensor, name: str, step) -> torch.Tensor:
         raise ValueError(f"{name} must have a last dimension that is a multiple of 4 bytes (whole words of 8 codes), "
                          f"got shape {tuple(data.shape)}")
     out = torch.empty(data.shape, dtype=torch.uint8, device=data.device)
+    if out.numel() == 0:  # (no rows or K = 0: nothing to move, and a view of -1 rows of 0 words is ambiguous)
+        return out
     rows_in, rows_out = data.reshape(-1, data.shape[-1] // 4, 4), out.view(-1, data.shape[-1] // 4, 4)
     chunk = max(_CHUNK_BYTES // max(data.shape[-1], 1), 1)
     for r0 in range(0, rows_in.shape[0], chunk):

@@ -19,7 +19,7 @@ BLOCK = 128
 GRANULARITIES = ("tensor", "channel", "block", "group")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (compared by identity: == of tensors is elementwise)
 class FP8Tensor:
     """data: float8_e4m3fn, x's shape; scale: float32 (see each quantizer for its shape);
     granularity: "tensor" | "channel" | "block" (128x128) | "group" (1x128)."""

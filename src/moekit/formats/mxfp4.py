@@ -27,7 +27,7 @@ E4M3_ZERO_STEP = 15  # the table row of every d past that: zeros
 E4M3_NAN_STEP = 16  # the table row of a NaN scale
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (compared by identity: == of tensors is elementwise)
 class MXFP4Tensor(PackedCodes):
     """data: uint8 [..., K/2] packed codes, in the byte ``layout`` "packed" (checkpoints') or "pairs" (moekit's
     kernel-native layout, see :mod:`moekit.formats.fp4`; :func:`moekit.formats.prepare` makes it); scales: uint8

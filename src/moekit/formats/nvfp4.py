@@ -23,7 +23,7 @@ E4M3_MAX = 448.0
 SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (compared by identity: == of tensors is elementwise)
 class NVFP4Tensor(PackedCodes):
     """data: uint8 [..., K/2] (packed codes, in the byte ``layout`` "packed" or "pairs" as MXFP4Tensor's);
     scales: float8_e4m3fn [..., K/16], or when ``swizzled`` uint8 [..., ceil(R/128)*128 * ceil(C/4)*4] in the
@@ -197,6 +197,14 @@ def from_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale
     if tuple(weight_scale.shape) != (*weight.shape[:-1], shape[-1] // BLOCK):
         raise ValueError(f"weight_scale must have shape {(*weight.shape[:-1], shape[-1] // BLOCK)} for weight "
                          f"{tuple(weight.shape)}, got {tuple(weight_scale.shape)}")
-    gs = 1.0 / torch.as_tensor(weight_scale_2, dtype=torch.float32, device=weight.device)
+    ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=weight.device)
+    if ws2.dim() > 1 or (ws2.dim() == 1 and ws2.shape[0] not in (1, weight.shape[0])):
+        raise ValueError(f"weight_scale_2 must be a scalar or one per expert ({weight.shape[0]},), got shape "
+                         f"{tuple(ws2.shape)}")
+    # (a host sync: load time) a scale <= 0, Inf or NaN would zero, flip or poison every weight it scales
+    if ws2.numel() and not bool((torch.isfinite(ws2) & (ws2 > 0)).all()):
+        raise ValueError(f"weight_scale_2 must be finite and > 0, got values in [{ws2.min().item()}, "
+                         f"{ws2.max().item()}]")
+    gs = 1.0 / ws2
     scales = swizzle(weight_scale) if swizzled else weight_scale
     return NVFP4Tensor(weight, scales, gs, shape, swizzled)
