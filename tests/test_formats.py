@@ -459,3 +459,15 @@ def test_quantized_tensors_compare_by_identity_and_empty_stacks_prepare():
     assert a == a and a != b and a in [a] and b not in [a]
     for q in (nvfp4.quantize(torch.randn(3, 0)), mxfp4.quantize(torch.randn(0, 32))):
         assert prepare(q).shape == q.shape and prepare(q).layout == "pairs"
+
+
+def test_mxfp4_large_stacks_dequantize_an_expert_at_a_time_to_the_same_values(monkeypatch):
+    # decoding a whole stack at once held about 6x its output in fp32 temporaries (gpt-oss-120b: ~28 GB per stack)
+    from moekit.formats import prepare
+
+    t = mxfp4.quantize(torch.randn(3, 8, 64))
+    t.scales[1, 2, 0] = 255                                      # a NaN block in the middle expert
+    whole = mxfp4.dequantize(t, torch.float32)
+    monkeypatch.setattr(mxfp4, "_WHOLE_STACK_BYTES", 16)
+    for w in (t, prepare(t)):
+        assert torch.equal(mxfp4.dequantize(w, torch.float32).nan_to_num(7.0), whole.nan_to_num(7.0))

@@ -77,10 +77,19 @@ def quantize(x: torch.Tensor, *, check_finite: bool = True) -> MXFP4Tensor:
     return MXFP4Tensor(fp4.pack(codes), scales, tuple(x.shape))
 
 
+_WHOLE_STACK_BYTES = 1 << 23  # code bytes decoded in one piece; larger stacks go an expert at a time
+
+
 def dequantize(t: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """e2m1(q) * 2^(s - 127); a scale byte of 255 gives NaN for its block. Exact in fp32 up to its
-    range (codes of 4 and 6 under the two largest scales leave it: inf) and exact in float64."""
+    range (codes of 4 and 6 under the two largest scales leave it: inf) and exact in float64. A large stack
+    [E, N, K] is decoded an expert at a time (fp32 temporaries one expert large, not about 6x the output)."""
     check_format("t", t, MXFP4Tensor, dtype)
+    if len(t.shape) >= 3 and t.shape[0] > 1 and t.data.numel() > _WHOLE_STACK_BYTES:
+        out = torch.empty(t.shape, dtype=dtype, device=t.data.device)
+        for e in range(t.shape[0]):
+            out[e] = dequantize(MXFP4Tensor(t.data[e:e + 1], t.scales[e:e + 1], (1, *t.shape[1:]), t.layout), dtype)[0]
+        return out
     values = blocks(fp4.decode(t.codes()), BLOCK)
     if dtype == torch.float64:
         values = values.double()
