@@ -121,6 +121,27 @@ def test_nan_scales_are_refused_by_default(tmp_path, which):
         load_gpt_oss_layer(path, 0, nan_scales="ignore")
 
 
+P = "model.layers.0.mlp."
+
+
+@pytest.mark.parametrize("name,value,error,match", [
+    ("router.weight", torch.zeros(E * H), ValueError, r"router.weight must be \[E, H\]"),  # was an unpacking error
+    ("router.weight", torch.zeros(E, H, dtype=torch.int32), TypeError, "router.weight must have a floating dtype"),
+    ("experts.gate_up_proj_blocks", torch.zeros(E, 2 * I + 1, H // 32, 16, dtype=torch.uint8), ValueError,
+     "gate_up_proj_blocks must be .* with 2I even"),  # was reported as w13's shape
+    ("experts.gate_up_proj_scales", torch.zeros(E, 2 * I, H // 32, dtype=torch.int8), TypeError,
+     "gate_up_proj_scales must have uint8"),  # the format's message named only "scales"
+    ("experts.down_proj_blocks", torch.zeros(E, H, I // 64, 16, dtype=torch.uint8), ValueError,
+     r"down_proj_blocks must have shape"),  # I from gate_up's blocks
+    ("experts.gate_up_proj_bias", torch.zeros(E, 2 * I, dtype=torch.int64), TypeError,
+     "gate_up_proj_bias must have a floating dtype"),  # loaded silently
+])
+def test_each_checkpoint_tensor_is_checked_by_its_name(tmp_path, name, value, error, match):
+    path = _write_layer(tmp_path / "m.safetensors", **{P + name: value})
+    with pytest.raises(error, match=f"model.layers.0.mlp.(experts.)?{match}"):
+        load_gpt_oss_layer(path, 0)
+
+
 @pytest.mark.parametrize("content,why", [
     (b"", "an empty file"),
     (b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\": 1", "a header cut short"),

@@ -103,6 +103,39 @@ def _top_k(source: Path, default: int) -> int:
     return top_k
 
 
+def _check_layer_tensors(prefix: str, t: dict) -> None:
+    """Each tensor of a layer against the shapes the router [E, H] and gate_up blocks [E, 2I, H/32, 16] imply, and
+    its dtype, naming the checkpoint's tensor (the format's own checks cannot tell gate_up from down)."""
+    def name(key):
+        return prefix + key
+
+    def check(key, shape, floating):
+        v = t[name(key)]
+        if floating != v.dtype.is_floating_point or (not floating and v.dtype != torch.uint8):
+            want = "a floating dtype" if floating else "uint8"
+            raise TypeError(f"{name(key)} must have {want}, got {v.dtype}")
+        if tuple(v.shape) != shape:
+            raise ValueError(f"{name(key)} must have shape {shape}, got {tuple(v.shape)}")
+
+    router = t[name("router.weight")]
+    if router.dim() != 2:
+        raise ValueError(f"{name('router.weight')} must be [E, H], got shape {tuple(router.shape)}")
+    E, H = router.shape
+    check("router.weight", (E, H), True)
+    blocks = t[name("experts.gate_up_proj_blocks")]
+    if blocks.dim() != 4 or blocks.shape[1] % 2:
+        raise ValueError(f"{name('experts.gate_up_proj_blocks')} must be [E={E}, 2I, H/32={H // 32}, 16] with 2I "
+                         f"even, got shape {tuple(blocks.shape)}")
+    two_i = blocks.shape[1]
+    check("router.bias", (E,), True)
+    check("experts.gate_up_proj_blocks", (E, two_i, H // 32, 16), False)
+    check("experts.gate_up_proj_scales", (E, two_i, H // 32), False)
+    check("experts.gate_up_proj_bias", (E, two_i), True)
+    check("experts.down_proj_blocks", (E, H, two_i // 64, 16), False)
+    check("experts.down_proj_scales", (E, H, two_i // 64), False)
+    check("experts.down_proj_bias", (E, H), True)
+
+
 def load_gpt_oss_layer(source: str | Path, layer_index: int, *, keep_mxfp4: bool = True,
                        dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                        nan_scales: str = "error") -> FusedMoE:
@@ -128,6 +161,7 @@ def load_gpt_oss_layer(source: str | Path, layer_index: int, *, keep_mxfp4: bool
     prefix = f"model.layers.{layer_index}.mlp."
     names = [prefix + "router.weight", prefix + "router.bias"] + [prefix + "experts." + k for k in EXPERT_KEYS]
     t = _read(where, names)
+    _check_layer_tensors(prefix, t)
     for key in ("gate_up_proj_scales", "down_proj_scales"):
         _check_scales(prefix + "experts." + key, t[prefix + "experts." + key], nan_scales)
     router_w = t[prefix + "router.weight"]
