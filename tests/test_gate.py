@@ -355,6 +355,7 @@ def test_a_failure_is_honoured_while_torch_compile_traces(monkeypatch):
         with pytest.warns(RuntimeWarning):
             fused_experts(x, w13, w2, tw, ids)
         call = backends.ExpertsCall.of(x[:0], w13, w2=w2, top_k=2)          # a token count not checked yet
+        gate._RESULTS[("route:triton", 8, torch.float32, "cpu")] = (False, "a router verdict")  # other keys: skipped
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert "failed the verification gate" in gate_case.refusal(broken, call)
         assert gate_case.refusal(broken, dataclasses.replace(call, act_dtype=torch.float16)) is None  # another kind
@@ -394,3 +395,72 @@ def _interpreting():
     from moekit import _triton
 
     return _triton.triton_importable() and _triton.interpreting()
+
+
+def _wrong_on_channel_scaled_w2(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap)
+    if w2.granularity == "channel":
+        out.mul_(0.5)                                            # GEMM2's per-column scales applied twice
+
+
+def _wrong_on_fp32_biases(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq):
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap)
+    if b13 is not None and b13.dtype != x.dtype:
+        out.add_(0.05)                                           # the fp32-bias specialization reads them as fp16
+
+
+def _ignores_rank_above_8(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq, lora=None, lora_ids=None):
+    if lora is not None and lora.w13_a.shape[2] > 8:
+        lora = lora_ids = None                                   # a tile that holds rank 8 drops larger adapters
+    fused_torch(out, x, w13, w2, tw, ids, act, b13, b2, emap, lora=lora, lora_ids=lora_ids)
+
+
+def test_the_gate_checks_each_stacks_scales_bias_dtypes_and_adapter_ranks():
+    # FP8 stacks of different granularities, fp32 biases beside fp16 activations and adapters of a larger rank take
+    # other kernels: the case was all-block, biases in the activations' dtype and rank 5
+    from moekit.experts import ExpertsLoRA
+    from moekit.formats import quantize_experts
+
+    for fn, extra in ((_wrong_on_channel_scaled_w2, {}), (_wrong_on_fp32_biases, {}),
+                      (_ignores_rank_above_8, {"lora": True})):
+        backend = Backend(fn.__name__, _fused_only, "broken", fn, lora="lora" in extra)
+        _gated(backend)
+        try:
+            x, w13, w2, tw, ids = _case(9, 2)
+            kw = {}
+            if fn is _wrong_on_channel_scaled_w2:
+                w13, w2 = quantize_experts(w13, "fp8_block"), quantize_experts(w2, "fp8_channel")
+                ref = reference.fused_experts(x, w13, w2, tw, ids)
+            elif fn is _wrong_on_fp32_biases:
+                x, w13, w2 = x.half(), w13.half(), w2.half()
+                kw = dict(w13_bias=torch.randn(7, 32) * 0.1, w2_bias=torch.randn(7, 32) * 0.1)
+                ref = reference.fused_experts(x, w13, w2, tw, ids, **kw)
+            else:
+                r = 16
+                kw = dict(lora=ExpertsLoRA(torch.randn(1, 7, r, 32) * 0.1, torch.randn(1, 7, 32, r) * 0.1,
+                                           torch.randn(1, 7, r, 16) * 0.1, torch.randn(1, 7, 32, r) * 0.1, [1.0]),
+                          lora_ids=torch.zeros(9, dtype=torch.int32))
+                ref = reference.fused_experts(x, w13, w2, tw, ids, **kw)
+            with pytest.warns(RuntimeWarning, match=f"'{fn.__name__}' failed its accuracy check"):
+                got = fused_experts(x, w13, w2, tw, ids, **kw)
+            tol = Tolerance(2e-3, 5e-4) if x.dtype == torch.float16 else Tolerance(1e-5, 1e-5)
+            check_close(f"{fn.__name__}: the reference served", got, ref, tol)
+        finally:
+            _ungate(backend)
+
+
+def test_case_sizes_keep_the_alignment_kernels_of_the_call():
+    # the aligned mode's alignment is compiled for the expert count rounded up to a power of two: the case keeps it
+    from moekit.experts.configs import heuristic
+
+    aligned, per_pair = heuristic(4096, 256, 8, 4096, 7168), heuristic(1, 256, 8, 4096, 7168)
+    call = backends.ExpertsCall("dense", torch.bfloat16, torch.device("cpu"), 4096, dims=(256, 4096, 7168), top_k=8)
+    E, H, I = gate_case.case_sizes(call, aligned)
+    assert E == 129 and H < 7168 and I < 2048 and H % 128 == 7168 % 128
+    assert gate_case.case_sizes(dataclasses.replace(call, dims=(8, 4096, 7168)), aligned)[0] == 10  # E=8 < k+2
+    assert gate_case.case_sizes(call, per_pair)[0] == 11                                            # no alignment
+    # a call that does not say its slots per token: the class and its case count the same pairs
+    small = backends.ExpertsCall("dense", torch.bfloat16, torch.device("cpu"), 100, dims=(64, 512, 256))
+    triton = next(b for b in backends.BACKENDS if b.name == "triton")
+    cls = gate_case.gate_class(triton, small)
+    assert cls.num_tokens * gate_case.DEFAULT_TOP_K <= 256

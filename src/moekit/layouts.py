@@ -89,7 +89,8 @@ def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_
         Pairs keep token order within an expert. Padding rows of ``xb`` are zero.
 
     In batch-invariant mode (:mod:`moekit._invariant`) a capacity below the token count is a ValueError: whether a
-    token is dropped would depend on the tokens before it.
+    token is dropped would depend on the tokens before it. A capacity of T keeps every pair of tokens whose k ids are
+    distinct, as routing gives them; a token that repeats an expert takes a row per repeat, and may still lose one.
     """
     check_tensor("x", x, ndim=2)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=x.device)

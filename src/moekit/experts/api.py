@@ -35,8 +35,8 @@ def _check_config(config) -> None:
 
 
 def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None, *,
-                   op: str = "fused", activation: str = "silu_and_mul", lora: bool = False, w2=None, top_k: int = 0,
-                   biases: tuple = (True, True), expert_map: bool = False, config=None):
+                   op: str = "fused", activation: str = "silu_and_mul", lora=False, w2=None, top_k: int = 0,
+                   biases=(True, True), expert_map: bool = False, config=None):
     """The :class:`moekit.experts.backends.Backend` that serves this call (the oracle explains why)."""
     return select_backend(ExpertsCall.of(x, w13, act_quant, op=op, activation=activation, lora=lora, w2=w2,
                                          top_k=top_k, biases=biases, expert_map=expert_map, config=config), backend)
@@ -285,8 +285,8 @@ def fused_experts(
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
         out = _options_and_out(x, w13, w2, act_quant, config, out, **_read_by_fused(
             topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids))
-        chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora is not None,
-                                w2=w2, top_k=topk_ids.shape[1], biases=(w13_bias is not None, w2_bias is not None),
+        chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora,
+                                w2=w2, top_k=topk_ids.shape[1], biases=(w13_bias, w2_bias),
                                 expert_map=expert_map is not None, config=config)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
         planning = getattr(chosen, "plans", False) and key is not None  # kept with a checked signature only
@@ -404,7 +404,7 @@ def batched_experts(
         out = _options_and_out(x, w13, w2, act_quant, config, out, **_read_by_batched(
             expert_num_tokens, w13_bias, w2_bias, lora_ids))
         chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, w2=w2,
-                                lora=lora is not None, biases=(w13_bias is not None, w2_bias is not None),
+                                lora=lora, biases=(w13_bias, w2_bias),
                                 config=config)
         _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
         planning = getattr(chosen, "plans", False) and key is not None  # (see fused_experts)

@@ -41,25 +41,43 @@ class ExpertsCall:
     # What else picks a kernel variant, for the gate's check (defaults: unknown, the gate's small case decides):
     dims: tuple = ()  # (E, 2I, H) of w13
     top_k: int = 0  # the standard format's slots per token
-    biases: tuple = (True, True)  # (w13_bias, w2_bias) given
+    biases: tuple = (True, True)  # (w13_bias, w2_bias): False absent, True in the activations' dtype, or its dtype
     expert_map: bool = False  # an expert map (expert parallelism)
-    granularity: str = ""  # FP8 weights' scales: "block", "channel" or "tensor"
+    granularity: str = ""  # FP8 weights' scales: "block", "channel" or "tensor", or "w13's/w2's" if they differ
     config: object = None  # an ExpertsConfig the caller forces
+    lora_ranks: tuple = ()  # with lora: the adapters' ranks on (w13, w2), 0 where a stack has none
 
     @classmethod
     def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
-           activation: str = "silu_and_mul", lora: bool = False, w2=None, top_k: int = 0, biases: tuple = (True, True),
+           activation: str = "silu_and_mul", lora=False, w2=None, top_k: int = 0, biases=(True, True),
            expert_map: bool = False, config=None) -> "ExpertsCall":
+        """``biases``: (w13_bias, w2_bias) as tensors or None, or as the field's values; ``lora``: whether adapters
+        ride along, or the ExpertsLoRA itself (None: none)."""
         tokens = x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1]
         fmt = format_of(w13)
-        return cls(fmt, x.dtype, x.device, tokens, act_quant, op, activation, lora,
-                   call_layout(w13, w13 if w2 is None else w2), tuple(w13.shape), top_k, tuple(biases), expert_map,
-                   w13.granularity if fmt == "fp8" else "", config)
+        w2 = w13 if w2 is None else w2
+        granularity = ""
+        if fmt == "fp8":
+            g13, g2 = w13.granularity, getattr(w2, "granularity", w13.granularity)
+            granularity = g13 if g13 == g2 else f"{g13}/{g2}"
+        ranks = ()
+        if lora is not None and not isinstance(lora, bool):  # an ExpertsLoRA
+            ranks = tuple(0 if a is None else a.shape[2] for a in (lora.w13_a, lora.w2_a))
+        return cls(fmt, x.dtype, x.device, tokens, act_quant, op, activation, bool(lora) if isinstance(lora, bool)
+                   else lora is not None, call_layout(w13, w2), tuple(w13.shape), top_k,
+                   tuple(_bias_kind(b, x.dtype) for b in biases), expert_map, granularity, config, ranks)
 
     def shape_class(self) -> "ExpertsCall":
         """What the verification gate checks once when it knows no kernel variant: the call without its token
         count and sizes."""
         return dataclasses.replace(self, num_tokens=0, dims=())
+
+
+def _bias_kind(bias, act_dtype):
+    """ExpertsCall.biases' entry for a bias tensor, None, or an entry already."""
+    if isinstance(bias, torch.Tensor):
+        return True if bias.dtype == act_dtype else bias.dtype
+    return False if bias is None else bias
 
 
 @dataclass(frozen=True)
@@ -140,7 +158,7 @@ def _triton_variant(call: ExpertsCall):
     if call.config is None and not call.dims:
         return None
     E, n1, k1 = call.dims if call.dims else (0, 0, 0)
-    k = call.top_k or 1
+    k = call.top_k or gate_case.DEFAULT_TOP_K
     config = call.config
     if config is None:
         fmt = configs.config_family(call.weight_format, call.act_quant)

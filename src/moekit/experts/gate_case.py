@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import _invariant, gate, reference
-from ..formats import FP8_ACTIVATION_FORMATS, dequantize, prepare, quantize_experts
+from .. import _invariant, _triton, gate, reference
+from ..formats import FP8_ACTIVATION_FORMATS, prepare, quantize_experts
 from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
 from .lora import ExpertsLoRA
 
 if TYPE_CHECKING:
     from .backends import ExpertsCall
+
+DEFAULT_TOP_K = 2  # (backends.DEFAULT_TOP_K: backends imports this module)
 
 
 def refusal(backend, call) -> str | None:
@@ -58,22 +60,29 @@ def gate_class(backend, call) -> ExpertsCall:
 
 
 def case_sizes(call, config=None) -> tuple[int, int, int]:
-    """(E, H, I) of the check case: k distinct experts of E - 1 per token and one expert without tokens; with a
-    config, H and I cut from the call's (:func:`_cut`) so that both GEMMs loop over K in several steps and end
-    their K and column tiles as the call does."""
-    E = max(6, (call.top_k or 2) + 3)
+    """(E, H, I) of the check case: k distinct experts of E - 1 per token and one expert without tokens. With a
+    config, H and I are cut from the call's (:func:`_cut`) so that both GEMMs loop over K in more than one step and
+    end their K and column tiles as the call does; the aligned mode's alignment kernels are built for the expert
+    count rounded up to a power of two, so the case keeps that (the call's own count up to 32 experts, else the
+    least one that rounds up alike)."""
+    k = call.top_k or DEFAULT_TOP_K
+    E = max(6, k + 3)
     if config is None or not call.dims:
         return E, 64, 32
-    _, n1, H = call.dims
+    num_experts, n1, H = call.dims
+    if not config.per_pair and call.op == "fused":
+        E = max(num_experts if num_experts <= 32 else _triton.next_pow2(num_experts) // 2 + 1, k + 2)
     g1, g2 = config.gemm1, config.gemm2
     return E, _cut(H, g1.block_k, g2.block_n), _cut(n1 // 2, g2.block_k, g1.block_n)
 
 
 def _cut(n: int, *tiles: int) -> int:
-    """``n``, or a smaller size with two whole tiles and then ``n``'s own tail: the same residue modulo the largest
-    tile (powers of two, taken at least 128 so that every format's scale groups and blocks stay whole)."""
+    """``n``, or a smaller size of whole tiles and then ``n``'s own tail (the same residue modulo the largest tile:
+    powers of two, taken at least 128 so that every format's scale groups and blocks stay whole): two whole tiles
+    up to 256 wide, one past that (the decode kernels' 1024-wide K chunks), so that the case stays small."""
     t = max(128, *tiles)
-    return n if n <= 3 * t else 2 * t + n % t
+    whole = 2 if t <= 256 else 1
+    return min(n, whole * t + (n % t or t))
 
 
 def _key(backend, cls) -> tuple:
@@ -85,11 +94,21 @@ _KIND = ("weight_format", "act_dtype", "device", "act_quant", "op", "activation"
 
 
 def _failure_of_kind(backend, call) -> str | None:
-    """The refusal of a backend that failed a check of any class of the call's kind (formats, dtypes, op)."""
+    """The refusal of a backend that failed a check of any class of the call's kind (formats, dtypes, op) in this
+    mode (the gate also holds the router's and routing's verdicts, under other keys)."""
     kind = tuple(getattr(call, f) for f in _KIND)
-    for (name, cls), (passed, detail) in gate.results().items():
-        cls = cls[0] if isinstance(cls, tuple) else cls
-        if name == backend.name and not passed and tuple(getattr(cls, f) for f in _KIND) == kind:
+    invariant = _invariant.enabled()
+    for key, (passed, detail) in gate.results().items():
+        if passed or len(key) != 2 or key[0] != backend.name:
+            continue
+        cls = key[1]
+        if isinstance(cls, tuple):  # (class, "batch-invariant")
+            if not invariant:
+                continue
+            cls = cls[0]
+        elif invariant:
+            continue
+        if hasattr(cls, "weight_format") and tuple(getattr(cls, f) for f in _KIND) == kind:
             return f"failed the verification gate ({detail})"
     return None
 
@@ -106,36 +125,47 @@ def _describe(cls) -> str:
 
 
 def _lora_case(call, gen, E, H, I, rows):
-    """(ExpertsLoRA of three rank-5 adapters on w13 and w2, int32 adapter ids of ``rows`` shape: each adapter and
-    -1 appear), or (None, None) for a call without LoRA."""
+    """(ExpertsLoRA of three adapters of the call's ranks (5 where unknown) on the stacks it adapts, int32 adapter
+    ids of ``rows`` shape: each adapter and -1 appear), or (None, None) for a call without LoRA."""
     if not call.lora:
         return None, None
-    n, r, dev, dt = 3, 5, call.device, call.act_dtype
+    n, dev, dt = 3, call.device, call.act_dtype
+    r13, r2 = call.lora_ranks or (5, 5)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    lora = ExpertsLoRA((rnd(n, E, r, H) * H ** -0.5).to(dev, dt), (rnd(n, E, 2 * I, r) * 0.3).to(dev, dt),
-                       (rnd(n, E, r, I) * I ** -0.5).to(dev, dt), (rnd(n, E, H, r) * 0.3).to(dev, dt), [0.5, 1.0, 2.0])
+    a13, b13 = ((rnd(n, E, r13, H) * H ** -0.5).to(dev, dt), (rnd(n, E, 2 * I, r13) * 0.3).to(dev, dt)) if r13 else \
+        (None, None)
+    a2, b2 = ((rnd(n, E, r2, I) * I ** -0.5).to(dev, dt), (rnd(n, E, H, r2) * 0.3).to(dev, dt)) if r2 else (None, None)
+    lora = ExpertsLoRA(a13, b13, a2, b2, [0.5, 1.0, 2.0])
     ids = (torch.arange(rows[0] * (rows[1] if len(rows) > 1 else 1)) % (n + 1) - 1).reshape(rows)
     return lora, ids.to(dev, torch.int32)
 
 
 def _case(call, gen):
-    """Random weights in the call's format (and scales), the biases the call has, and the float reference
-    weights, at :func:`case_sizes`."""
+    """Random weights in the call's format (and scales, per stack), the biases the call has (in their dtypes), and
+    the reference's weights (the quantized stacks themselves: the reference dequantizes an expert at a time), at
+    :func:`case_sizes`. Drawn on the call's device."""
     E, H, I = case_sizes(call, call.config)
     dev, dt = call.device, call.act_dtype
-    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
+    dgen = gen if dev.type == "cpu" else torch.Generator(device=dev).manual_seed(int(torch.randint(
+        0, 2 ** 31, (1,), generator=gen)))
+    rnd = lambda *shape: torch.randn(*shape, generator=dgen, device=dev)  # noqa: E731
     w13, w2 = rnd(E, 2 * I, H) * H ** -0.5, rnd(E, H, I) * I ** -0.5
     if call.weight_format == "dense":
         w13, w2 = w13.to(dt), w2.to(dt)
         ref13, ref2 = w13, w2
     else:
-        fmt = f"fp8_{call.granularity or 'block'}" if call.weight_format == "fp8" else call.weight_format
-        w13, w2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
-        ref13, ref2 = dequantize(w13), dequantize(w2)
+        if call.weight_format == "fp8":
+            g13, g2 = ((call.granularity or "block").split("/") * 2)[:2]
+            fmts = (f"fp8_{g13}", f"fp8_{g2}")
+        else:
+            fmts = (call.weight_format,) * 2
+        w13, w2 = quantize_experts(w13, fmts[0]), quantize_experts(w2, fmts[1])
+        ref13, ref2 = w13, w2
         l13, l2 = (call.layout.split("/") * 2)[:2]  # the call's byte layouts of w13 and w2
         w13, w2 = (prepare(w13) if l13 == "pairs" else w13), (prepare(w2) if l2 == "pairs" else w2)
-    b13, b2 = rnd(E, 2 * I).mul(0.1).to(dt), rnd(E, H).mul(0.1).to(dt)
-    biases = (b13 if call.biases[0] else None, b2 if call.biases[1] else None)
+    dtypes = [dt if kind is True else kind for kind in call.biases]
+    biases = (rnd(E, 2 * I).mul(0.1).to(dtypes[0]) if dtypes[0] else None,
+              rnd(E, H).mul(0.1).to(dtypes[1]) if dtypes[1] else None)
     return E, H, w13, w2, ref13, ref2, biases
 
 
@@ -171,7 +201,10 @@ def check(backend, call) -> tuple[bool, str]:
         return True, "activation emulation: the torch reference is the definition"
     gen = torch.Generator().manual_seed(1234)
     dt, dev, config = call.act_dtype, call.device, call.config
-    E, H, w13, w2, ref13, ref2, (b13, b2) = _case(call, gen)
+    try:
+        E, H, w13, w2, ref13, ref2, (b13, b2) = _case(call, gen)
+    except torch.OutOfMemoryError as exc:
+        raise _no_memory(call) from exc
     I = w2.shape[2]
     planning = backend.plans and not call.lora
     errors = []
@@ -208,7 +241,7 @@ def check(backend, call) -> tuple[bool, str]:
                 if plan(out, x, counts, w13, w2, b13, b2):
                     errors.append(rel_errors(out[valid], expected(x, counts, valid, None, None)))
         else:
-            T, k = call.num_tokens or 9, call.top_k or 2
+            T, k = call.num_tokens or 9, call.top_k or DEFAULT_TOP_K
             tw, ids, emap = _routing(T, k, E, gen, call.expert_map, dev)
 
             def case():
@@ -231,6 +264,8 @@ def check(backend, call) -> tuple[bool, str]:
                 out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
                 if plan(out, x, w13, w2, tw, ids, b13, b2, emap):
                     errors.append(rel_errors(out, expected(x, tw, ids, emap, None, None)))
+    except torch.OutOfMemoryError as exc:  # the check's fault, not the backend's: no verdict
+        raise _no_memory(call) from exc
     except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
         return False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     max_rel, rms_rel = (max(e[0] for e in errors), max(e[1] for e in errors))
@@ -251,6 +286,14 @@ def check(backend, call) -> tuple[bool, str]:
     if mismatch:
         return False, f"{detail}; not batch-invariant: {mismatch}"
     return True, f"{detail}; batch-invariant at T in {GATE_SIZES}"
+
+
+def _no_memory(call) -> RuntimeError:
+    """The error of a check that ran out of memory (no verdict is kept: the next call checks again)."""
+    case = f"[E, 2I, H] = {list(call.dims)}" if call.dims else "the small case"
+    return RuntimeError(f"moekit's verification gate ran out of device memory checking {_describe(call)} (its case: "
+                        f"{case}); free memory before the first call of this kind or turn the gate off "
+                        "(MOEKIT_VERIFY=0)")
 
 
 GATE_SIZES = (1, 7, 64, 129)  # the check case's row blocks change height at 37 and 109 tokens (k=2 of 6 experts)
