@@ -464,3 +464,26 @@ def test_case_sizes_keep_the_alignment_kernels_of_the_call():
     triton = next(b for b in backends.BACKENDS if b.name == "triton")
     cls = gate_case.gate_class(triton, small)
     assert cls.num_tokens * gate_case.DEFAULT_TOP_K <= 256
+
+
+def test_a_lora_case_takes_the_adapter_kernels_of_its_call():
+    # the adapters' kernels are chosen by sizes the case cuts: gpt-oss-120b's rank-16 decode runs the separate
+    # kernels (its I/8 column blocks overflow the terms' tile inside the GEMVs), the cut case would have taken the
+    # terms; the class names the call's path and the check forces it
+    from moekit.experts import ExpertsLoRA, lora as expert_lora
+    from moekit.experts.configs import heuristic
+
+    triton = next(b for b in backends.BACKENDS if b.name == "triton")
+    config = heuristic(1, 128, 4, 5760, 2880, "mxfp4")
+    call = backends.ExpertsCall("mxfp4", torch.float16, torch.device("cpu"), 1, dims=(128, 5760, 2880), top_k=4,
+                                lora=True, lora_ranks=(16, 16), config=config)
+    cls = gate_case.gate_class(triton, call)
+    assert cls.lora_paths == (("decode_terms", False),) and gate_case.gate_class(triton, cls) == cls
+    E, H, I = gate_case.case_sizes(cls, config)
+    assert expert_lora.decode_terms_fit(16, 16, I, config.gemm1.block_n, 1, config.gemm2.block_n, 4, 9)
+    prefill = dataclasses.replace(call, num_tokens=4096, config=heuristic(4096, 128, 4, 5760, 2880, "mxfp4"))
+    assert gate_case.gate_class(triton, prefill).lora_paths == (("w2_delta", False),)
+    lora = ExpertsLoRA(None, None, torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 64, 4), [1.0])
+    with expert_lora.forced_paths(w2_delta=True):
+        assert expert_lora.w2_term_as_delta(lora, 10 ** 9, 1)            # forced, whatever the sizes say
+    assert not expert_lora.w2_term_as_delta(lora, 10 ** 9, 1)

@@ -46,6 +46,7 @@ class ExpertsCall:
     granularity: str = ""  # FP8 weights' scales: "block", "channel" or "tensor", or "w13's/w2's" if they differ
     config: object = None  # an ExpertsConfig the caller forces
     lora_ranks: tuple = ()  # with lora: the adapters' ranks on (w13, w2), 0 where a stack has none
+    lora_paths: tuple = ()  # the adapters' kernel paths a check case takes as the call (the gate sets them)
 
     @classmethod
     def of(cls, x: torch.Tensor, w13, act_quant: str | None = None, *, op: str = "fused",
@@ -154,7 +155,8 @@ def _torch_rejects(call: ExpertsCall, explicit: bool) -> str | None:
 
 def _triton_variant(call: ExpertsCall):
     """(the ExpertsConfig the Triton backend runs ``call`` with, the check case's tokens that reach its kernels: the
-    same alignment launches), or None where the call's sizes are unknown."""
+    same alignment launches, the adapters' paths that the call's sizes pick: :func:`_lora_paths`), or None where the
+    call's sizes are unknown."""
     if call.config is None and not call.dims:
         return None
     E, n1, k1 = call.dims if call.dims else (0, 0, 0)
@@ -166,13 +168,43 @@ def _triton_variant(call: ExpertsCall):
             config = configs.choose(call.num_tokens, E, 1, n1, k1, call.device, call.act_dtype, fmt, batched=True)[0]
         else:
             config = configs.choose(call.num_tokens, E, k, n1, k1, call.device, call.act_dtype, fmt, lora=call.lora)[0]
+    paths = call.lora_paths or (_lora_paths(call, config, k) if call.lora and call.dims else ())
     if call.op == "batched":
-        return config, config.block_m + 9  # rows per expert: a full row block and a partial one
+        return config, config.block_m + 9, paths  # rows per expert: a full row block and a partial one
     if config.per_pair:
-        return config, 9
+        return config, 9, paths
     # aligned: one alignment program up to ALIGN_ONE_PROGRAM_MAX pairs, three launches above
     most = configs.ALIGN_ONE_PROGRAM_MAX
-    return config, max(config.block_m + 9, most // k + 9) if call.num_tokens * k > most else max(most // k, 1)
+    tokens = max(config.block_m + 9, most // k + 9) if call.num_tokens * k > most else max(most // k, 1)
+    return config, tokens, paths
+
+
+_CODE_BYTES = {"mxfp4": 0.5, "nvfp4": 0.5, "fp8": 1}  # bytes per weight of a stack as the GEMMs stream it
+
+
+def _lora_paths(call: ExpertsCall, config, k: int) -> tuple:
+    """The adapters' paths (moekit.experts.lora.forced_paths) that the Triton backend takes for ``call``'s sizes,
+    which its check case cuts: the decode terms inside the GEMVs or the separate kernels, and w2's term as GEMM2's
+    fp32 delta or added after it."""
+    from . import lora as expert_lora
+    from . import triton_backend
+
+    E, n1, H = call.dims
+    r1, r2 = call.lora_ranks or (5, 5)
+    if call.op == "fused" and config.gemv:
+        if config.split_slots:
+            return ()
+        row_scaled = (config.gemm1.row_scaled and call.weight_format in FOUR_BIT_FORMATS
+                      and call.act_dtype in (torch.bfloat16, torch.float16))
+        slots = 1 if row_scaled else triton_backend.gemv1_slots(config.gemm1, k)
+        fit = expert_lora.decode_terms_fit(r1, r2, n1 // 2, config.gemm1.block_n, slots, config.gemm2.block_n, k,
+                                           call.num_tokens)
+        return (("decode_terms", fit),)
+    if config.per_pair or not r2:
+        return ()
+    out_elements = (call.num_tokens * k if call.op == "fused" else call.num_tokens) * H
+    w2_bytes = E * H * (n1 // 2) * _CODE_BYTES.get(call.weight_format, call.act_dtype.itemsize)
+    return (("w2_delta", 8 * out_elements <= expert_lora.DELTA_TRAFFIC_SHARE * w2_bytes),)
 
 
 def _triton_fused(*args, **kwargs):

@@ -14,17 +14,14 @@ over the tokens with some of none (-1).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
 
 import torch
 
 from .. import _invariant, _triton, gate, reference
 from ..formats import FP8_ACTIVATION_FORMATS, prepare, quantize_experts
 from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
-from .lora import ExpertsLoRA
-
-if TYPE_CHECKING:
-    from .backends import ExpertsCall
+from .lora import ExpertsLoRA, forced_paths
 
 DEFAULT_TOP_K = 2  # (backends.DEFAULT_TOP_K: backends imports this module)
 
@@ -45,18 +42,19 @@ def known_failure(backend, call) -> str | None:
     return gate.known_failure(_key(backend, gate_class(backend, call)))
 
 
-def gate_class(backend, call) -> ExpertsCall:
+def gate_class(backend, call):
     """What the gate checks once for ``backend`` on ``call``: the call's kind (format, dtypes, op, activation,
     adapters, slots per token, biases, expert map, scales) with, for a backend that names its kernel variant
-    (``Backend.variant``: a config, and the case's tokens, or rows per expert in the batched format, that reach the
-    same kernels), that config and the sizes of :func:`case_sizes`; without one, the small case's."""
+    (``Backend.variant``: a config, the case's tokens, or rows per expert in the batched format, that reach the same
+    kernels, and optionally the adapters' paths (:func:`moekit.experts.lora.forced_paths`) the case is to take), that
+    config and the sizes of :func:`case_sizes`; without one, the small case's."""
     variant = backend.variant(call) if backend.variant is not None else None
     if variant is None or variant[0] is None:
-        return dataclasses.replace(call, num_tokens=0, dims=(), config=None)
-    config, tokens = variant
+        return dataclasses.replace(call, num_tokens=0, dims=(), config=None, lora_paths=())
+    config, tokens, *paths = variant
     E, H, I = case_sizes(call, config)
     return dataclasses.replace(call, num_tokens=tokens * (E if call.op == "batched" else 1), dims=(E, 2 * I, H),
-                               config=config)
+                               config=config, lora_paths=paths[0] if paths else ())
 
 
 def case_sizes(call, config=None) -> tuple[int, int, int]:
@@ -118,7 +116,8 @@ def _describe(cls) -> str:
     lora = ", LoRA" if cls.lora else ""
     codes = "" if cls.layout == "packed" else f" ({cls.layout} codes)"
     scales = f" ({cls.granularity} scales)" if cls.granularity else ""
-    text = f"{cls.op} experts, {cls.weight_format} weights{scales}{codes}{lora}, {dtype}, {cls.activation}, {cls.device}"
+    text = (f"{cls.op} experts, {cls.weight_format} weights{scales}{codes}{lora}, {dtype}, {cls.activation}, "
+            f"{cls.device}")
     if cls.config is not None:
         text += f", mode {cls.config.mode!r} (block_m {cls.config.block_m})"
     return text
@@ -200,70 +199,16 @@ def check(backend, call) -> tuple[bool, str]:
     if call.act_quant is not None and not w8a8:
         return True, "activation emulation: the torch reference is the definition"
     gen = torch.Generator().manual_seed(1234)
-    dt, dev, config = call.act_dtype, call.device, call.config
+    dt = call.act_dtype
     try:
         E, H, w13, w2, ref13, ref2, (b13, b2) = _case(call, gen)
     except torch.OutOfMemoryError as exc:
         raise _no_memory(call) from exc
-    I = w2.shape[2]
-    planning = backend.plans and not call.lora
-    errors = []
+    case = SimpleNamespace(E=E, H=H, I=w2.shape[2], w13=w13, w2=w2, ref13=ref13, ref2=ref2, b13=b13, b2=b2, w8a8=w8a8,
+                           planning=backend.plans and not call.lora, gen=gen)
     try:
-        if call.op == "batched":
-            M = call.num_tokens // E if call.num_tokens else 9
-            sizes = [M, 0, min(3, M), 1, max(M - 1, 0), min(5, M)]
-
-            def case():
-                x = torch.randn(E, M, H, generator=gen).to(dev, dt)
-                counts = torch.tensor((sizes * E)[:E], dtype=torch.int32, device=dev)   # full, empty, partial
-                valid = torch.arange(M, device=dev)[None, :] < counts[:, None].long()
-                x[~valid] = float("nan")                                                   # padding must not leak
-                return x, counts, valid
-
-            def expected(x, counts, valid, lora, lora_ids):
-                if w8a8:
-                    ref = torch.stack([_w8a8_one_expert(x[e], w13, w2, e, call.activation, b13, b2, lora,
-                                                        None if lora is None else lora_ids[e]) for e in range(E)])
-                else:
-                    ref = reference.batched_experts(x, counts, ref13, ref2, activation=call.activation, w13_bias=b13,
-                                                    w2_bias=b2, lora=lora, lora_ids=lora_ids)
-                return ref[valid]
-
-            x, counts, valid = case()
-            out = torch.full_like(x, float("nan"))
-            lora, lora_ids = _lora_case(call, gen, E, H, I, (E, M))
-            plan = backend.batched(out, x, counts, w13, w2, call.activation, b13, b2, config, call.act_quant,
-                                   **_lora_args(lora, lora_ids), **({"plan": True} if planning else {}))
-            errors.append(rel_errors(out[valid], expected(x, counts, valid, lora, lora_ids)))
-            if planning and plan:  # the plan serves the next call of this signature: new values, same layout
-                x, counts, valid = case()
-                out = torch.full_like(x, float("nan"))
-                if plan(out, x, counts, w13, w2, b13, b2):
-                    errors.append(rel_errors(out[valid], expected(x, counts, valid, None, None)))
-        else:
-            T, k = call.num_tokens or 9, call.top_k or DEFAULT_TOP_K
-            tw, ids, emap = _routing(T, k, E, gen, call.expert_map, dev)
-
-            def case():
-                return torch.randn(T, H + 3, generator=gen).to(dev, dt)[:, 3:]               # row stride H + 3
-
-            def expected(x, tw, ids, emap, lora, lora_ids):
-                ref_fn = reference.fused_experts_w8a8 if w8a8 else reference.fused_experts
-                return ref_fn(x, w13 if w8a8 else ref13, w2 if w8a8 else ref2, tw, ids, activation=call.activation,
-                              w13_bias=b13, w2_bias=b2, expert_map=emap, lora=lora, lora_ids=lora_ids)
-
-            x = case()
-            out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
-            lora, lora_ids = _lora_case(call, gen, E, H, I, (T,))
-            plan = backend.fused(out, x, w13, w2, tw, ids, call.activation, b13, b2, emap, config, call.act_quant,
-                                 **_lora_args(lora, lora_ids), **({"plan": True} if planning else {}))
-            errors.append(rel_errors(out, expected(x, tw, ids, emap, lora, lora_ids)))
-            if planning and plan:
-                x = case()
-                tw, ids, emap = _routing(T, k, E, gen, call.expert_map, dev)
-                out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
-                if plan(out, x, w13, w2, tw, ids, b13, b2, emap):
-                    errors.append(rel_errors(out, expected(x, tw, ids, emap, None, None)))
+        with forced_paths(**dict(call.lora_paths)):  # (adapter kernels picked by sizes the case cut: as the call)
+            errors = (_batched_errors if call.op == "batched" else _fused_errors)(backend, call, case)
     except torch.OutOfMemoryError as exc:  # the check's fault, not the backend's: no verdict
         raise _no_memory(call) from exc
     except Exception as exc:  # noqa: BLE001 - a backend that raises fails its check
@@ -286,6 +231,72 @@ def check(backend, call) -> tuple[bool, str]:
     if mismatch:
         return False, f"{detail}; not batch-invariant: {mismatch}"
     return True, f"{detail}; batch-invariant at T in {GATE_SIZES}"
+
+
+def _batched_errors(backend, call, c) -> list[tuple[float, float]]:
+    """(max_rel, rms_rel) of the batched format on the case ``c``, then of its plan on a second case."""
+    E, H, dev, dt, gen = c.E, c.H, call.device, call.act_dtype, c.gen
+    M = call.num_tokens // E if call.num_tokens else 9
+    sizes = [M, 0, min(3, M), 1, max(M - 1, 0), min(5, M)]
+
+    def inputs():
+        x = torch.randn(E, M, H, generator=gen).to(dev, dt)
+        counts = torch.tensor((sizes * E)[:E], dtype=torch.int32, device=dev)   # full, empty, partial
+        valid = torch.arange(M, device=dev)[None, :] < counts[:, None].long()
+        x[~valid] = float("nan")                                                   # padding must not leak
+        return x, counts, valid
+
+    def expected(x, counts, valid, lora, lora_ids):
+        if c.w8a8:
+            ref = torch.stack([_w8a8_one_expert(x[e], c.w13, c.w2, e, call.activation, c.b13, c.b2, lora,
+                                                None if lora is None else lora_ids[e]) for e in range(E)])
+        else:
+            ref = reference.batched_experts(x, counts, c.ref13, c.ref2, activation=call.activation, w13_bias=c.b13,
+                                            w2_bias=c.b2, lora=lora, lora_ids=lora_ids)
+        return ref[valid]
+
+    x, counts, valid = inputs()
+    out = torch.full_like(x, float("nan"))
+    lora, lora_ids = _lora_case(call, gen, E, H, c.I, (E, M))
+    plan = backend.batched(out, x, counts, c.w13, c.w2, call.activation, c.b13, c.b2, call.config, call.act_quant,
+                           **_lora_args(lora, lora_ids), **({"plan": True} if c.planning else {}))
+    errors = [rel_errors(out[valid], expected(x, counts, valid, lora, lora_ids))]
+    if c.planning and plan:  # the plan serves the next call of this signature: new values, same layout
+        x, counts, valid = inputs()
+        out = torch.full_like(x, float("nan"))
+        if plan(out, x, counts, c.w13, c.w2, c.b13, c.b2):
+            errors.append(rel_errors(out[valid], expected(x, counts, valid, None, None)))
+    return errors
+
+
+def _fused_errors(backend, call, c) -> list[tuple[float, float]]:
+    """(max_rel, rms_rel) of the standard format on the case ``c``, then of its plan on a second case."""
+    E, H, dev, dt, gen = c.E, c.H, call.device, call.act_dtype, c.gen
+    T, k = call.num_tokens or 9, call.top_k or DEFAULT_TOP_K
+    tw, ids, emap = _routing(T, k, E, gen, call.expert_map, dev)
+
+    def inputs():
+        return torch.randn(T, H + 3, generator=gen).to(dev, dt)[:, 3:]               # row stride H + 3
+
+    def expected(x, tw, ids, emap, lora, lora_ids):
+        ref_fn = reference.fused_experts_w8a8 if c.w8a8 else reference.fused_experts
+        return ref_fn(x, c.w13 if c.w8a8 else c.ref13, c.w2 if c.w8a8 else c.ref2, tw, ids,
+                      activation=call.activation, w13_bias=c.b13, w2_bias=c.b2, expert_map=emap, lora=lora,
+                      lora_ids=lora_ids)
+
+    x = inputs()
+    out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
+    lora, lora_ids = _lora_case(call, gen, E, H, c.I, (T,))
+    plan = backend.fused(out, x, c.w13, c.w2, tw, ids, call.activation, c.b13, c.b2, emap, call.config,
+                         call.act_quant, **_lora_args(lora, lora_ids), **({"plan": True} if c.planning else {}))
+    errors = [rel_errors(out, expected(x, tw, ids, emap, lora, lora_ids))]
+    if c.planning and plan:
+        x = inputs()
+        tw, ids, emap = _routing(T, k, E, gen, call.expert_map, dev)
+        out = torch.full((T, H), float("nan"), dtype=dt, device=dev)
+        if plan(out, x, c.w13, c.w2, tw, ids, c.b13, c.b2, emap):
+            errors.append(rel_errors(out, expected(x, tw, ids, emap, None, None)))
+    return errors
 
 
 def _no_memory(call) -> RuntimeError:

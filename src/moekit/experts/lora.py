@@ -16,6 +16,7 @@ in the same call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -306,8 +307,10 @@ def w2_term_as_delta(lora: ExpertsLoRA, out_elements: int, w2_bytes: int) -> boo
     writes and reads 8 bytes per output element (``out_elements``): worth it while that stays a small share of the
     weight bytes GEMM2 streams (``w2_bytes``), i.e. at decode and small batches, where the LoRA kernel's latency
     is what it hides. The two forms round differently: batch-invariant mode takes the added form at every T."""
-    return (lora.w2_a is not None and not _invariant.enabled()
-            and 8 * out_elements <= DELTA_TRAFFIC_SHARE * w2_bytes)
+    if lora.w2_a is None or _invariant.enabled():
+        return False
+    forced = _FORCED.get("w2_delta")
+    return forced if forced is not None else 8 * out_elements <= DELTA_TRAFFIC_SHARE * w2_bytes
 
 
 def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, per_token: bool = False,
@@ -415,6 +418,36 @@ class DecodeTerms:
     launch_shrink: Callable[[], None]  # W13's shrink: GEMV1 launches it right before itself (after its preparation)
 
 
+def decode_terms_fit(r1: int, r2: int, inter: int, gemv1_block_n: int, gemv1_slots: int, gemv2_block_n: int,
+                     top_k: int, num_tokens: int) -> bool:
+    """Whether :func:`decode_terms` can run adapters of ranks ``r1`` (w13) and ``r2`` (w2, 0: none) inside the GEMVs
+    of a call: their tiles fit a program's registers and GEMV1's program groups its arrival counters."""
+    r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
+    blocks_pad = _triton.next_pow2(_triton.cdiv(inter, gemv1_block_n))
+    groups = num_tokens * _triton.cdiv(top_k, gemv1_slots)
+    tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
+             gemv1_slots * max(gemv1_block_n, blocks_pad) * r2_pad if r2 else 0,
+             _triton.next_pow2(top_k) * gemv2_block_n * r2_pad if r2 else 0]
+    return max(tiles) <= DECODE_TILE and not (r2 and groups > _triton.NUM_COUNTERS)
+
+
+_FORCED: dict = {}  # paths the verification gate's case takes as its call does (forced_paths)
+
+
+@contextlib.contextmanager
+def forced_paths(**paths):
+    """Within: the adapters' terms take the paths a call of other sizes takes, for the verification gate's case
+    (cut from the call's sizes): ``decode_terms`` (False: the separate kernels, not the terms inside the GEMVs) and
+    ``w2_delta`` (:func:`w2_term_as_delta`'s answer). None leaves a path to the sizes."""
+    saved = dict(_FORCED)
+    _FORCED.update({k: v for k, v in paths.items() if v is not None})
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
 def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_block_n: int, gemv1_slots: int,
                  gemv2_block_n: int, pdl: bool, fence: bool) -> DecodeTerms | None:
     """Run the adapters of a decode call (GEMV1 + GEMV2 on x [T, H] in its dtype) inside the two GEMVs: what the
@@ -434,11 +467,8 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
     blocks_pad = _triton.next_pow2(blocks)
     top_k = rows.top_k
     k_pad = _triton.next_pow2(top_k)
-    groups = rows.ids.numel() // top_k * _triton.cdiv(top_k, gemv1_slots)
-    tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
-             gemv1_slots * max(gemv1_block_n, blocks_pad) * r2_pad if r2 else 0,
-             k_pad * gemv2_block_n * r2_pad if r2 else 0]
-    if max(tiles) > DECODE_TILE or (r2 and groups > _triton.NUM_COUNTERS):
+    if _FORCED.get("decode_terms") is False or not decode_terms_fit(
+            r1, r2, inter, gemv1_block_n, gemv1_slots, gemv2_block_n, top_k, rows.ids.numel() // top_k):
         return None
     parts1 = parts2 = counters = x
     splits, launch_shrink = 1, _nothing
