@@ -183,3 +183,27 @@ def test_a_routing_kernel_ranking_fp16_scores_is_refused(fast_paths):
 
     opts = RoutingOptions(8, "softmax_topk", True, 1, 1, 1.0)
     assert "failed the verification gate" in gate_case.route_refusal(torch.randn(4, 128), None, opts, route_fp16)
+
+
+def test_a_correct_router_gemm_with_narrow_logits_passes_and_bias_dtypes_are_their_own_class(fast_paths):
+    # fp16 logits were compared with float64 at the fp32 budget: a correct kernel failed and was disabled; a kernel
+    # right for fp32 biases and wrong for fp16 ones shared their verdict
+    from moekit import gate
+    from moekit.routing import GateLinear
+
+    gate.reset()
+    gate.set_verification(True)
+    try:
+        g = GateLinear(64, 8, bias=True, params_dtype=torch.float16, out_dtype=torch.float16)
+        with torch.no_grad():
+            g(torch.randn(5, 64, dtype=torch.float16))
+        verdicts = {k: v for k, v in gate.results().items() if k[0] == "router_gemm:triton"}
+        assert verdicts and all(passed for passed, _ in verdicts.values()), verdicts
+        x, w = torch.randn(5, 32), torch.randn(8, 32)
+        for bias in (torch.randn(8), torch.randn(8).half()):
+            fused_router(x, w, bias, top_k=2, method="topk_softmax")
+        fused = [k for k in gate.results() if k[0] == "fused_router:fused"]
+        assert len(fused) == 2 and {k[4] for k in fused} == {torch.float32, torch.float16}
+    finally:
+        gate.set_verification(False)
+        gate.reset()

@@ -101,6 +101,31 @@ def test_float64_logits_route_in_float64():
         assert moekit.route(near.cuda(), 1, "softmax_topk")[1].tolist() == [[1]]
 
 
+def test_a_float64_correction_bias_routes_in_float64_in_the_fused_router_too():
+    # fused_router's one-launch kernel loaded it as float32: a 1e-9 gap picked another expert than route did, and in
+    # batch-invariant mode a token's experts then changed with the batch (fused alone, unfused in a large batch)
+    E, H = 8, 16
+    x, w = torch.zeros(1, H), torch.randn(E, H)
+    corr = torch.full((E,), 0.1, dtype=torch.float64)
+    corr[1] += 1e-9
+    kw = dict(top_k=1, method="sigmoid_grouped", correction_bias=corr)
+    for impl in ("auto", "unfused"):
+        assert moekit.fused_router(x, w, impl=impl, **kw)[1].tolist() == [[1]]
+    if _triton.can_launch(x.device):
+        with pytest.raises(TypeError, match="impl='fused' selects experts in float32"):
+            moekit.fused_router(x, w, impl="fused", **kw)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sigmoid_grouped_renormalizes_scores_that_underflow(impl):
+    # fp32 sigmoid of a logit below about -88 is 0: the kernel's renormalized weights were 0 / 0 = NaN (the float64
+    # reference resolves them: ratios of exp(logit))
+    lg = torch.tensor([[-100.0, -101.0, -102.0, -103.0], [-1000.0, -1001.0, 5.0, 3.0], [0.5, -0.3, 1.2, 2.0]])
+    w, ids = moekit.route(lg, 2, "sigmoid_grouped", impl=impl, scaling=2.5)
+    ref_w, ref_ids = reference.route(lg.double(), 2, "sigmoid_grouped", scaling=2.5)
+    assert torch.equal(ids.long(), ref_ids) and torch.allclose(w.double(), ref_w, rtol=1e-6, atol=1e-6)
+
+
 def test_every_token_on_one_expert():
     logits = torch.randn(20, 8)
     logits[:, 3] += 100

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from .. import _invariant, gate, reference
-from ..metrics import LOGITS_TOL, WEIGHT_TOL, CheckResult, score_routes, score_values, separable_tokens
+from ..metrics import LOGITS_TOL, WEIGHT_TOL, CheckResult, Tolerance, score_routes, score_values, separable_tokens
 from . import tiers as router_tiers
 
 
@@ -31,6 +31,11 @@ def _regime_tokens(num_tokens: int) -> int:
     if num_tokens <= 128:
         return 33
     return 161 if num_tokens <= 256 else 289
+
+
+def _dtype_of(t):
+    """A key's entry for an optional tensor: its dtype (kernels specialize on it), or None."""
+    return None if t is None else t.dtype
 
 
 def _rand(gen, *shape, device, dtype=torch.float32, scale=1.0):
@@ -63,7 +68,8 @@ def gemm_refusal(num_tokens: int, weight, bias, lora, out_dtype, router_gemm) ->
     T = _regime_tokens(num_tokens)
     rank = 0 if lora is None else lora.a.shape[0]
     invariant = _invariant.enabled()
-    key = ("router_gemm:triton", H, E, weight.dtype, bias is not None and bias.dtype, rank, out_dtype, weight.device,
+    key = ("router_gemm:triton", H, E, weight.dtype, _dtype_of(bias), rank, lora is not None and lora.b.dtype,
+           out_dtype, weight.device,
            *(("batch-invariant",) if invariant else ()), T)  # the mode adds the invariance check
     describe = f"router GEMM H={H} E={E} {weight.dtype}, T~{T}, bias={bias is not None}, LoRA rank {rank}"
 
@@ -72,7 +78,7 @@ def gemm_refusal(num_tokens: int, weight, bias, lora, out_dtype, router_gemm) ->
         x, w, b, lr = _inputs(gen, T, weight, bias, lora)
         out = torch.full((T, E), float("nan"), dtype=out_dtype, device=weight.device)
         got = router_gemm(x, w, b, out_dtype=out_dtype, out=out, lora=lr, tier="triton")
-        verdict = _values_verdict(got, _logits64(x, w, b, lr), got is out)
+        verdict = _values_verdict(got, _logits64(x, w, b, lr), got is out, out_dtype)
         if not verdict[0] or not invariant:
             return verdict
         return _with_invariance(verdict, lambda t: router_gemm(t["x"], w, b, out_dtype=out_dtype, lora=lr,
@@ -93,9 +99,16 @@ def _with_invariance(verdict: tuple[bool, str], run, tokens) -> tuple[bool, str]
     return verdict[0], f"{verdict[1]}; batch-invariant at T in {INVARIANCE_SIZES}"
 
 
-def _values_verdict(got, ref, in_place: bool) -> tuple[bool, str]:
-    r = score_values(CheckResult("router_gemm", "triton", "gate", got.shape[0]), got, ref, LOGITS_TOL, in_place)
-    detail = f"max_rel={r.max_rel:.2e} rms_rel={r.rms_rel:.2e} (budget {LOGITS_TOL.max_rel:.0e}/{LOGITS_TOL.rms_rel:.0e})"
+def _values_verdict(got, ref, in_place: bool, out_dtype=torch.float32) -> tuple[bool, str]:
+    """fp32 logits against float64 at LOGITS_TOL; logits rounded to a narrower ``out_dtype`` against the reference
+    rounded alike, with one step of that dtype more (the fp32 sum and the float64 one may round to neighbours)."""
+    tol = LOGITS_TOL
+    if out_dtype != torch.float32:
+        ref = ref.to(out_dtype).double()
+        eps = torch.finfo(out_dtype).eps
+        tol = Tolerance(LOGITS_TOL.max_rel + eps, LOGITS_TOL.rms_rel + eps / 4)
+    r = score_values(CheckResult("router_gemm", "triton", "gate", got.shape[0]), got, ref, tol, in_place)
+    detail = f"max_rel={r.max_rel:.2e} rms_rel={r.rms_rel:.2e} (budget {tol.max_rel:.0e}/{tol.rms_rel:.0e})"
     return r.ok, (r.detail + "; " if r.detail else "") + detail
 
 
@@ -119,14 +132,16 @@ def fused_refusal(num_tokens: int, weight, bias, corr_bias, lora, opts, fused_ro
     T = _regime_tokens(num_tokens)
     rank = 0 if lora is None else lora.a.shape[0]
     invariant = _invariant.enabled()
-    key = ("fused_router:fused", H, E, weight.dtype, bias is not None, corr_bias is not None, rank, opts,
-           weight.device, *(("batch-invariant",) if invariant else ()), T)  # the mode adds the invariance check
+    key = ("fused_router:fused", H, E, weight.dtype, _dtype_of(bias), _dtype_of(corr_bias), rank,
+           lora is not None and lora.b.dtype, opts, weight.device, *(("batch-invariant",) if invariant else ()),
+           T)  # the mode adds the invariance check
     describe = f"fused router H={H} E={E} {weight.dtype} {opts.method} k={opts.top_k}, T~{T}"
 
     def run():
         gen = torch.Generator().manual_seed(8765)
         x, w, b, lr = _inputs(gen, T, weight, bias, lora)
-        corr = None if corr_bias is None else _rand(gen, E, device=weight.device, scale=0.1).abs()
+        corr = None if corr_bias is None else _rand(gen, E, device=weight.device, scale=0.1,
+                                                    dtype=corr_bias.dtype).abs()
         kwargs = dict(top_k=opts.top_k, method=opts.method, renormalize=opts.renormalize, correction_bias=corr,
                       num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling, lora=lr)
         tw, tid = fused_router(x, w, b, impl="fused", **kwargs)
@@ -168,14 +183,15 @@ def route_refusal(logits: torch.Tensor, corr_bias, opts, route_with) -> str | No
         return None
     E = logits.shape[-1]
     invariant = _invariant.enabled()
-    key = ("route:triton", E, logits.dtype, corr_bias is not None, opts, logits.device,
+    key = ("route:triton", E, logits.dtype, _dtype_of(corr_bias), opts, logits.device,
            *(("batch-invariant",) if invariant else ()))
     describe = f"routing E={E} {opts.method} k={opts.top_k}"
 
     def run():
         gen = torch.Generator().manual_seed(2468)
         lg = _near_ties(_rand(gen, 33, E, device=logits.device, dtype=logits.dtype), opts.top_k)
-        corr = None if corr_bias is None else _rand(gen, E, device=logits.device, scale=0.1).abs()
+        corr = None if corr_bias is None else _rand(gen, E, device=logits.device, scale=0.1,
+                                                    dtype=corr_bias.dtype).abs()
         tw, tid = route_with(lg, opts, corr, impl="triton")
         verdict = _routes_verdict(tw, tid, lg.to(torch.float64), opts, corr)
         if not verdict[0] or not invariant:

@@ -354,6 +354,12 @@ def _fused_router_impl(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl: s
 def _fused_router_choice(args: _GemmArgs, opts: RoutingOptions, corr_bias, impl: str) -> bool:
     """Whether the one-launch fused kernel serves the call (else router_gemm + route)."""
     weight, num_tokens = args.weight, args.x.shape[0]
+    if corr_bias is not None and corr_bias.dtype == torch.float64:
+        # the fused kernel selects in float32: a float64 correction bias routes as route() does, in float64
+        if impl == "fused":
+            raise TypeError("impl='fused' selects experts in float32: a float64 correction_bias would be rounded "
+                            "(impl='auto' or 'unfused' routes in float64)")
+        return False
     fused = impl == "fused" or (impl == "auto" and router_tiers.fused_applies(
         num_tokens, weight.device, weight.shape[1], weight.shape[0]))
     if fused and impl == "auto" and _invariant.enabled():

@@ -132,7 +132,14 @@ def route_tile(
     else:
         weights = vals
         if RENORMALIZE:
-            weights = weights / tl.sum(tl.where(kvalid, weights, 0.0), axis=1)[:, None]
+            total = tl.sum(tl.where(kvalid, weights, 0.0), axis=1)
+            # every chosen sigmoid underflowed to 0 (logits below about -88: 0 / 0): their ratios are those of
+            # exp(logit), the limit the float64 reference still resolves
+            chosen = tl.gather(logits, ids, axis=1)
+            top = tl.max(tl.where(kvalid, chosen, float("-inf")), axis=1)
+            tail = tl.where(kvalid, tl.exp(chosen - top[:, None]), 0.0)
+            tail = tail / tl.sum(tail, axis=1)[:, None]
+            weights = tl.where((total == 0.0)[:, None], tail, weights / total[:, None])
         weights = weights * scaling
     return weights, ids
 
