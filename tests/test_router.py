@@ -355,3 +355,14 @@ def test_a_router_adapter_travels_with_the_state_dict():
     assert twin.lora.scale == 0.5
     twin.set_lora(None)
     assert twin.lora is None and "lora_a" not in twin.state_dict()
+
+
+def test_gatelinear_sees_a_new_lora_scale_tensor():
+    # a new tensor assigned through .data kept the cached float of the old one
+    from moekit.routing import GateLinear
+
+    g = GateLinear(16, 4, params_dtype=torch.float32, device="cpu")
+    g.set_lora(torch.randn(2, 16), torch.randn(4, 2), 0.5)
+    assert g.lora.scale == 0.5
+    g.lora_scale.data = torch.tensor(3.0)
+    assert g.lora.scale == 3.0

@@ -189,3 +189,14 @@ def test_route_gpu_past_2_31_elements():
     rw, rids = reference.route(logits[-50:], 8, "softmax_topk")
     assert torch.equal(ids[-50:].long().cpu(), rids.cpu())
     torch.testing.assert_close(w[-50:].double(), rw, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(renormalize="False"), TypeError, "renormalize must be True or False"),  # a truthy string renormalized
+    (dict(scaling="2.5"), ValueError, "scaling must be a finite number > 0"),  # a string was taken
+    (dict(scaling=float("nan")), ValueError, "scaling must be a finite number > 0"),  # NaN weights
+    (dict(scaling=-1.0), ValueError, "scaling must be a finite number > 0"),  # negative weights
+])
+def test_routing_options_are_checked_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        moekit.route(torch.randn(3, 8), 2, "sigmoid_grouped", **kwargs)

@@ -468,16 +468,18 @@ class GateLinear(nn.Module):
 
     @property
     def lora(self) -> RouterLoRA | None:
-        """The adapter of :meth:`set_lora` (its buffers as they are now), or None."""
+        """The adapter of :meth:`set_lora` (its buffers as they are now), or None. Write ``lora_scale`` with torch's
+        in-place ops (``fill_``/``copy_`` under ``no_grad``) or ``load_state_dict``: a write through ``.data`` bumps
+        no version counter, and one in place (``.data.fill_``) is not seen."""
         buffers = self._buffers
         a = buffers.get("lora_a")
         if a is None:
             return None
         b, scale = buffers["lora_b"], buffers["lora_scale"]
-        version = tensor_version(scale)
+        version = (tensor_version(scale), scale.data_ptr())  # (a new .data has a new address)
         cached = self._lora_cache
         if (cached is None or cached[0] is not a or cached[1] is not b or cached[2] is not scale
-                or version is None or cached[3] != version):
+                or version[0] is None or cached[3] != version):
             # the scale as a float once per value (on a GPU, reading it is a sync)
             cached = self._lora_cache = (a, b, scale, version, RouterLoRA(a, b, float(scale)))
         return cached[4]

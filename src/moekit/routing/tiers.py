@@ -298,9 +298,10 @@ def _prev_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device | str = "cuda") -> str:
-    """One line per op: which tier serves a router call of this shape and why."""
-    device = torch.device(device)
+def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device | str | None = None) -> str:
+    """One line per op: which tier serves a router call of this shape and why (``device``: default the current CUDA
+    device where there is one, else the CPU)."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     gemm = choose_tier(num_tokens, hidden, num_experts, device)
     if _invariant.enabled():
         if device.type != "cuda":
