@@ -7,6 +7,8 @@ would be on a GPU."""
 import pytest
 import torch
 
+import moekit
+
 from moekit import reference
 from moekit.routing import router, topk as routing, triton_backend
 from moekit.routing import tiers as router_tiers
@@ -66,12 +68,12 @@ def test_a_broken_router_gemm_is_disabled(fast_paths, broken):
         check_close("ungated", router_gemm(x, w, b), ref, Tolerance(1e-5, 1e-6))
 
 
-def test_the_real_router_kernels_pass_and_are_checked_once_per_regime(fast_paths):
+def test_the_real_router_kernels_pass_and_are_checked_once_per_kernel_config(fast_paths):
     x, w, b, ref = _gemm_case(T=5)
-    for T in (1, 5, 7):                                # the same regime as 5 except T=1 (GEMV)
+    for T in (1, 5, 7):                                # the same kernel config as 5 except T=1 (one token a tile)
         router_gemm(x[:T], w, b)
-    kinds = sorted(k[-1] for k in gate.results())
-    assert kinds == [2, 9] and all(v[0] for v in gate.results().values())
+    tiles = sorted(k[-1].block_t for k in gate.results())
+    assert tiles == [1, 16] and all(v[0] for v in gate.results().values())
     tw, tid = fused_router(x, w, b, top_k=3, method="softmax_topk")
     ref_w, ref_ids = reference.route(ref, 3, "softmax_topk")
     assert torch.equal(tid.long().sort(1).values, ref_ids.sort(1).values)
@@ -158,18 +160,20 @@ def test_gpu_gate_refuses_to_check_inside_a_graph_capture():
         gate.reset()
 
 
-def test_the_gemm_check_runs_in_the_token_tile_of_the_call():
-    # the regimes stopped at T=33 while the GEMM's token tile widens past 128 and 256 tokens: a fault in the wider
-    # tiles served unchecked
+def test_the_gemm_check_runs_the_kernel_config_of_the_call():
+    # the check ran one token count per regime (T=2 for every decode call, whose T=1 compiles another token tile and K
+    # step; T=289 for every large call, whose batch-invariant configs fold their K splits): now the call's own config,
+    # at the call's own T (and a partial tile of it)
     from moekit.routing import gate_case
 
-    def tile(T):
-        return router_tiers.kernel_config(T, 512, 16, 0, False).block_t if T > router_tiers.GEMV_MAX_TOKENS else 0
-
-    for T in (1, 2, 3, 16, 17, 128, 129, 256, 257, 4096):
-        check_T = gate_case._regime_tokens(T)
-        assert tile(check_T) == tile(T), (T, check_T)
-        assert check_T % max(tile(check_T), 1) or check_T <= 2, "the check leaves a partial token tile"
+    weight = torch.randn(16, 512)
+    for invariant in (False, True):
+        with moekit.batch_invariant(invariant):
+            for T in (1, 2, 3, 9, 16, 17, 128, 129, 256, 4096):
+                config, sizes = gate_case._kernel_case(T, weight, 0, False)
+                assert sizes[0] == T and config == router_tiers.kernel_config(T, 512, 16, 0, False, 4, True)
+                assert all(router_tiers.kernel_config(n, 512, 16, 0, False, 4, True) == config for n in sizes)
+                assert any(n % config.block_t for n in sizes) or len(sizes) == 1
 
 
 def test_a_routing_kernel_ranking_fp16_scores_is_refused(fast_paths):

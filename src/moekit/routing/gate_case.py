@@ -4,10 +4,11 @@ is checked once per shape class against the float64 reference before it serves a
 call; one that fails is disabled for the process and the call goes to cuBLAS (plain torch off
 CUDA), the unfused router, or torch routing.
 
-A shape class is what selects kernel code: H, E, dtypes, bias / correction bias / LoRA rank,
-the routing options, the device, and the token regime (the GEMV, small and wide kernel configs
-of router_tiers.kernel_config); the check runs a token count of that regime on fresh random
-data with a strided, offset input and a NaN-poisoned ``out``.
+A shape class is what selects kernel code: H, E, dtypes (bias, correction bias, adapter), LoRA rank, the routing
+options, the device, and the router kernel's launch config for the call's token count (tiers.kernel_config: the
+token tile, K step and splits, the finishing step); the check runs the call's own token count (and one fewer where
+that leaves a partial token tile in the same config) on fresh random data with a strided, offset input and a
+NaN-poisoned ``out``.
 """
 
 from __future__ import annotations
@@ -16,21 +17,25 @@ import dataclasses
 
 import torch
 
-from .. import _invariant, gate, reference
+from .. import _invariant, _triton, gate, reference
 from ..metrics import LOGITS_TOL, WEIGHT_TOL, CheckResult, Tolerance, score_routes, score_values, separable_tokens
 from . import tiers as router_tiers
 
 
-def _regime_tokens(num_tokens: int) -> int:
-    """The token count the check runs: one per kernel-config regime (routing/tiers.py _kernel_config: the GEMV, then
-    16-, 32- and 64-token tiles), with a partial token tile."""
-    if num_tokens <= router_tiers.GEMV_MAX_TOKENS:
-        return 2
-    if num_tokens <= 16:
-        return 9
-    if num_tokens <= 128:
-        return 33
-    return 161 if num_tokens <= 256 else 289
+def _kernel_case(num_tokens: int, weight, rank: int, fuse: bool) -> tuple:
+    """(the router kernel's launch config for this call, the token counts its check runs): the call's own count (a
+    router check is cheap at any T: [T, H] x [H, E]), and one token fewer where that count fills its last token
+    tile and one fewer keeps the config (a partial tile). The config, not T, keys the verdict: every call that
+    compiles and launches the same kernel shares it."""
+    E, H = weight.shape
+    dev = weight.device
+    config = router_tiers.kernel_config(num_tokens, H, E, rank, fuse, _triton.num_sms(dev),
+                                        weight.dtype == torch.float32)
+    sizes = (num_tokens,)
+    if num_tokens > 1 and num_tokens % config.block_t == 0 and router_tiers.kernel_config(
+            num_tokens - 1, H, E, rank, fuse, _triton.num_sms(dev), weight.dtype == torch.float32) == config:
+        sizes = (num_tokens, num_tokens - 1)
+    return config, sizes
 
 
 def _dtype_of(t):
@@ -65,21 +70,24 @@ def gemm_refusal(num_tokens: int, weight, bias, lora, out_dtype, router_gemm) ->
     if not gate.active():
         return None
     E, H = weight.shape
-    T = _regime_tokens(num_tokens)
     rank = 0 if lora is None else lora.a.shape[0]
+    config, sizes = _kernel_case(num_tokens, weight, rank, False)
     invariant = _invariant.enabled()
     key = ("router_gemm:triton", H, E, weight.dtype, _dtype_of(bias), rank, lora is not None and lora.b.dtype,
            out_dtype, weight.device,
-           *(("batch-invariant",) if invariant else ()), T)  # the mode adds the invariance check
-    describe = f"router GEMM H={H} E={E} {weight.dtype}, T~{T}, bias={bias is not None}, LoRA rank {rank}"
+           *(("batch-invariant",) if invariant else ()), config)  # the mode adds the invariance check
+    describe = f"router GEMM H={H} E={E} {weight.dtype}, T={num_tokens}, bias={bias is not None}, LoRA rank {rank}"
 
     def run():
         gen = torch.Generator().manual_seed(4321)
-        x, w, b, lr = _inputs(gen, T, weight, bias, lora)
-        out = torch.full((T, E), float("nan"), dtype=out_dtype, device=weight.device)
-        got = router_gemm(x, w, b, out_dtype=out_dtype, out=out, lora=lr, tier="triton")
-        verdict = _values_verdict(got, _logits64(x, w, b, lr), got is out, out_dtype)
-        if not verdict[0] or not invariant:
+        for T in sizes:
+            x, w, b, lr = _inputs(gen, T, weight, bias, lora)
+            out = torch.full((T, E), float("nan"), dtype=out_dtype, device=weight.device)
+            got = router_gemm(x, w, b, out_dtype=out_dtype, out=out, lora=lr, tier="triton")
+            verdict = _values_verdict(got, _logits64(x, w, b, lr), got is out, out_dtype)
+            if not verdict[0]:
+                return verdict
+        if not invariant:
             return verdict
         return _with_invariance(verdict, lambda t: router_gemm(t["x"], w, b, out_dtype=out_dtype, lora=lr,
                                                                 tier="triton"),
@@ -129,24 +137,27 @@ def fused_refusal(num_tokens: int, weight, bias, corr_bias, lora, opts, fused_ro
     if not gate.active():
         return None
     E, H = weight.shape
-    T = _regime_tokens(num_tokens)
     rank = 0 if lora is None else lora.a.shape[0]
+    config, sizes = _kernel_case(num_tokens, weight, rank, True)
     invariant = _invariant.enabled()
     key = ("fused_router:fused", H, E, weight.dtype, _dtype_of(bias), _dtype_of(corr_bias), rank,
            lora is not None and lora.b.dtype, opts, weight.device, *(("batch-invariant",) if invariant else ()),
-           T)  # the mode adds the invariance check
-    describe = f"fused router H={H} E={E} {weight.dtype} {opts.method} k={opts.top_k}, T~{T}"
+           config)  # the mode adds the invariance check
+    describe = f"fused router H={H} E={E} {weight.dtype} {opts.method} k={opts.top_k}, T={num_tokens}"
 
     def run():
         gen = torch.Generator().manual_seed(8765)
-        x, w, b, lr = _inputs(gen, T, weight, bias, lora)
         corr = None if corr_bias is None else _rand(gen, E, device=weight.device, scale=0.1,
                                                     dtype=corr_bias.dtype).abs()
-        kwargs = dict(top_k=opts.top_k, method=opts.method, renormalize=opts.renormalize, correction_bias=corr,
-                      num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling, lora=lr)
-        tw, tid = fused_router(x, w, b, impl="fused", **kwargs)
-        verdict = _routes_verdict(tw, tid, _logits64(x, w, b, lr), opts, corr)
-        if not verdict[0] or not invariant:
+        for T in sizes:
+            x, w, b, lr = _inputs(gen, T, weight, bias, lora)
+            kwargs = dict(top_k=opts.top_k, method=opts.method, renormalize=opts.renormalize, correction_bias=corr,
+                          num_groups=opts.num_groups, topk_groups=opts.topk_groups, scaling=opts.scaling, lora=lr)
+            tw, tid = fused_router(x, w, b, impl="fused", **kwargs)
+            verdict = _routes_verdict(tw, tid, _logits64(x, w, b, lr), opts, corr)
+            if not verdict[0]:
+                return verdict
+        if not invariant:
             return verdict
 
         def mode_routes(t):  # the mode's choice by T, named (auto would ask this gate again): a token's bits
