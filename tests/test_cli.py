@@ -270,3 +270,39 @@ def test_one_backend_in_this_process_prints_its_table(capsys):
     assert main(["verify", "--backend", "torch", "--no-isolate", "--preset", "mixtral-8x7b", "--tokens", "1"]) == 0
     out = capsys.readouterr().out
     assert "accuracy against float64" in out and "0 failed" in out
+
+
+def test_native_weights_default_to_the_presets_with_a_checkpoint_format(capsys):
+    # the default presets held mixtral-8x7b, which has none: `--weights native` alone failed
+    assert main(["explain", "--weights", "native", "--tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "[gpt-oss-120b]" in out and "[mixtral-8x7b]" not in out
+    assert main(["bench", "--weights", "native"]) == 2                      # on to the GPU check, not the presets
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_tune_as_a_module_exits_non_zero_on_failure():
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "moekit.tools.tune", "--preset", "nope"], capture_output=True,
+                          text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2 and "moekit tune: error" in done.stderr
+
+
+def test_a_plugin_that_does_not_import_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("MOEKIT_PLUGINS", "no_such_moekit_plugin")
+    assert main(["verify", "--backend", "torch", "--no-isolate"]) == 2
+    assert "MOEKIT_PLUGINS: cannot import 'no_such_moekit_plugin'" in capsys.readouterr().err
+
+
+def test_the_json_report_is_standard_json():
+    # a crashed check's errors are inf: the report held Infinity, which strict JSON readers refuse
+    from moekit.metrics import CheckResult
+    from moekit.tools.cli import _json_report
+
+    crashed = CheckResult("fused_experts", "broken", "mixtral-8x7b", 1)
+    crashed.max_rel = crashed.rms_rel = float("inf")
+    report = json.loads(_json_report([crashed]), parse_constant=lambda c: pytest.fail(f"non-standard {c}"))
+    assert report[0]["max_rel"] is None

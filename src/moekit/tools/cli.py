@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -52,14 +53,22 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def _json_report(results) -> str:
+    """Standard JSON (no Infinity or NaN: a crashed check's errors are null)."""
+    def finite(value):
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+
+    return json.dumps([{k: finite(v) for k, v in r.as_dict().items()} for r in results], indent=1, allow_nan=False)
+
+
 def cmd_explain(args) -> int:
     device = _device()
-    names = args.preset or presets.names()
+    names = args.preset or (list(lowbit.NATIVE) if args.weights == "native" else presets.names())
     try:  # every preset's format first: a mistake prints nothing else
         recipes = {name: "dense" if args.weights == "bf16" else lowbit.preset_recipe(name, args.weights)
                    for name in names}
     except ValueError as exc:
-        return _argtypes.fail("moekit explain", str(exc))
+        return _argtypes.fail("moekit explain", f"--weights: {exc}")
     if not args.batch_invariant:
         return _explain(args, device, recipes)
     with _invariant.batch_invariant():  # for this command only: main() may run in a process that goes on
@@ -116,7 +125,10 @@ def cmd_verify(args) -> int:
 
 
 def _verify(args) -> int:
-    runner.load_plugins()
+    try:
+        runner.load_plugins()
+    except ValueError as exc:
+        return _argtypes.fail("moekit verify", str(exc))
     device = _device()
     console = _console()
     on_gpu = device.type == "cuda"
@@ -141,7 +153,7 @@ def _verify(args) -> int:
         report = runner.report_case
         results = runner.run_group(args.backend, names, tokens, dtype, device, impls, on_gpu, report)
         if args.json:
-            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1))
+            args.json.write_text(_json_report(results))
         return 1 if any(not r.ok for r in results) else 0
     console.print(f"moekit verify on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: backends "
                   f"{', '.join(groups)} ({'each in its own process' if args.isolate else 'in this process'}), "
@@ -167,7 +179,7 @@ def _verify(args) -> int:
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     if args.json:
         try:
-            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1))
+            args.json.write_text(_json_report(results))
         except OSError as exc:
             return _argtypes.fail("moekit verify", f"could not write --json {args.json}: {exc}")
     return 1 if failed else 0
@@ -201,17 +213,17 @@ def _run_groups(groups, names, tokens, console, run):
 def cmd_bench(args) -> int:
     if args.weights != "bf16":
         args.name = "lowbit" if args.name == "experts" else args.name
+        if args.presets is experts.PRESETS:  # no --preset: the low-bit bench's own (presets with a checkpoint format)
+            args.presets = list(lowbit.DEFAULT_PRESETS)
         try:  # fail on a preset without a low-bit format before any GPU work
             [lowbit.preset_recipe(name, args.weights) for name in args.presets]
         except ValueError as exc:
-            print(f"moekit bench: {exc}", file=sys.stderr)
-            return 2
+            return _argtypes.fail("moekit bench", f"--weights: {exc}")
     if args.plot and not experts.module_available("matplotlib"):  # asked for: say so now, not after the run
         return _argtypes.fail("moekit bench", f"--plot needs matplotlib ({experts.BENCH_EXTRA})")
     if not torch.cuda.is_available():
-        print("moekit bench needs a CUDA GPU (its timings are CUDA-graph replays); `moekit verify` checks "
-              "accuracy on this machine", file=sys.stderr)
-        return 2
+        return _argtypes.fail("moekit bench", "needs a CUDA GPU (its timings are CUDA-graph replays); `moekit verify` "
+                                               "checks accuracy on this machine")
     console = _console()
     if args.weights == "bf16":
         experts.drop_unavailable(args)  # one line per peer not installed, before any GPU work
@@ -307,13 +319,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", type=_argtypes.new_file, help="save a PNG (one per preset when several: NAME_preset.png)")
     b.add_argument("--metric", choices=["us", "floor"], default="us", help="plot time, or %% of the floor")
     b.set_defaults(func=cmd_bench, out=Path("moekit-bench"))  # results here, not into a source tree
+    for action in b._actions:  # (the script's help names its own defaults)
+        if action.dest == "out":
+            action.help = "folder for NAME.json and NAME.md (default: ./moekit-bench)"
+        elif action.dest == "name":
+            action.help = "the result files' name (default: experts; lowbit with --weights)"
+        elif action.dest == "presets":
+            action.help += f"; with --weights: {' '.join(lowbit.DEFAULT_PRESETS)}"
     t = sub.add_parser("tune", help="measure the experts' block configurations on this GPU (writes a table)",
                        description=tune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     tune.add_arguments(t)
     t.set_defaults(func=lambda args: tune.run(t, args))
     e = sub.add_parser("explain", help="which implementation serves each op, and why")
-    e.add_argument("--preset", nargs="+", type=_argtypes.preset_name, help="presets to explain (default: all)")
-    e.add_argument("--tokens", nargs="+", type=_argtypes.token_count, default=[1, 16, 128, 4096])
+    e.add_argument("--preset", nargs="+", type=_argtypes.preset_name,
+                   help="presets to explain (default: all; with --weights native, those with a checkpoint format)")
+    e.add_argument("--tokens", nargs="+", type=_argtypes.token_count, default=[1, 16, 128, 4096],
+                   help="token counts (default: 1 16 128 4096)")
     e.add_argument("--weights", default="bf16",
                    help="bf16 (default), 'native' (each preset's checkpoint format) or one of mxfp4, nvfp4, fp8_block, "
                         "fp8_channel")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -389,10 +390,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernel modes to try (default all; the CUDA-core 'gemv' mode up to 16 tokens)")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = _argtypes.Parser(prog="moekit tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    run(p, p.parse_args(argv))
+    return run(p, p.parse_args(argv))
 
 
 def run(p: argparse.ArgumentParser, args) -> int:
@@ -437,4 +438,4 @@ def _merge_entry(key: str, shape: str, bucket: str, entry: dict, target: Path | 
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,8 +32,13 @@ PROGRESS = "moekit-verify-case"  # a child's line per finished case
 
 
 def load_plugins() -> None:
+    """Import the modules MOEKIT_PLUGINS names (comma-separated): they register backends. One that does not import
+    is a ValueError naming it."""
     for name in filter(None, os.environ.get("MOEKIT_PLUGINS", "").split(",")):
-        importlib.import_module(name.strip())
+        try:
+            importlib.import_module(name.strip())
+        except ImportError as exc:
+            raise ValueError(f"MOEKIT_PLUGINS: cannot import {name.strip()!r} ({exc})") from exc
 
 
 def groups(device: torch.device, dtype: torch.dtype, router_impls: dict[str, list[str]]) -> list[str]:
