@@ -378,9 +378,12 @@ def incumbents(table_entries: dict, heuristic: ExpertsConfig) -> dict[str, Exper
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", nargs="+", type=_argtypes.preset_name,
-                   default=["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
-    p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count, default=list(expert_configs.TOKEN_BUCKETS))
-    p.add_argument("--out", type=_argtypes.new_file, default=Path("experts_tuned.json"))
+                   default=["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"],
+                   help="presets to tune (default: gpt-oss-120b qwen3-30b-a3b mixtral-8x7b deepseek-v3)")
+    p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count,
+                   default=list(expert_configs.TOKEN_BUCKETS), help=f"token buckets (default: {' '.join(map(str, expert_configs.TOKEN_BUCKETS))})")
+    p.add_argument("--out", type=_argtypes.new_file, default=Path("experts_tuned.json"),
+                   help="the measured table (default: ./experts_tuned.json)")
     p.add_argument("--merge", action="store_true", help="also merge into the package's table")
     p.add_argument("--format", default="dense", choices=["dense", "mxfp4", "nvfp4", "fp8_block", "fp8_channel"],
                    help="expert weight format (FP8 runs as W8A8 with 1x128 activation groups)")
