@@ -193,9 +193,9 @@ def test_route_gpu_past_2_31_elements():
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(renormalize="False"), TypeError, "renormalize must be True or False"),  # a truthy string renormalized
-    (dict(scaling="2.5"), ValueError, "scaling must be a finite number > 0"),  # a string was taken
-    (dict(scaling=float("nan")), ValueError, "scaling must be a finite number > 0"),  # NaN weights
-    (dict(scaling=-1.0), ValueError, "scaling must be a finite number > 0"),  # negative weights
+    (dict(scaling="2.5"), ValueError, "scaling must be a finite number >= 0"),  # a string was taken
+    (dict(scaling=float("nan")), ValueError, "scaling must be a finite number >= 0"),  # NaN weights
+    (dict(scaling=-1.0), ValueError, "scaling must be a finite number >= 0"),  # negative weights
 ])
 def test_routing_options_are_checked_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -36,10 +36,11 @@ def validate_routing(
     """Check the routing arguments for E experts; returns the options as a frozen dataclass."""
     if method not in ROUTING_METHODS:
         raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
-    if not isinstance(renormalize, bool):  # ("False" is truthy: it renormalized)
+    if not (isinstance(renormalize, bool) or (isinstance(renormalize, torch.Tensor) and renormalize.dtype == torch.bool
+                                              and renormalize.dim() == 0)):  # ("False" is truthy: it renormalized)
         raise TypeError(f"renormalize must be True or False, got {renormalize!r}")
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling <= 0:
-        raise ValueError(f"scaling must be a finite number > 0 (the routed scaling factor), got {scaling!r}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling < 0:
+        raise ValueError(f"scaling must be a finite number >= 0 (the routed scaling factor), got {scaling!r}")
     check_top_k(top_k, num_experts)
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"num_experts must be <= {MAX_EXPERTS}, got {num_experts}")
@@ -64,7 +65,7 @@ def validate_routing(
         check_tensor("correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES, device=device)
         if correction_bias.shape[0] != num_experts:
             raise ValueError(f"correction_bias must have shape ({num_experts},), got {tuple(correction_bias.shape)}")
-    return RoutingOptions(top_k, method, renormalize, num_groups, topk_groups, float(scaling))
+    return RoutingOptions(top_k, method, bool(renormalize), num_groups, topk_groups, float(scaling))
 
 
 def route(
