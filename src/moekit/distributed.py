@@ -124,8 +124,8 @@ class ExpertParallelMoE(nn.Module):
 
     def _placement(self) -> torch.Tensor:
         """Each expert's rank (int64 [E]) from every rank's expert_map, after checking that each expert belongs to
-        exactly one and that no rank maps two experts to one local stack: shards of other splits, a shard run in a group of another size or one rank's shard twice
-        would otherwise drop experts or add them twice, silently."""
+        exactly one and that no rank maps two experts to one local stack: shards of other splits, a shard run in a
+        group of another size or one rank's shard twice would otherwise drop experts or add them twice, silently."""
         world = dist.get_world_size(self.group)
         maps = _all_gather(self.local.expert_map.to(torch.int32)[None], world, self.group)  # [world, E]
         holders = (maps >= 0).sum(dim=0)

@@ -194,8 +194,7 @@ def _lora_paths(call: ExpertsCall, config, k: int) -> tuple:
     if call.op == "fused" and config.gemv:
         if config.split_slots:
             return ()
-        row_scaled = (config.gemm1.row_scaled and call.weight_format in FOUR_BIT_FORMATS
-                      and call.act_dtype in (torch.bfloat16, torch.float16))
+        row_scaled = config.gemm1.row_scaled and triton_backend._fp16x2_operands(call.weight_format, call.act_dtype)
         slots = 1 if row_scaled else triton_backend.gemv1_slots(config.gemm1, k)
         fit = expert_lora.decode_terms_fit(r1, r2, n1 // 2, config.gemm1.block_n, slots, config.gemm2.block_n, k,
                                            call.num_tokens)
@@ -204,7 +203,7 @@ def _lora_paths(call: ExpertsCall, config, k: int) -> tuple:
         return ()
     out_elements = (call.num_tokens * k if call.op == "fused" else call.num_tokens) * H
     w2_bytes = E * H * (n1 // 2) * _CODE_BYTES.get(call.weight_format, call.act_dtype.itemsize)
-    return (("w2_delta", 8 * out_elements <= expert_lora.DELTA_TRAFFIC_SHARE * w2_bytes),)
+    return (("w2_delta", expert_lora.w2_delta_pays(out_elements, w2_bytes)),)
 
 
 def _triton_fused(*args, **kwargs):

@@ -7,8 +7,8 @@ end partly filled and one expert's rows filling a whole block, an expert with no
 and expert map (ids of another rank), NaN padding rows (batched), and ``out`` poisoned with NaN so that an
 unwritten or rebound output shows. The Triton backend's config for the call is forced on sizes cut from the
 call's (K loops of several steps, the call's tile tails); a backend that plans calls serves a second case through
-its plan. A call with expert LoRA is its own class: its case adds three adapters of rank 5 (both matrices), mixed
-over the tokens with some of none (-1).
+its plan. A call with expert LoRA is its own class: its case adds three adapters of the call's ranks on the stacks it
+adapts, mixed over the tokens with some of none (-1), and takes the adapter kernels the call's sizes pick.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..formats import FP8_ACTIVATION_FORMATS, prepare, quantize_experts
 from ..metrics import EXPERTS_TOL, W8A8_TOL, rel_errors
 from .lora import ExpertsLoRA, forced_paths
 
-DEFAULT_TOP_K = 2  # (backends.DEFAULT_TOP_K: backends imports this module)
+DEFAULT_TOP_K = 2  # slots per token of a call that does not say (backends' Triton variant reads it too)
 
 
 def refusal(backend, call) -> str | None:

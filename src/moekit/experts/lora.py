@@ -310,7 +310,13 @@ def w2_term_as_delta(lora: ExpertsLoRA, out_elements: int, w2_bytes: int) -> boo
     if lora.w2_a is None or _invariant.enabled():
         return False
     forced = _FORCED.get("w2_delta")
-    return forced if forced is not None else 8 * out_elements <= DELTA_TRAFFIC_SHARE * w2_bytes
+    return forced if forced is not None else w2_delta_pays(out_elements, w2_bytes)
+
+
+def w2_delta_pays(out_elements: int, w2_bytes: float) -> bool:
+    """:func:`w2_term_as_delta`'s size rule: the delta's 8 bytes per output element within DELTA_TRAFFIC_SHARE of
+    GEMM2's weight bytes."""
+    return 8 * out_elements <= DELTA_TRAFFIC_SHARE * w2_bytes
 
 
 def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, per_token: bool = False,

@@ -28,12 +28,14 @@ def _kernel_case(num_tokens: int, weight, rank: int, fuse: bool) -> tuple:
     tile and one fewer keeps the config (a partial tile). The config, not T, keys the verdict: every call that
     compiles and launches the same kernel shares it."""
     E, H = weight.shape
-    dev = weight.device
-    config = router_tiers.kernel_config(num_tokens, H, E, rank, fuse, _triton.num_sms(dev),
-                                        weight.dtype == torch.float32)
+    num_sms, ieee = _triton.num_sms(weight.device), weight.dtype == torch.float32
+
+    def config_of(n):  # (as routing/triton_backend.py _router_plan)
+        return router_tiers.kernel_config(n, H, E, rank, fuse, num_sms, ieee)
+
+    config = config_of(num_tokens)
     sizes = (num_tokens,)
-    if num_tokens > 1 and num_tokens % config.block_t == 0 and router_tiers.kernel_config(
-            num_tokens - 1, H, E, rank, fuse, _triton.num_sms(dev), weight.dtype == torch.float32) == config:
+    if num_tokens > 1 and num_tokens % config.block_t == 0 and config_of(num_tokens - 1) == config:
         sizes = (num_tokens, num_tokens - 1)
     return config, sizes
 

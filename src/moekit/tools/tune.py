@@ -381,7 +381,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"],
                    help="presets to tune (default: gpt-oss-120b qwen3-30b-a3b mixtral-8x7b deepseek-v3)")
     p.add_argument("--tokens", nargs="+", type=_argtypes.positive_token_count,
-                   default=list(expert_configs.TOKEN_BUCKETS), help=f"token buckets (default: {' '.join(map(str, expert_configs.TOKEN_BUCKETS))})")
+                   default=list(expert_configs.TOKEN_BUCKETS),
+                   help=f"token buckets (default: {' '.join(map(str, expert_configs.TOKEN_BUCKETS))})")
     p.add_argument("--out", type=_argtypes.new_file, default=Path("experts_tuned.json"),
                    help="the measured table (default: ./experts_tuned.json)")
     p.add_argument("--merge", action="store_true", help="also merge into the package's table")
