@@ -306,3 +306,42 @@ def test_the_json_report_is_standard_json():
     crashed.max_rel = crashed.rms_rel = float("inf")
     report = json.loads(_json_report([crashed]), parse_constant=lambda c: pytest.fail(f"non-standard {c}"))
     assert report[0]["max_rel"] is None
+
+
+@pytest.mark.parametrize("recipe, act_quant", [
+    ("fp8_block", "fp8_group"),  # FP8 steps one activation group per K step: the table's block_k is not what runs
+    ("mxfp4", None),  # 4-bit tiles hold whole scale groups
+])
+def test_explain_names_the_tiles_the_kernels_launch(monkeypatch, recipe, act_quant):
+    import dataclasses
+
+    from moekit import presets
+    from moekit.experts import backends, fused_experts, triton_backend
+    from moekit.formats import quantize_experts
+    from moekit.tools import cli
+
+    E, H, I, k, T = 4, 256, 128, 2, 8
+    spec = dataclasses.replace(presets.get("deepseek-v3"), hidden_size=H, intermediate_size=I, num_experts=E, top_k=k,
+                               num_groups=1, topk_groups=1, num_shared_experts=0)
+    triton = next(b for b in backends.BACKENDS if b.name == "triton")
+    monkeypatch.setattr(backends, "select_backend", lambda call, backend="auto": triton)  # as on a GPU
+    line = cli.explain_experts(spec, T, torch.device("cpu"), dtype=torch.float16, recipe=recipe)
+    seen = {}
+    for name in ("gemm1_act_kernel", "gemm2_kernel", "gemm2_tokens_kernel", "gemv1_act_kernel", "gemv1_rows_kernel",
+                 "gemv2_rows_kernel", "gemv2_tokens_kernel"):
+        launcher = getattr(triton_backend, name, None)
+        if launcher is None:
+            continue
+
+        def record(grid, args, kwargs, _launch=launcher.launch, _gemm="gemm1" if "1" in name else "gemm2"):
+            seen[_gemm] = (kwargs["BLOCK_N"], kwargs["BLOCK_K"])
+            return _launch(grid, args, kwargs)
+        monkeypatch.setattr(launcher, "launch", record)
+    w13 = quantize_experts(torch.randn(E, 2 * I, H) * 0.05, recipe)
+    w2 = quantize_experts(torch.randn(E, H, I) * 0.05, recipe)
+    x, tw = torch.randn(T, H, dtype=torch.float16), torch.rand(T, k)
+    fused_experts(x, w13, w2, tw, torch.randint(0, E, (T, k), dtype=torch.int32), act_quant=act_quant,
+                  backend="triton")
+    assert set(seen) == {"gemm1", "gemm2"}, seen
+    for gemm, (block_n, block_k) in seen.items():
+        assert f"{gemm} GemmConfig(block_n={block_n}, block_k={block_k}," in line, (gemm, seen[gemm], line)

@@ -47,6 +47,24 @@ def test_fused_moe_compiles_fullgraph(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_routing_and_the_layer_compile_fullgraph_with_dynamic_shapes(device):
+    # dynamic=True hands Python floats (scaling's default) to the argument checks as SymFloats.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    layer = moekit.FusedMoE.from_preset("qwen3-30b-a3b", dtype=dtype, device=device, scaled=True)
+    w = torch.randn(8, 32, device=device, dtype=dtype)
+    cases = {"route": (lambda lg: moekit.route(lg, 2, "softmax_topk"), torch.randn(5, 8, device=device)),
+             "fused_router": (lambda x: moekit.fused_router(x, w, top_k=2, method="softmax_topk"),
+                              torch.randn(5, 32, device=device, dtype=dtype)),
+             "FusedMoE": (layer, torch.randn(5, layer.spec.hidden_size, device=device, dtype=dtype))}
+    with torch.no_grad():
+        for name, (fn, x) in cases.items():
+            torch._dynamo.reset()
+            got, want = torch.compile(fn, fullgraph=True, dynamic=True)(x), fn(x)
+            for g, e in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, want))):
+                check_close(f"{name} compiled with dynamic=True", g.double(), e.double(), Tolerance(1e-5, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fused_experts_triton_op_compiles_fullgraph(device):
     torch._dynamo.reset()
     from moekit.experts import fused_experts

@@ -97,3 +97,13 @@ def test_batch_invariant_mode_refuses_a_capacity_that_can_drop_a_token():
         xb, counts, slot = layouts.pack_batched(x, ids, 3, 5)
         assert counts.tolist() == [5, 5, 0] and (slot >= 0).all()
     assert layouts.pack_batched(x, ids, 3, 4)[1].tolist() == [4, 4, 0]   # the default mode drops as documented
+
+
+def test_pack_and_combine_need_no_values_on_the_host():
+    # A shape that depends on values (a boolean mask, nonzero, .item) is a device-to-host sync on CUDA and breaks
+    # CUDA-graph capture: on the meta device (shapes without values) both run, or the layout needs a sync.
+    T, H, E, k, M = 6, 8, 4, 2, 3  # M < T: some pairs are dropped
+    x, ids = torch.randn(T, H, device="meta"), torch.zeros(T, k, dtype=torch.int32, device="meta")
+    xb, counts, slot = layouts.pack_batched(x, ids, E, M)
+    assert (xb.shape, counts.shape, slot.shape) == ((E, M, H), (E,), (T, k))
+    assert layouts.combine_batched(xb, slot, torch.rand(T, k, device="meta")).shape == (T, H)

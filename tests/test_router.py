@@ -357,6 +357,22 @@ def test_a_router_adapter_travels_with_the_state_dict():
     assert twin.lora is None and "lora_a" not in twin.state_dict()
 
 
+def test_gatelinear_reads_its_lora_scale_once_under_inference_mode():
+    # inference tensors keep no version counter: the scale was read again (a sync) on every forward of a module
+    # built or moved under inference_mode, which also failed CUDA-graph capture
+    H, E = 16, 4
+    with torch.inference_mode():
+        gate = GateLinear(H, E, params_dtype=torch.float32)
+        gate.set_lora(torch.randn(2, H), torch.randn(E, 2), scale=0.5)
+        gate = gate.to(torch.float64).to(torch.float32)  # buffers become inference tensors
+        first = gate.lora
+        assert first.scale == 0.5 and gate.lora is first  # cached: no second read
+        gate.lora_scale.fill_(2.0)  # a write inside inference_mode is still seen
+        assert gate.lora.scale == 2.0
+        x = torch.randn(3, H)
+        check_close("under inference_mode", gate(x), _ref(x, gate.weight, None, gate.lora), LOGITS_TOL)
+
+
 def test_gatelinear_sees_a_new_lora_scale_tensor():
     # a new tensor assigned through .data kept the cached float of the old one
     from moekit.routing import GateLinear

@@ -99,3 +99,19 @@ def test_invariant_fp32_tiles_stay_within_the_registers(monkeypatch):
     for T in (1, 64, 257, 4096, 16384):
         c = kernel_config(T, 7168, 256, 0, False, 132, ieee=True)
         assert c.block_t * c.block_r <= router_tiers.INVARIANT_IEEE_TILE
+
+
+def test_gatelinear_explain_names_the_tier_its_forward_runs():
+    # explain ignored the module's tier: it said "torch" for a module whose forward ran the Triton kernel
+    from moekit import GateLinear
+
+    gate = GateLinear(32, 8, params_dtype=torch.float32)
+    gate.tier = "triton"
+    assert gate.explain(3).startswith("router_gemm T=3 H=32 E=8: triton -- requested explicitly")
+
+
+def test_explain_without_triton_on_a_gpu_says_so(monkeypatch):
+    # it said "router_gemm (cublas) + routing kernel: T=4 > 128": a false comparison, and no routing kernel runs
+    monkeypatch.setattr(_triton, "triton_importable", lambda: False)
+    text = router_tiers.explain(4, 7168, 256, torch.device("cuda"))
+    assert "fused_router: router_gemm (cublas) + route in torch: triton is not installed" in text

@@ -1,24 +1,48 @@
 """Switches read from the environment on every eager call (MOEKIT_BATCH_INVARIANT, MOEKIT_VERIFY, TRITON_INTERPRET).
 
-They are read at call time, not once at import, so that a process (or a test) may set them while it runs. Each is
-read from ``os.environ``'s own dict where it keeps one (POSIX: bytes keys): ``os.environ.get`` encodes the key and
+They are read at call time, not once at import, so that a process (or a test) may set them while it runs (Triton
+reads TRITON_INTERPRET when it builds a kernel, so that one must be set before moekit is imported). Each is read
+from ``os.environ``'s own dict where it keeps one (POSIX: bytes keys): ``os.environ.get`` encodes the key and
 decodes the value, a microsecond or more per read, and an eager call reads several."""
 
 from __future__ import annotations
 
 import os
 
-_DATA = getattr(os.environ, "_data", None)
-_BYTES_KEYS = os.name == "posix" and isinstance(_DATA, dict)
+_BYTES_KEYS = os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict)
 # the usual spellings of "off" too: MOEKIT_BATCH_INVARIANT=false once turned the mode on
 _OFF_WORDS = ("", "0", "false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF")
 _OFF = frozenset((None, *_OFF_WORDS, *(w.encode() for w in _OFF_WORDS)))  # (a set: one hash per read)
+# Triton's own reading of its switches (triton.knobs, getenv_bool): these words in any case are on, all else off
+_TRITON_ON = frozenset(w for word in ("1", "true", "on", "yes", "y") for w in (word, word.encode()))
+
+
+def _reader(name: str):
+    """``read() -> bytes | str | None``: the variable's value at the time of the call."""
+    if not _BYTES_KEYS:
+        return lambda: os.environ.get(name)
+    key = os.fsencode(name)
+
+    def read():
+        env = os.environ  # (looked up each time: a test may replace it, with a plain dict too)
+        data = getattr(env, "_data", None)
+        return data.get(key) if isinstance(data, dict) else env.get(name)
+    return read
 
 
 def flag(name: str):
     """``flag(NAME)() -> bool``: whether the variable is set to anything but "", "0", "false", "no" or "off" (in
     lower, upper or title case), at the time of the call."""
-    if _BYTES_KEYS:
-        key = os.fsencode(name)
-        return lambda: os.environ._data.get(key) not in _OFF  # (os.environ read each time: it may be replaced)
-    return lambda: os.environ.get(name) not in _OFF
+    read = _reader(name)
+    return lambda: read() not in _OFF
+
+
+def triton_flag(name: str):
+    """``triton_flag(NAME)() -> bool``: a Triton switch as Triton reads it: on for "1", "true", "on", "yes" or "y"
+    in any case, off for anything else (" 1" and "2" too)."""
+    read = _reader(name)
+
+    def on() -> bool:
+        value = read()
+        return value is not None and value.lower() in _TRITON_ON
+    return on

@@ -8,7 +8,7 @@ import torch
 
 from . import _env
 
-_INTERPRET = _env.flag("TRITON_INTERPRET")
+_INTERPRET = _env.triton_flag("TRITON_INTERPRET")  # as Triton reads it: the kernels follow it
 
 
 @torch.compiler.assume_constant_result

@@ -115,10 +115,12 @@ def pack_batched(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_
     keep = valid & (rank < max_tokens)
     slot = torch.where(keep, key * max_tokens + rank, -1)
     counts = per_bin[:num_experts].clamp(max=max_tokens).to(torch.int32)
-    xb = torch.zeros(num_experts * max_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+    # Dropped pairs go to a spare last row, cut off after: a boolean mask (slot[keep]) would be a nonzero, a host sync.
+    spare = num_experts * max_tokens
+    xb = torch.zeros(spare + 1, x.shape[1], dtype=x.dtype, device=x.device)
     rows = torch.arange(T, device=x.device).repeat_interleave(k)
-    xb.index_copy_(0, slot[keep], x[rows[keep]])
-    return xb.view(num_experts, max_tokens, x.shape[1]), counts, slot.view(T, k)  # (-1 is ambiguous at M = 0)
+    xb.index_copy_(0, torch.where(keep, slot, spare), x[rows])
+    return xb[:spare].view(num_experts, max_tokens, x.shape[1]), counts, slot.view(T, k)  # (-1 is ambiguous at M = 0)
 
 
 def combine_batched(yb: torch.Tensor, slot: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

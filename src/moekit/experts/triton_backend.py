@@ -199,6 +199,18 @@ class WeightOperand:
         return _format_config(self.format == "fp8" or self.fp8_act, cfg, tiles)
 
 
+def launched_configs(cfg: ExpertsConfig, weight_format: str, fp8_act: bool = False) -> tuple[GemmConfig, GemmConfig]:
+    """GEMM1's and GEMM2's configs as their kernels launch them for ``cfg`` and weights of ``weight_format``
+    (``fp8_act``: W4A8): the table's, with the K step (and FP8's group columns) the format imposes. What
+    ``moekit explain`` reports; the launches apply the same rules (:meth:`WeightOperand.config`, ``_gemv_block_k``)."""
+    if cfg.mode == "gemv":
+        return tuple(replace(g, block_k=_gemv_block_k(weight_format, g.block_k)) for g in (cfg.gemm1, cfg.gemm2))
+    if weight_format == "dense":
+        return cfg.gemm1, cfg.gemm2
+    fp8_steps = weight_format == "fp8" or fp8_act
+    return _format_config(fp8_steps, cfg.gemm1, 2), _format_config(fp8_steps, cfg.gemm2, 1)
+
+
 def _gemv_block_k(weight_format: str, block_k: int) -> int:
     return block_k if weight_format == "dense" else max(block_k, FOUR_BIT_MIN_BLOCK_K)
 

@@ -464,7 +464,8 @@ class GateLinear(nn.Module):
         _validate_gemm(self.weight.new_empty(0, self.hidden_size), self.weight, None, lora)
         self.register_buffer("lora_a", lora.a)
         self.register_buffer("lora_b", lora.b)
-        self.register_buffer("lora_scale", torch.tensor(lora.scale, dtype=torch.float32, device=lora.b.device))
+        with torch.inference_mode(False):  # a tensor with a version counter, even in a module built under inference_mode
+            self.register_buffer("lora_scale", torch.tensor(lora.scale, dtype=torch.float32, device=lora.b.device))
 
     @property
     def lora(self) -> RouterLoRA | None:
@@ -476,10 +477,14 @@ class GateLinear(nn.Module):
         if a is None:
             return None
         b, scale = buffers["lora_b"], buffers["lora_scale"]
+        if tensor_version(scale) is None:
+            # An inference tensor (.to() or a load under inference_mode) keeps no version, so every call would read
+            # it again (a sync; it fails CUDA-graph capture): swap in a device copy that keeps one.
+            with torch.inference_mode(False):
+                scale = buffers["lora_scale"] = scale.clone()
         version = (tensor_version(scale), scale.data_ptr())  # (a new .data has a new address)
         cached = self._lora_cache
-        if (cached is None or cached[0] is not a or cached[1] is not b or cached[2] is not scale
-                or version[0] is None or cached[3] != version):
+        if cached is None or cached[0] is not a or cached[1] is not b or cached[2] is not scale or cached[3] != version:
             # the scale as a float once per value (on a GPU, reading it is a sync)
             cached = self._lora_cache = (a, b, scale, version, RouterLoRA(a, b, float(scale)))
         return cached[4]
@@ -490,8 +495,8 @@ class GateLinear(nn.Module):
                            tier=self.tier)
 
     def explain(self, num_tokens: int) -> str:
-        """Which tier serves ``num_tokens`` tokens on this module's device, and why."""
-        return router_tiers.explain(num_tokens, self.hidden_size, self.num_experts, self.weight.device)
+        """Which tier serves ``num_tokens`` tokens on this module's device (and its ``tier``), and why."""
+        return router_tiers.explain(num_tokens, self.hidden_size, self.num_experts, self.weight.device, self.tier)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, "

@@ -298,12 +298,15 @@ def _prev_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device | str | None = None) -> str:
+def explain(num_tokens: int, hidden: int, num_experts: int, device: torch.device | str | None = None,
+            tier: str = "auto") -> str:
     """One line per op: which tier serves a router call of this shape and why (``device``: default the current CUDA
-    device where there is one, else the CPU)."""
+    device where there is one, else the CPU; ``tier``: the GEMM tier asked for, as router_gemm's argument)."""
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    gemm = choose_tier(num_tokens, hidden, num_experts, device)
-    if _invariant.enabled():
+    gemm = choose_tier(num_tokens, hidden, num_experts, device, tier)
+    if device.type == "cuda" and not _triton.triton_importable():
+        fused = f"router_gemm ({gemm.tier}) + route in torch: triton is not installed"
+    elif _invariant.enabled():
         if device.type != "cuda":
             fused = f"router_gemm ({gemm.tier}) + route on {device.type}"
         elif fused_applies(num_tokens, device, hidden, num_experts):

@@ -39,7 +39,8 @@ def validate_routing(
     if not (isinstance(renormalize, bool) or (isinstance(renormalize, torch.Tensor) and renormalize.dtype == torch.bool
                                               and renormalize.dim() == 0)):  # ("False" is truthy: it renormalized)
         raise TypeError(f"renormalize must be True or False, got {renormalize!r}")
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling < 0:
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) scaling arrives as a SymFloat. NaN fails both.
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 <= scaling < math.inf:
         raise ValueError(f"scaling must be a finite number >= 0 (the routed scaling factor), got {scaling!r}")
     check_top_k(top_k, num_experts)
     if num_experts > MAX_EXPERTS:

@@ -103,7 +103,10 @@ def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dt
                                         spec.hidden_size, device, dtype, expert_configs.config_family(fmt, act_quant))
     mode = f"mode {cfg.mode}" + (f", BLOCK_M={cfg.block_m}" if cfg.mode == "aligned" else "")
     codes = "" if layout == "packed" else f", {layout} codes"
-    return (f"fused_experts T={num_tokens} ({fmt} weights{codes}): triton, {mode}, gemm1 {cfg.gemm1}, gemm2 {cfg.gemm2}"
+    from ..experts import triton_backend  # as backends imports it: kernels built on first use
+
+    gemm1, gemm2 = triton_backend.launched_configs(cfg, fmt)  # the tiles launched, after the format's K steps
+    return (f"fused_experts T={num_tokens} ({fmt} weights{codes}): triton, {mode}, gemm1 {gemm1}, gemm2 {gemm2}"
             f" -- {source}")
 
 
