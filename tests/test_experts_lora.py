@@ -442,6 +442,83 @@ def test_all_adapters_in_one_product_give_the_per_adapter_bits(monkeypatch, fmt)
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("which", ["w13_b", "w2_b"])
+@pytest.mark.parametrize("w2_delta", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_adapter_stays_in_its_own_tokens(monkeypatch, which, w2_delta, bad):
+    """Two adapters in one product (their columns side by side): a NaN or Inf in adapter 1's B reached adapter 0's
+    tokens and those without an adapter (their zero coefficients times NaN), on the aligned and batched rows."""
+    from moekit.experts import lora as expert_lora
+
+    monkeypatch.setattr(expert_lora, "DELTA_TRAFFIC_SHARE", 1.0 if w2_delta else 0.0)
+    T, E, H, I, k, n, r = 8, 3, 32, 16, 2, 2, 4
+    w13, w2 = _weights(E, H, I, torch.float32)
+    lora = _lora(n, E, H, I, r, torch.float32)
+    getattr(lora, which)[1, :, 0, 0] = bad  # adapter 1, every expert: a diverged or never-written slot
+    x, (tw, tid) = torch.randn(T, H), _routes(T, E, k)
+    lids = torch.tensor([0, 1, -1, 1] * (T // 4), dtype=torch.int32)
+    clean = lids != 1
+    got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=ALIGNED_32, lora=lora, lora_ids=lids,
+                        out=_poisoned((T, H), torch.float32))
+    ref = reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids)
+    check_close("other adapters' tokens", got[clean], ref[clean], EXPERTS_TOL[torch.float32])
+    assert not torch.isfinite(got[~clean]).all()  # the bad adapter's own tokens show it, as in the reference
+    xb, counts = torch.randn(E, 4, H), torch.tensor([4, 2, 3], dtype=torch.int32)
+    slab_ids = torch.tensor([[0, 1, -1, 0], [1, 0, 0, 0], [-1, 1, 0, 0]], dtype=torch.int32)
+    got = batched_experts(xb, counts, w13, w2, backend="triton", lora=lora, lora_ids=slab_ids,
+                          out=_poisoned((E, 4, H), torch.float32))
+    ref = reference.batched_experts(xb, counts, w13, w2, lora=lora, lora_ids=slab_ids)
+    rows = (torch.arange(4)[None, :] < counts[:, None]) & (slab_ids != 1)
+    check_close("other adapters' rows, batched", got[rows], ref[rows], EXPERTS_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv"])
+def test_out_may_not_overlap_the_adapters(mode):
+    # GEMM2 writes out before the W2 term reads its stacks in the decode modes: a wrong result, now refused
+    T, E, H, I, k, n, r = 4, 3, 16, 8, 2, 2, 4
+    w13, w2 = _weights(E, H, I, torch.float32)
+    x, (tw, tid) = torch.randn(T, H), _routes(T, E, k)
+    lids = torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    for name in ("w13_a", "w13_b", "w2_a", "w2_b", "scaling"):
+        lora = _lora(n, E, H, I, r, torch.float32)
+        held = getattr(lora, name)
+        store = torch.empty(max(T * H, held.numel()) + 64)
+        view = store[:held.numel()].view(held.shape)
+        view.copy_(held)
+        parts = {f: getattr(lora, f) for f in ("w13_a", "w13_b", "w2_a", "w2_b")}
+        parts[name] = view if name != "scaling" else parts.get(name)
+        lora = ExpertsLoRA(**{f: parts[f] for f in ("w13_a", "w13_b", "w2_a", "w2_b")},
+                           scaling=view if name == "scaling" else lora.scaling)
+        with pytest.raises(ValueError, match=f"out must not overlap the memory of lora.{name}"):
+            fused_experts(x, w13, w2, tw, tid, backend="triton", config=MODES[mode], lora=lora, lora_ids=lids,
+                          out=store[:T * H].view(T, H))
+
+
+def test_adapters_that_ask_for_gradients_are_warned_about():
+    # LoRA training (only the adapters require grad) got a detached output from the Triton kernels, silently
+    T, E, H, I, k, n, r = 4, 3, 16, 8, 2, 2, 4
+    w13, w2 = _weights(E, H, I, torch.float32)
+    lora = _lora(n, E, H, I, r, torch.float32)
+    lora.w13_a.requires_grad_(True)
+    x, (tw, tid) = torch.randn(T, H), _routes(T, E, k)
+    with pytest.warns(RuntimeWarning, match="compute no gradients"):
+        fused_experts(x, w13, w2, tw, tid, backend="triton", lora=lora,
+                      lora_ids=torch.zeros(T, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["per_pair", "gemv", "gemv_split", "auto"])
+def test_zero_hidden_size_with_adapters(mode):
+    # the decode modes' shrink split K = 0 into zero-wide splits: a ZeroDivisionError
+    T, E, H, I, k, n, r = 2, 3, 0, 8, 2, 2, 4
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    lora = ExpertsLoRA(torch.randn(n, E, r, H), torch.randn(n, E, 2 * I, r), torch.randn(n, E, r, I),
+                       torch.randn(n, E, H, r))
+    x, (tw, tid) = torch.randn(T, H), _routes(T, E, k)
+    got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=MODES[mode], lora=lora,
+                        lora_ids=torch.zeros(T, dtype=torch.int32))
+    assert got.shape == (T, 0)
+
+
 def test_zero_padded_ranks_change_nothing():
     """Adapters of different ranks share a stack by zero padding A's rows and B's columns."""
     T, E, H, I, k = 9, 5, 33, 17, 2
@@ -505,6 +582,8 @@ def test_bad_adapters_are_refused_by_name_before_any_launch():
     _bad(lambda: ExpertsLoRA(**parts, scaling=[1.0]), TypeError, "2 finite floats")
     _bad(lambda: ExpertsLoRA(**parts, scaling=float("nan")), TypeError, "finite float")
     _bad(lambda: ExpertsLoRA(**parts, scaling=torch.ones(3)), ValueError, r"lora\.scaling must have shape \(2,\)")
+    for bad in (float("nan"), float("inf")):  # a CPU tensor's values are read without a sync: as the float forms
+        _bad(lambda: ExpertsLoRA(**parts, scaling=torch.tensor([1.0, bad])), TypeError, "must hold finite values")
     _bad(lambda: ExpertsLoRA(**{**parts, "w2_a": good.w2_a[..., :5]}), ValueError, "must fit w13_a")
     # against the call
     _bad(lambda: call(lora="adapters"), TypeError, "lora must be a moekit.experts.ExpertsLoRA")
@@ -547,6 +626,26 @@ def test_fused_moe_serves_loaded_adapters():
     layer.load_lora(None)
     _bad(lambda: layer(x, lora_ids=lids), ValueError, "no adapters are loaded")
     _bad(lambda: layer.load_lora(_lora(n, E, H, I, 4, torch.float16)), TypeError, "x's dtype torch.float32")
+
+
+def test_fused_moe_sees_a_write_into_a_scaling_it_converted():
+    # a 0-dim (or fp16, or strided) lora_scaling was converted into a copy the adapters read; a later in-place write
+    # into the module's buffer went unseen
+    layer = FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+    spec = layer.spec
+    E, H, I, n = spec.num_experts, spec.hidden_size, spec.intermediate_size, 2
+    layer.load_lora(_lora(n, E, H, I, 4, torch.float32))
+    layer.lora_scaling = torch.tensor(2.0)
+    x, lids = torch.randn(6, H), torch.tensor([0, 1, -1, 1, 0, 0], dtype=torch.int32)
+    with torch.no_grad():
+        layer(x, lora_ids=lids)
+        layer.lora_scaling.fill_(-3.0)
+        got = layer(x, lora_ids=lids)
+        weights, ids = layer.route(x)
+    lora = layer.expert_lora()
+    want = ExpertsLoRA(lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b, scaling=-3.0)
+    check_close("after the write", got, reference.fused_experts(x, layer.w13, layer.w2, weights, ids, lora=want,
+                                                                lora_ids=lids), EXPERTS_TOL[torch.float32])
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU

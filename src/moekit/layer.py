@@ -231,7 +231,13 @@ class FusedMoE(nn.Module):
         parts = tuple(self._buffers.get(f"lora_{field}") for field in _LORA_PARTS)
         cached = self._lora
         if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
-            cached = self._lora = (parts, ExpertsLoRA(*parts))
+            lora = ExpertsLoRA(*parts)
+            if lora.scaling is not parts[-1]:
+                # The adapters read a converted copy (fp32 [adapters], contiguous): the module keeps that copy, so that
+                # an in-place write to its lora_scaling still reaches the calls.
+                self._buffers[_LORA_SCALING] = lora.scaling
+                parts = (*parts[:-1], lora.scaling)
+            cached = self._lora = (parts, lora)
         return cached[1]
 
     def route(self, x2: torch.Tensor, *, replay_ids: torch.Tensor | None = None,

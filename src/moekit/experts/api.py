@@ -284,11 +284,11 @@ def fused_experts(
             expert_map = expert_map.contiguous()  # (the kernels index it with unit stride)
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
         out = _options_and_out(x, w13, w2, act_quant, config, out, **_read_by_fused(
-            topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids))
+            topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids, lora))
         chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora,
                                 w2=w2, top_k=topk_ids.shape[1], biases=(w13_bias, w2_bias),
                                 expert_map=expert_map is not None, config=config)
-        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights)
+        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, topk_weights, *_lora_tensors(lora))
         planning = getattr(chosen, "plans", False) and key is not None  # kept with a checked signature only
         plan = chosen.fused(out, x, w13, w2, topk_weights, topk_ids.contiguous(), activation, w13_bias, w2_bias,
                             expert_map, config, act_quant, **_lora_args(lora, lora_ids),
@@ -319,16 +319,30 @@ def _check_map_values(expert_map: torch.Tensor, num_local: int, topk_ids: torch.
         check_ids_within_map(topk_ids, expert_map)
 
 
-def _read_by_fused(topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids) -> dict:
+def _read_by_fused(topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids, lora=None) -> dict:
     """The tensors a fused_experts call reads besides x and the weights: ``out`` must overlap none of them (a kernel
     may write a block of out before another program reads what lay there)."""
     return {"topk_weights": topk_weights, "topk_ids": topk_ids, "w13_bias": w13_bias, "w2_bias": w2_bias,
-            "expert_map": expert_map, "lora_ids": lora_ids}
+            "expert_map": expert_map, "lora_ids": lora_ids, **_read_by_lora(lora)}
 
 
-def _read_by_batched(expert_num_tokens, w13_bias, w2_bias, lora_ids) -> dict:
+def _read_by_batched(expert_num_tokens, w13_bias, w2_bias, lora_ids, lora=None) -> dict:
     """The tensors a batched_experts call reads besides x and the weights (see :func:`_read_by_fused`)."""
-    return {"expert_num_tokens": expert_num_tokens, "w13_bias": w13_bias, "w2_bias": w2_bias, "lora_ids": lora_ids}
+    return {"expert_num_tokens": expert_num_tokens, "w13_bias": w13_bias, "w2_bias": w2_bias, "lora_ids": lora_ids,
+            **_read_by_lora(lora)}
+
+
+def _read_by_lora(lora) -> dict:
+    """The adapters' stacks and scaling (GEMM2 writes out before the W2 term reads them in the decode modes)."""
+    if lora is None:
+        return {}
+    return {f"lora.{name}": getattr(lora, name) for name in ("w13_a", "w13_b", "w2_a", "w2_b", "scaling")
+            if getattr(lora, name) is not None}
+
+
+def _lora_tensors(lora) -> tuple:
+    """The adapters' stacks, for the gradients warning (training adapters asks for gradients through them)."""
+    return () if lora is None else tuple(t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None)
 
 
 def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
@@ -402,11 +416,11 @@ def batched_experts(
         check_shape("expert_num_tokens", expert_num_tokens, (E,))
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=True)
         out = _options_and_out(x, w13, w2, act_quant, config, out, **_read_by_batched(
-            expert_num_tokens, w13_bias, w2_bias, lora_ids))
+            expert_num_tokens, w13_bias, w2_bias, lora_ids, lora))
         chosen = choose_backend(x, w13, backend, act_quant, op="batched", activation=activation, w2=w2,
                                 lora=lora, biases=(w13_bias, w2_bias),
                                 config=config)
-        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias)
+        _warn_if_gradients_asked(chosen, x, w13, w2, w13_bias, w2_bias, *_lora_tensors(lora))
         planning = getattr(chosen, "plans", False) and key is not None  # (see fused_experts)
         plan = chosen.batched(out, x, expert_num_tokens.contiguous(), w13, w2, activation, w13_bias, w2_bias, config,
                               act_quant, **_lora_args(lora, lora_ids), **({"plan": True} if planning else {}))

@@ -129,6 +129,8 @@ def _scaling(value, n: int, device: torch.device) -> torch.Tensor:
             raise ValueError(f"lora.scaling must be on the adapters' device {device}, got {value.device}")
         if value.shape not in ((), (n,)):
             raise ValueError(f"lora.scaling must have shape ({n},) (one per adapter) or (), got {tuple(value.shape)}")
+        if value.device.type == "cpu" and not torch.isfinite(value).all():  # (a GPU tensor's values: a sync)
+            raise TypeError(f"lora.scaling must hold finite values, got {value.tolist()}")
         if value.dtype == torch.float32 and value.shape == (n,) and value.is_contiguous():
             return value
         return value.float().expand(n).contiguous()
@@ -247,8 +249,8 @@ ALL_ADAPTERS_MAX_COLUMNS = 64  # adapters x padded rank that the aligned and bat
 def _pair_splits(k: int, block_k: int) -> tuple[int, int]:
     """(K per split, splits) of the decode modes' shrink over K = ``k``: whole K steps of ``block_k``."""
     splits = max(1, min(PAIR_MAX_SPLITS, _triton.cdiv(k, PAIR_SPLIT_STEPS * block_k)))
-    per_split = _triton.cdiv(_triton.cdiv(k, splits), block_k) * block_k
-    return per_split, _triton.cdiv(k, per_split)
+    per_split = max(block_k, _triton.cdiv(_triton.cdiv(k, splits), block_k) * block_k)  # (K = 0: one empty split)
+    return per_split, max(1, _triton.cdiv(k, per_split))
 
 
 def w13_delta(x: torch.Tensor, x_scales: torch.Tensor | None, lora: ExpertsLoRA, lora_ids: torch.Tensor,

@@ -64,7 +64,8 @@ def _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_
     """lora_blocks_kernel with every adapter at once: A's rows of all adapters side by side as one [K, adapters * r]
     operand, so the block's rows are read once (not once per adapter present) and the output tile is written once;
     each row then keeps its own adapter's columns (the others are exact zeros in the expand's sums, and the columns of
-    adapters absent from the block are not read)."""
+    adapters absent from the block are not read; a tile whose product is not finite is redone an adapter at a time,
+    so that one adapter's NaN or Inf stays in its own rows)."""
     C: tl.constexpr = ADAPTERS_PAD * R_PAD
     offs_c = tl.arange(0, C)
     c_ad = offs_c // R_PAD
@@ -96,6 +97,14 @@ def _all_adapters(v_ptr, stride_vk, vs_ptr, a_ptr, stride_aa, stride_ae, stride_
         w = tl.load(b_cols_base[:, None] + offs_n[None, :] * stride_bn,
                     mask=(c_ok & present)[:, None] & n_ok[None, :], other=0.0)
         d = tl.dot(s, w, input_precision=DOT_PRECISION)
+        if tl.max(tl.where(tl.abs(d) < float("inf"), 0, 1)) > 0:
+            # A NaN or Inf in the tile: one adapter's non-finite B would reach the other adapters' rows through the
+            # one product (their zero coefficients times NaN), so each adapter's rows take a product of its own
+            # columns only. Finite tiles (all but bad adapters) never come here.
+            d = tl.zeros([LORA_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(ADAPTERS_PAD):
+                w_j = tl.where((c_ad == j)[:, None], w, 0.0)
+                d += tl.where((adapter == j)[:, None], tl.dot(s, w_j, input_precision=DOT_PRECISION), 0.0)
         ptrs = out_ptr + out_rows[:, None] + offs_n[None, :]
         if STORE:  # every valid row: zeros without an adapter
             tl.store(ptrs, d.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
