@@ -616,3 +616,24 @@ def test_the_gates_invariance_check_covers_calls_with_adapters(lora):
         torch_backend = next(b for b in experts_backends.BACKENDS if b.name == "torch")
         passed, detail = experts_gate.check(torch_backend, call)
         assert passed and "batch-invariant at T" in detail, detail
+
+
+def test_the_gates_invariance_check_runs_the_calls_own_case():
+    # it ran a small case of its own (two slots per token, its own sizes): a backend whose bits follow T only at the
+    # call's k (or H, or I) passed
+    from moekit.experts import backends as experts_backends
+    from moekit.experts import fused_torch
+    from moekit.experts import gate_case as experts_gate
+
+    def fused(out, x, w13, w2, tw, ids, *args, **kw):
+        fused_torch(out, x, w13, w2, tw, ids, *args, **kw)
+        if ids.shape[1] == 6:  # k = 6 only: bits that depend on the batch
+            out.add_(out * (1e-6 * (x.shape[0] % 7)))
+
+    varies = experts_backends.Backend("varies_at_k6", lambda c, e: None, "planted", fused, None)
+    _on()
+    call = experts_backends.ExpertsCall("dense", torch.float32, torch.device("cpu"), 9, top_k=6)
+    passed, detail = experts_gate.check(varies, call)
+    assert not passed and "not batch-invariant" in detail, detail
+    passed, detail = experts_gate.check(varies, dataclasses.replace(call, top_k=2))
+    assert passed, detail
