@@ -33,13 +33,17 @@ TOKENS = [64, 256, 1024, 4096, 16384]
 SWEEP_TILES = [(16, 16), (16, 32), (32, 32), (64, 32), (32, 64), (64, 64), (128, 64), (32, 128), (64, 128)]
 
 
-def forced_config(block_t: int, block_r: int, fold: bool):
-    """The mode's launch shape with this tile and this choice of folding, at every T."""
+def forced_config(block_t: int, block_r: int, fold: bool, token_finish: bool = False):
+    """The mode's launch shape with this tile and this choice of folding, at every T. ``token_finish``: a GEMM
+    without routing or LoRA finishes groups of tokens at once (the heuristic's finishing groups) instead of one token
+    at a time: its finishing step only adds each split's partial sums in split order, an elementwise sum whose bits
+    no layout changes (routing and the LoRA term reduce across a tile, so they keep one token)."""
     def config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms=132):
         splits, per_split = tiers.invariant_splits(hidden)
         folded = fold and splits > 1
+        fin_t = None if token_finish and not fuse_topk and not rank else 1
         cfg = tiers.launch_config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms, block_t, block_r,
-                                  tiers.INVARIANT_BLOCK_K, splits=1 if folded else splits, fin_t=1)
+                                  tiers.INVARIANT_BLOCK_K, splits=1 if folded else splits, fin_t=fin_t)
         return replace(cfg, splits=1 if folded else splits, k_per_split=per_split, s_chunk=1, fold_splits=folded)
     return config
 
@@ -64,14 +68,23 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=PRESETS)
     p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     p.add_argument("--no-timing", dest="timing", action="store_false", help="the bitwise checks only")
+    p.add_argument("--tiles", nargs="+", default=[f"{t}x{r}" for t, r in SWEEP_TILES], help="e.g. 64x64 32x128")
+    p.add_argument("--finish", choices=("one", "tokens", "both"), default="one",
+                   help="unfolded variants' finishing step: one token at a time (as shipped), groups of tokens "
+                        "(router_gemm only), or both")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, write_results
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     env = environment()
-    variants = {"shipped": None} | {f"{bt}x{br}{' fold' if fold else ''}": forced_config(bt, br, fold)
-                                    for bt, br in SWEEP_TILES for fold in (False, True)}
+    tiles = [tuple(int(v) for v in tile.split("x")) for tile in args.tiles]
+    variants = {"shipped": None}
+    for bt, br in tiles:
+        if args.finish in ("one", "both"):
+            variants |= {f"{bt}x{br}{' fold' if fold else ''}": forced_config(bt, br, fold) for fold in (False, True)}
+        if args.finish in ("tokens", "both"):
+            variants[f"{bt}x{br} token groups"] = forced_config(bt, br, False, token_finish=True)
     lines = [f"# Batch-invariant router GEMM: every tile, folded and not ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}; bf16 x and router weights, CUDA graphs, us per call. "
              "same bits: the variant's logits against the shipped ones on the same inputs at every T; invariant: a "
@@ -115,7 +128,8 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     print(md)
     if args.out:
-        write_results(args.out, archive_stem("ab_invariant_router_tile_sweep", env), env, records, md)
+        stem = "ab_invariant_router_tile_sweep" if args.finish == "one" else "ab_invariant_router_finish_groups"
+        write_results(args.out, archive_stem(stem, env), env, records, md)
 
 
 if __name__ == "__main__":
