@@ -151,6 +151,30 @@ def test_conversion_refuses_what_it_cannot_take():
     assert lora.num_adapters == 1 and lora.dtype == torch.float16 and lora.w2_a.shape[2] == 8
 
 
+def test_an_adapter_scaled_differently_per_parameter_converts_exactly():
+    # rank_pattern gives down_proj rank 2 (scaling 8 / 2 = 4) against gate_up_proj's 4 (scaling 2): refused before,
+    # though moekit's one scaling per adapter can take it with the ratio in down_proj's B
+    model = _model("qwen3_moe")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=TARGETS, init_lora_weights=False,
+                          rank_pattern={"down_proj": 2})
+    model = peft.get_peft_model(model, cfg, adapter_name="pattern").eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    name, wrapper, experts = _experts(model)[0]
+    lora = moekit_peft.experts_lora(wrapper)
+    assert lora.scaling.tolist() == [4.0]
+    T, H = 7, lora.w13_a.shape[3]
+    x = torch.randn(T, H)
+    ids, weights = _route(experts, T)
+    expect = _peft_experts(wrapper, experts, "pattern", x, ids, weights)
+    with torch.no_grad():
+        got = fused_experts(x, experts.gate_up_proj.detach(), experts.down_proj.detach(), weights.float(), ids.int(),
+                            lora=lora, lora_ids=torch.zeros(T, dtype=torch.int32), backend="torch")
+    check_close("rank_pattern", got, expect, FP32)
+
+
 @pytest.mark.parametrize("flow", ["merge_and_unload", "merge_adapter", "disable_after_merge", "unmerge"])
 def test_peft_merges_reach_a_transposed_stacks_prepared_copy(flow):
     # PEFT merges through param.data, which bumps no version counter: gpt-oss's transposed copy kept serving the

@@ -53,7 +53,8 @@ def experts_lora(wrapper: nn.Module, adapters: list[str] | None = None,
 
     Returns:
         ExpertsLoRA with ``w13_a`` [n, E, r, H], ``w13_b`` [n, E, 2I, r] (if gate_up_proj is adapted), ``w2_a``
-        [n, E, r, I], ``w2_b`` [n, E, H, r] (if down_proj is), r the largest rank, scaling [n] PEFT's.
+        [n, E, r, I], ``w2_b`` [n, E, H, r] (if down_proj is), r the largest rank, scaling [n] PEFT's (where PEFT
+        scales the two parameters differently, the larger, and the other parameter's B carries the ratio).
     """
     experts, wrappers = unwrap(wrapper)
     if not wrappers:
@@ -74,20 +75,21 @@ def experts_lora(wrapper: nn.Module, adapters: list[str] | None = None,
                          f"(its adapters: {sorted({a for w in wrappers for a in w.lora_A.keys()})})")
     dtype = dtype or getattr(experts, next(iter(by_param.values())).parameter_name).dtype
     rank = max(w.r[a] for w in wrappers for a in names if a in w.lora_A)
-    parts, scaling = {}, [None] * len(names)
+    # moekit takes one scaling per adapter. Where PEFT scales gate_up_proj and down_proj differently (rank_pattern,
+    # alpha_pattern), the adapter takes the larger and the other parameter's B carries the ratio (at most 1).
+    scaling = [max((float(w.scaling[name]) for w in by_param.values() if name in w.lora_A), key=abs, default=1.0)
+               for name in names]
+    parts = {}
     for which, w in by_param.items():
         a_stack, b_stack = [], []
         for i, name in enumerate(names):
             a, b = _factors(w, name, rank)
+            if name in w.lora_A and float(w.scaling[name]) != scaling[i]:
+                b = b.float() * (float(w.scaling[name]) / scaling[i])
             a_stack.append(a.to(dtype))
             b_stack.append(b.to(dtype))
-            if name in w.lora_A:
-                if scaling[i] is not None and scaling[i] != w.scaling[name]:
-                    raise ValueError(f"adapter {name!r} scales gate_up_proj and down_proj differently "
-                                     f"({scaling[i]} and {w.scaling[name]}); moekit takes one scaling per adapter")
-                scaling[i] = float(w.scaling[name])
         parts[which + "_a"], parts[which + "_b"] = torch.stack(a_stack), torch.stack(b_stack)
-    return ExpertsLoRA(**parts, scaling=[1.0 if s is None else s for s in scaling])
+    return ExpertsLoRA(**parts, scaling=scaling)
 
 
 def _factors(wrapper: nn.Module, name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
