@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from moekit import presets
 from moekit.tools.cli import main
 
 
@@ -214,6 +215,56 @@ def test_verify_a_raising_check_fails_its_case_and_the_group_goes_on(monkeypatch
                             {"route": ["torch"]}, on_gpu=False)
     assert calls == [7, 9]
     assert len(rows) == 1 and not rows[0].ok and "RuntimeError: boom" in rows[0].detail and rows[0].tokens == 7
+
+
+def test_verify_a_raising_check_hides_no_other_check_of_its_case(monkeypatch):
+    # one try held the router, experts and invariance checks of a case: a raising route dropped router_gemm's rows
+    # and every experts row, under one "(case)" row
+    from moekit.tools.verify import router_checks, runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("route broke")
+
+    monkeypatch.setattr(router_checks, "route", broken)
+    rows = runner.run_group("torch", ["mixtral-8x7b"], [5], torch.float32, torch.device("cpu"),
+                            {"router_gemm": ["torch"], "route": ["torch"], "fused_router": []}, on_gpu=False)
+    failed = [r for r in rows if not r.ok]
+    assert [(r.op, r.impl) for r in failed] == [("route", "torch")] and "route broke" in failed[0].detail
+    assert {"router_gemm", "fused_experts", "batched_experts"} <= {r.op for r in rows if r.ok}
+
+
+def test_verify_reads_back_a_childs_non_finite_rows_as_failures():
+    # a NaN output or a crashed check comes back from an isolated child as null: the parent's table raised on it
+    from moekit.tools import cli
+    from moekit.tools.verify import runner
+
+    rows = [runner.CheckResult("fused_experts", "triton", "p", 3, float("nan"), float("inf"), 1.0, False, ""),
+            runner.CheckResult("route", "torch", "p", 3, 0.0, 0.0, float("inf"), False, "raised")]
+    back = runner.rows_from_json(cli._json_report(rows))
+    assert [(r.max_rel, r.rms_rel, r.ok) for r in back] == [(float("inf"), float("inf"), False), (0.0, 0.0, False)]
+    assert back[1].agree == 0.0 and f"{back[0].max_rel:.1e}" == "inf"
+
+
+def test_verify_checks_a_backend_only_on_calls_it_serves(monkeypatch):
+    # a correct backend that declines gpt-oss's activation was marked FAILED ("cannot serve this call"); one that
+    # declines biases was never checked at all
+    from moekit.experts import backends as experts_backends
+    from moekit.experts import batched_torch, fused_torch
+    from moekit.tools.verify import experts_checks
+
+    def rejects(call, explicit):
+        return None if call.activation == "silu_and_mul" and not any(call.biases) else "silu_and_mul, no biases"
+
+    experts_backends.register(experts_backends.Backend("picky", rejects, "planted", fused_torch, batched_torch))
+    try:
+        assert "picky" in experts_checks.experts_backends(torch.device("cpu"), torch.float32)
+        for name, served in (("gpt-oss-20b", False), ("qwen3-30b-a3b", True)):
+            spec = presets.get(name).scaled()
+            rows = experts_checks.check_experts(spec, 3, torch.float32, torch.device("cpu"), only=["picky"],
+                                                with_layer=False, low_bit=False)
+            assert all(r.ok for r in rows) and bool(rows) == served, (name, rows)
+    finally:
+        experts_backends.unregister("picky")
 
 
 def test_bench_experts_merge_joins_runs_without_a_gpu(tmp_path):

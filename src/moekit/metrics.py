@@ -25,7 +25,9 @@ class Tolerance:
 # the RMS; fp16 keeps activations and per-slot outputs in fp16); max_rel is looser: one element's rounding.
 EXPERTS_TOL = {torch.float32: Tolerance(1e-4, 1e-5), torch.float16: Tolerance(2e-2, 5e-3),
                torch.bfloat16: Tolerance(2e-2, 5e-3)}
-W8A8_TOL = Tolerance(3e-2, 3e-2)  # fp32 sums of the same E4M3 products; rare rounding flips of an activation code
+# fp32 sums of the same E4M3 products; rare rounding flips of an activation code move single elements (the max), while
+# the RMS stays at 2-4e-3 at real sizes (results/lowbit.md): 1e-2 catches an output 1.5% off, which 3e-2 let through
+W8A8_TOL = Tolerance(3e-2, 1e-2)
 LOGITS_TOL = Tolerance(max_rel=1e-4, rms_rel=1e-5)  # router logits in fp32
 WEIGHT_TOL = 1e-4  # absolute, on routing weights in [0, scaling]
 
@@ -66,7 +68,8 @@ def score_routes(r: CheckResult, tw, tid, ref_w, ref_ids, separable, num_experts
 
 
 def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(max_rel, rms_rel) of ``got`` against ``ref``; inf when ``got`` has NaN/Inf where ``ref`` is finite."""
+    """(max_rel, rms_rel) of ``got`` against ``ref``; inf when ``got`` has NaN/Inf where ``ref`` is finite, or is not
+    the same NaN or infinity where ``ref`` is not finite."""
     g = got.detach().to(torch.float64).cpu()
     r = ref.detach().to(torch.float64).cpu()
     if g.shape != r.shape:
@@ -76,6 +79,11 @@ def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     finite = torch.isfinite(r)
     if not torch.isfinite(g[finite]).all():
         return float("inf"), float("inf")
+    g_off, r_off = g[~finite], r[~finite]
+    if not ((g_off == r_off) | (g_off.isnan() & r_off.isnan())).all():
+        return float("inf"), float("inf")
+    if not finite.any():
+        return 0.0, 0.0
     diff = (g - r)[finite]
     rf = r[finite]
     scale_max = rf.abs().max().item() or 1.0

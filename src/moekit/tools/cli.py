@@ -136,7 +136,7 @@ def _verify(args) -> int:
     console = _console()
     on_gpu = device.type == "cuda"
     names = args.preset or presets.names()
-    tokens = args.tokens or ([1, 8, 64, 129, 1000] if on_gpu else [1, 7, 33])
+    tokens = args.tokens or ([0, 1, 8, 64, 129, 1000] if on_gpu else [0, 1, 7, 33])  # (0: no token, no launch)
     # The interpreter computes bf16 dots wrongly: CPU runs check the kernels in fp16.
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float16)
     impls = implementations(device)
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every implementation on this machine against float64 references")
     v.add_argument("--preset", nargs="+", type=_argtypes.preset_name, help="presets to check (default: all)")
     v.add_argument("--tokens", nargs="+", type=_argtypes.token_count,
-                   help="token counts (default: 1 7 33 on CPU, 1 8 64 129 1000 on GPU)")
+                   help="token counts (default: 0 1 7 33 on CPU, 0 1 8 64 129 1000 on GPU)")
     v.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="activation/weight dtype")
     v.add_argument("--json", type=_argtypes.new_file, help="write the full report here (its folder must exist)")
     v.add_argument("--backend", help="check only this backend group (torch, triton, cublas, layer, or a plugin's)")

@@ -7,24 +7,28 @@ from __future__ import annotations
 import torch
 
 from ... import presets, reference
+from ...presets import ACTIVATIONS
 from ...experts import ExpertsLoRA, backends, batched_experts, fused_experts
 from ...formats import FOUR_BIT_FORMATS, prepare, quantize_experts
 from ...layer import FusedMoE
-from ...metrics import EXPERTS_TOL, W8A8_TOL, CheckResult, Tolerance, score_values
+from ...metrics import EXPERTS_TOL, W8A8_TOL, CheckResult, Tolerance, score_values, separable_tokens
 from ...routing import route
 
 
 
 def experts_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Every backend that can serve dense experts of ``dtype`` on ``device`` when asked by name."""
-    call = backends.ExpertsCall("dense", dtype, device)
-    return [b.name for b in backends.BACKENDS if b.rejects(call, True) is None]
+    """Every backend that can serve some dense experts call of ``dtype`` on ``device`` when asked by name (either
+    activation, with biases or without): each check then takes those that serve its own call (:func:`_serving`)."""
+    calls = [backends.ExpertsCall("dense", dtype, device, activation=act, biases=biases)
+             for act in ACTIVATIONS for biases in ((True, True), (False, False))]
+    return [b.name for b in backends.BACKENDS if any(b.rejects(call, True) is None for call in calls)]
 
 
-def _serving(names: list[str], x: torch.Tensor, weights, act_quant=None, op="fused", lora=False) -> list[str]:
+def _serving(names: list[str], x: torch.Tensor, weights, act_quant=None, op="fused", lora=False,
+             activation="silu_and_mul", biases=(None, None)) -> list[str]:
     """The backends of ``names`` that take such a call when asked by name (a dense-only backend is not checked on
-    4-bit weights or adapters, which it refuses: that is no failure of its own checks)."""
-    call = backends.ExpertsCall.of(x, weights, act_quant, op=op, lora=lora)
+    4-bit weights or adapters, nor one without biases on calls with them: a refusal is no failure of its own)."""
+    call = backends.ExpertsCall.of(x, weights, act_quant, op=op, lora=lora, activation=activation, biases=biases)
     by_name = {b.name: b for b in backends.BACKENDS}
     return [n for n in names if (not lora or by_name[n].lora) and by_name[n].rejects(call, True) is None]
 
@@ -45,9 +49,19 @@ def check_experts(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, de
     ref = reference.moe_layer(xl, layer.gate.weight, layer.w13, layer.w2, spec, router_bias=layer.gate.bias,
                               correction_bias=layer.correction_bias, w13_bias=layer.w13_bias,
                               w2_bias=layer.w2_bias, shared_w13=layer.shared_w13, shared_w2=layer.shared_w2)
-    # bf16/fp16 layers may route a near-tied token differently from float64; the budget is an RMS one.
-    results.append(score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got, ref,
-                                Tolerance(float("inf"), tol.rms_rel * 2) if dtype != torch.float32 else tol))
+    # A near-tied token may take other experts in fp32 than in float64 (a whole expert's output apart): the layer is
+    # held to the experts' budget on the others, widened for what the layer rounds besides (its routing weights, the
+    # shared expert, the sum of both: deepseek-v3 bf16 at 4.2e-3 RMS against the experts' 5e-3 on the CPU).
+    logits64 = reference.router_logits(xl, layer.gate.weight, layer.gate.bias)
+    corr = layer.correction_bias
+    separable = separable_tokens(logits64, spec.top_k, spec.routing, **spec.routing_kwargs(),
+                                 correction_bias=None if corr is None else corr.double())
+    row = score_values(CheckResult("FusedMoE", "auto", spec.name, num_tokens), got[separable], ref[separable],
+                       Tolerance(tol.max_rel * 2, tol.rms_rel * 1.5) if dtype != torch.float32 else tol)
+    if not row.ok:
+        row.detail = (row.detail + "; " if row.detail else "") + f"on the {int(separable.sum())} of {num_tokens} " \
+            "tokens that are no near ties"
+    results.append(row)
     return results
 
 
@@ -60,7 +74,8 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
                     **spec.routing_kwargs())
     results = []
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2)
-    for backend in backends:
+    call = dict(activation=spec.activation, biases=(b13, b2))  # what each backend must serve to be checked here
+    for backend in _serving(backends, x, w13, **call):
         out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
         got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                             backend=backend)
@@ -70,7 +85,7 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
     lora_ids = _lora_ids(num_tokens, lora.num_adapters, device)
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
                                   lora=lora, lora_ids=lora_ids)
-    for backend in _serving(backends, x, w13, lora=True):
+    for backend in _serving(backends, x, w13, lora=True, **call):
         out = torch.full((num_tokens, H), float("nan"), dtype=dtype, device=device)
         got = fused_experts(x, w13, w2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                             backend=backend, lora=lora, lora_ids=lora_ids)
@@ -89,7 +104,7 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
     valid = torch.arange(M, device=device)[None, :] < counts[:, None]
     xb[~valid] = float("nan")                                                      # garbage padding
     ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2)
-    for backend in _serving(backends, xb, w13, op="batched"):
+    for backend in _serving(backends, xb, w13, op="batched", **call):
         out = torch.full_like(xb, float("nan"))
         got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                               backend=backend)
@@ -98,7 +113,7 @@ def _backend_checks(spec, num_tokens, dtype, device, backends, tol, low_bit) -> 
     lora_ids = torch.randint(-1, lora.num_adapters, (E, M), dtype=torch.int32, device=device)
     ref = reference.batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2,
                                     lora=lora, lora_ids=lora_ids)
-    for backend in _serving(backends, xb, w13, op="batched", lora=True):
+    for backend in _serving(backends, xb, w13, op="batched", lora=True, **call):
         out = torch.full_like(xb, float("nan"))
         got = batched_experts(xb, counts, w13, w2, activation=spec.activation, w13_bias=b13, w2_bias=b2, out=out,
                               backend=backend, lora=lora, lora_ids=lora_ids)
@@ -177,7 +192,8 @@ def _low_bit_checks(spec, x, w13, w2, tw, tid, b13, b2, backends, tol) -> list[C
                 # the prepared copies live for this check only (a preset's cache already holds its stacks in every
                 # format: at kimi-k2's size two more 4-bit copies would not fit beside them on an 80 GB GPU)
                 s13, s2 = (q13, q2) if layout == "packed" else (prepare(q13), prepare(q2))
-                for backend in _serving(backends, x, s13, act_quant, lora=adapters[0] is not None):
+                for backend in _serving(backends, x, s13, act_quant, lora=adapters[0] is not None,
+                                        activation=spec.activation, biases=(b13, b2)):
                     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
                     got = fused_experts(x, s13, s2, tw, tid, activation=spec.activation, w13_bias=b13, w2_bias=b2,
                                         out=out, backend=backend, act_quant=act_quant, lora=adapters[0],

@@ -18,7 +18,7 @@ from ...experts.gate_case import batched_mismatch
 from ...formats import FOUR_BIT_FORMATS, from_parts, prepare, quantize_experts, to_parts
 from ...layer import FusedMoE
 from ...metrics import CheckResult
-from ...routing import fused_router, route, router_gemm
+from ...routing import fused_router, route, router_gemm, tiers
 
 BATCHED_MAX_ROWS = 129
 """Slab heights of the batched checks stop here: an [E, M, H] slab grows with E (kimi-k2 at M=16384 would be 90 GB),
@@ -69,11 +69,14 @@ def router_checks(spec: presets.MoESpec, dtype, device, impls: dict[str, list[st
             lambda t: route(t["logits"], spec.top_k, spec.routing, impl=impl, **kwargs), logit_rows(1),
             logit_rows(max(sizes)), sizes)))
     for impl in impls.get("fused_router", []):
-        if impl == "fused":
-            continue  # the one-launch kernel serves T <= 128 only; "auto" checks it (up to T=64) against two launches
-        rows.append(_checked("fused_router", impl, spec.name, sizes, lambda impl=impl: _invariant.token_mismatch(
+        own = sizes
+        if impl == "fused":  # the one-launch kernel itself (auto takes it on a GPU only), in the batches it serves
+            if not tiers.invariant_fused_serves(spec.routing, spec.renormalize, False):
+                continue  # the mode refuses it for this routing: auto runs two launches
+            own = tuple(n for n in sizes if n <= tiers.FUSED_MAX_TOKENS)
+        rows.append(_checked("fused_router", impl, spec.name, own, lambda impl=impl, own=own: _invariant.token_mismatch(
             lambda t: fused_router(t["x"], w, b, top_k=spec.top_k, method=spec.routing, impl=impl, **kwargs),
-            x_rows(1), x_rows(max(sizes)), sizes)))
+            x_rows(1), x_rows(max(own)), own)))
     return rows
 
 

@@ -43,22 +43,32 @@ def check_router(spec: presets.MoESpec, num_tokens: int, dtype: torch.dtype, dev
     ref_w, ref_ids = reference.route(logits64, spec.top_k, spec.routing, **kwargs)
     separable = separable_tokens(logits64, spec.top_k, spec.routing, **kwargs)
     results = []
-    for tier in impls["router_gemm"]:
-        r = CheckResult("router_gemm", tier, spec.name, num_tokens)
+
+    def row(op, impl, check):
+        """check() -> its row; a raising implementation fails its own row, and the other ops still run."""
+        try:
+            results.append(check(CheckResult(op, impl, spec.name, num_tokens)))
+        except Exception as exc:  # noqa: BLE001
+            results.append(CheckResult(op, impl, spec.name, num_tokens, float("inf"), float("inf"), 0.0, False,
+                                       f"raised {type(exc).__name__}: {exc}"[:300]))
+
+    def gemm(r):
         out = torch.full((num_tokens, spec.num_experts), float("nan"), device=device)
-        got = router_gemm(x, w, b, out=out, tier=tier)
-        results.append(score_values(r, got, logits64, LOGITS_TOL, got is out))
+        got = router_gemm(x, w, b, out=out, tier=r.impl)
+        return score_values(r, got, logits64, LOGITS_TOL, got is out)
+
+    for tier in impls["router_gemm"]:
+        row("router_gemm", tier, gemm)
     # route() sees the fp32 logits a router produces; its reference routes those same values.
     logits32 = logits64.float()
     ref32_w, ref32_ids = reference.route(logits32, spec.top_k, spec.routing, **kwargs)
     for impl in impls["route"]:
-        tw, tid = route(logits32, spec.top_k, spec.routing, impl=impl, **kwargs)
-        results.append(score_routes(CheckResult("route", impl, spec.name, num_tokens), tw, tid,
-                                    ref32_w, ref32_ids, separable, spec.num_experts))
+        row("route", impl, lambda r: score_routes(r, *route(logits32, spec.top_k, spec.routing, impl=r.impl, **kwargs),
+                                                  ref32_w, ref32_ids, separable, spec.num_experts))
     for impl in impls["fused_router"]:
         if impl == "fused" and num_tokens > tiers.FUSED_MAX_TOKENS:
             continue  # the one-launch kernel refuses these by design; auto serves them unfused
-        tw, tid = fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, impl=impl, **kwargs)
-        results.append(score_routes(CheckResult("fused_router", impl, spec.name, num_tokens), tw, tid,
-                                    ref_w, ref_ids, separable, spec.num_experts))
+        row("fused_router", impl, lambda r: score_routes(
+            r, *fused_router(x, w, b, top_k=spec.top_k, method=spec.routing, impl=r.impl, **kwargs),
+            ref_w, ref_ids, separable, spec.num_experts))
     return results

@@ -57,21 +57,25 @@ def run_group(group: str, names: list[str], tokens: list[int], dtype: torch.dtyp
     for n, (name, T) in enumerate((n, T) for n in names for T in tokens):
         spec = presets.get(name) if on_gpu else presets.get(name).scaled()
         torch.manual_seed(n + 1)
-        try:
-            if any(mine.values()):
-                results += check_router(spec, T, dtype, device, mine)
-            if group == LAYER_GROUP:
-                results += check_experts(spec, T, dtype, device, only=[], with_layer=True)
-            elif group in experts_backends(device, dtype):
-                # The interpreter is slow: on the CPU the low-bit formats run at the smallest and the
-                # largest token count only (the decode and the aligned kernels both).
-                low_bit = on_gpu or T in (min(tokens), max(tokens))
-                results += check_experts(spec, T, dtype, device, only=[group], with_layer=False, low_bit=low_bit)
-            if _invariant.enabled() and T == tokens[0]:  # batches of their own sizes: once per preset
-                results += invariance(group, spec, dtype, device, mine, on_gpu)
-        except Exception as exc:  # a raising check fails that case; the group's other cases still run
-            results.append(CheckResult("(case)", group, spec.name, T, float("inf"), float("inf"), 0.0, False,
-                                       f"raised {type(exc).__name__}: {exc}"[:300]))
+        # The interpreter is slow: on the CPU the low-bit formats run at the smallest and the largest token count
+        # only (the decode and the aligned kernels both).
+        low_bit = on_gpu or T in (0, min([t for t in tokens if t] or [0]), max(tokens))
+        checks = []
+        if any(mine.values()):
+            checks.append(("(router)", lambda: check_router(spec, T, dtype, device, mine)))
+        if group == LAYER_GROUP:
+            checks.append(("(FusedMoE)", lambda: check_experts(spec, T, dtype, device, only=[], with_layer=True)))
+        elif group in experts_backends(device, dtype):
+            checks.append(("(experts)", lambda: check_experts(spec, T, dtype, device, only=[group], with_layer=False,
+                                                              low_bit=low_bit)))
+        if _invariant.enabled() and T == tokens[0]:  # batches of their own sizes: once per preset
+            checks.append(("(invariance)", lambda: invariance(group, spec, dtype, device, mine, on_gpu)))
+        for what, check in checks:
+            try:
+                results += check()
+            except Exception as exc:  # a raising check fails its own rows; the case's other checks still run
+                results.append(CheckResult(what, group, spec.name, T, float("inf"), float("inf"), 0.0, False,
+                                           f"raised {type(exc).__name__}: {exc}"[:300]))
         if on_case is not None:
             on_case(name, T)
     return results
@@ -86,6 +90,16 @@ def invariance(group: str, spec, dtype, device, router_impls: dict[str, list[str
     rows = invariance_checks.router_checks(spec, dtype, device, router_impls, sizes)
     if group in experts_backends(device, dtype):
         rows += invariance_checks.experts_checks(spec, dtype, device, group, sizes)
+    return rows
+
+
+def rows_from_json(text: str) -> list[CheckResult]:
+    """The rows of `moekit verify --json` (standard JSON: a non-finite error, NaN output or a crash, is null; it comes
+    back as inf, which no budget passes)."""
+    rows = []
+    for row in json.loads(text):
+        errors = {k: float("inf") for k in ("max_rel", "rms_rel") if row.get(k) is None}
+        rows.append(CheckResult(**{**row, **errors, "agree": 0.0 if row.get("agree") is None else row["agree"]}))
     return rows
 
 
@@ -113,7 +127,7 @@ def run_isolated(group: str, argv: list[str], on_case=None) -> tuple[list[CheckR
                     output.append(line)
         text = "".join(output)
         if report.exists():
-            return [CheckResult(**row) for row in json.loads(report.read_text())], text
+            return rows_from_json(report.read_text()), text
     how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
            else f"exit status {proc.returncode}")
     tail = " | ".join(text.strip().splitlines()[-3:])[-300:]
