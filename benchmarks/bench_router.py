@@ -1,7 +1,11 @@
 """Router benchmark (GPU): fused_router and GateLinear against the chains users write today.
 
-Timing: a CUDA graph of 20 consecutive calls, each on a different layer's router weights and
-input, replayed many times; us per call = median replay / 20.
+Timing: a CUDA graph of consecutive calls, each on a different layer's router weights and input,
+replayed many times; us per call = median replay / calls. The layers are at least --layers (20) and as
+many as make one replay touch timing.MIN_REPLAY_BYTES (weights, inputs and logits; twice the 50 MB L2):
+a router's weights are 0.2 to 5.5 MB (E x H bf16), so 20 layers of them stayed in L2 between replays
+at decode sizes for every preset but kimi-k2 (up to 526 layers here: gpt-oss-20b at T = 1). Each row
+records its layer count and the bytes one replay touches.
 
   python benchmarks/bench_router.py --out benchmarks/results
 """
@@ -20,7 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from moekit import presets, reference  # noqa: E402
-from moekit.tools.bench.timing import COPY_BW, copy_rate_words, environment, graph_time_us  # noqa: E402
+from moekit.tools.bench.timing import (COPY_BW, MIN_REPLAY_BYTES, calls_past_l2, copy_rate_words,  # noqa: E402
+                                       environment, graph_time_us)
 from moekit.routing.router import fused_router, router_gemm  # noqa: E402
 from moekit.metrics import routes_agree, separable_tokens  # noqa: E402
 
@@ -48,6 +53,17 @@ def torch_routing(logits, spec, corr_bias):
     i = torch.topk(c.masked_fill(emask == 0, 0.0), k, dim=-1, sorted=False)[1]
     w = s.gather(1, i)
     return w / w.sum(-1, keepdim=True) * spec.routed_scaling_factor, i
+
+
+def call_bytes(spec, T) -> int:
+    """Bytes one router call moves: its bf16 weights [E, H] and input [T, H] read, fp32 logits [T, E] written."""
+    return spec.num_experts * spec.hidden_size * 2 + T * spec.hidden_size * 2 + T * spec.num_experts * 4
+
+
+def layer_count(spec, T, at_least: int) -> int:
+    """Layers a graph cycles over: ``at_least``, and enough that one replay touches MIN_REPLAY_BYTES (none of a
+    replay's weights is then in L2 when the next one starts)."""
+    return calls_past_l2(call_bytes(spec, T), at_least)
 
 
 def make_layers(spec, T, n, device="cuda"):
@@ -110,16 +126,17 @@ def run(args):
         chain_for_compile = implementations(spec, None)["chain_a_bf16"]
         compiled = torch.compile(chain_for_compile, dynamic=True)
         for T in args.tokens:
-            layers = make_layers(spec, T, args.layers)
+            n = layer_count(spec, T, args.layers)
+            layers = make_layers(spec, T, n)
             impls = implementations(spec, compiled)
-            w_bytes = spec.num_experts * spec.hidden_size * 2
-            floor_us = (w_bytes + T * spec.hidden_size * 2 + T * spec.num_experts * 4) / COPY_BW * 1e6
-            row = {"preset": name, "T": T, "floor_us": floor_us}
+            floor_us = call_bytes(spec, T) / COPY_BW * 1e6
+            row = {"preset": name, "T": T, "layers": n, "replay_bytes": n * call_bytes(spec, T), "floor_us": floor_us}
             for impl, fn in impls.items():
                 if impl in args.skip:
                     continue
                 try:
-                    us = graph_time_us([lambda layer=layer, fn=fn: fn(*layer) for layer in layers], replays=args.replays)
+                    us = graph_time_us([lambda layer=layer, fn=fn: fn(*layer) for layer in layers],
+                                       replays=args.replays)
                 except Exception as exc:  # a peer that cannot be captured is reported, not fatal
                     print(f"  {name} T={T} {impl}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     us = float("nan")
@@ -129,7 +146,9 @@ def run(args):
                 row[f"agree_{impl}"] = agree_all
                 row[f"agree_sep_{impl}"] = agree_sep
             records.append(row)
-            print(f"{name:14s} T={T:5d} " + " ".join(f"{k}={v:.2f}" for k, v in row.items() if k not in ("preset", "T")), flush=True)
+            print(f"{name:14s} T={T:5d} " + " ".join(f"{k}={v:.2f}" for k, v in row.items()
+                                                      if k not in ("preset", "T")), flush=True)
+            del layers
     return records
 
 
@@ -192,8 +211,11 @@ def _cell(r, key):
 def markdown(records, env, cross):
     cols = [(h, k) for h, k in COLUMNS if any(_cell(r, k) != "-" for r in records)]
     lines = [f"# Router benchmark ({env['gpu']}, {env['date']})", "",
-             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. CUDA-graph replay of 20 consecutive calls",
-             "on 20 layers' weights; us per call (median replay / 20). fused_router (auto) is what the default call",
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. CUDA-graph replay of consecutive "
+             "calls,",
+             f"one per layer's weights and input, over {_layers_words(records)}; us per call (median replay / calls).",
+             *_l2_words(records),
+             "fused_router (auto) is what the default call",
              "ran with the package's table at the time; 'fused kernel' and 'GEMM + route' are its two paths forced.",
              "GateLinear = the tier the measured crossover table (below) picks, timed in this run. Floor = bytes of",
              f"weights + input + fp32 logits at {copy_rate_words(env)} (decode sizes are launch- and latency-bound).",
@@ -205,10 +227,35 @@ def markdown(records, env, cross):
         lines.append(f"| {r['preset']} | {r['T']} | " + " | ".join(_cell(r, k) for _, k in cols) + " |")
     for table, per_preset in cross.items():
         what = CROSSOVERS[table]
-        lines += ["", f"Crossover '{table}' (largest T where {what[0]} is no slower than {what[1]} at every T up to it): " +
-                  ", ".join(f"{k}: {v}" for k, v in per_preset.items())]
+        lines += ["", f"Crossover '{table}' (largest T where {what[0]} is no slower than {what[1]} at every T up to "
+                  "it): " + ", ".join(f"{k}: {v}" for k, v in per_preset.items())]
     lines += ["", *WHY]
     return "\n".join(lines) + "\n"
+
+
+OLD_LAYERS = 20  # records without a "layers" field: runs before the layer count followed the bytes
+
+
+def _layers_words(records) -> str:
+    counts = sorted({r.get("layers", OLD_LAYERS) for r in records})
+    if len(counts) == 1:
+        return f"{counts[0]} layers"
+    return (f"{counts[0]} to {counts[-1]} layers (per row in the JSON: at least 20, and enough that one replay "
+            f"touches {MIN_REPLAY_BYTES / 1e6:.0f} MB of weights, inputs and logits, twice the 50 MB L2)")
+
+
+def _l2_words(records) -> list[str]:
+    """The header's line on rows whose replay touched less than MIN_REPLAY_BYTES: their data may have been in L2."""
+    small = [r for r in records if r.get("layers", OLD_LAYERS) * call_bytes(presets.get(r["preset"]), r["T"])
+             < MIN_REPLAY_BYTES]
+    if not small:
+        return []
+    by_preset: dict[str, list[int]] = {}
+    for r in small:
+        by_preset.setdefault(r["preset"], []).append(r["T"])
+    where = "; ".join(f"{p} T = {', '.join(map(str, ts))}" for p, ts in by_preset.items())
+    return [f"May be L2-resident: one replay of these rows touched under {MIN_REPLAY_BYTES / 1e6:.0f} MB (twice the "
+            f"50 MB L2), so their router weights and inputs may have come from L2, not memory: {where}."]
 
 
 WHY = [  # what sets the crossovers (benchmarks/LIMITS.md and results/archive/INDEX.md point to the measurements)
@@ -232,7 +279,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=PRESETS)
     p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
-    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--layers", type=int, default=20,
+                   help="layers' router weights a graph cycles over, at least (more where one replay would touch "
+                        f"under {MIN_REPLAY_BYTES / 1e6:.0f} MB; default 20)")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--skip", nargs="*", default=[])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
@@ -249,7 +298,8 @@ def main():
     cross = crossovers(records)
     apply_crossovers(records, cross)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "crossover": cross, "records": records}, indent=1))
+    (args.out / f"{args.name}.json").write_text(json.dumps({"env": env, "crossover": cross, "records": records},
+                                                           indent=1))
     (args.out / f"{args.name}.md").write_text(markdown(records, env, cross))
     print(markdown(records, env, cross))
 

@@ -170,7 +170,8 @@ def test_eager_table_marks_host_budgets_met_and_missed():
                 "kernels": 1},
                {"op": "torch_chain", "preset": "p", "T": 1, "eager_us": 60.0, "host_us": 55.0, "graph_us": None,
                 "kernels": 7, "note": "no graph: RuntimeError"}]
-    rows = [line for line in eager.markdown(records, env, {}).splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line for line in eager.markdown(records, env, {}).splitlines()
+            if line.startswith("| ") and "---" not in line]
     assert "| 15 (met) |" in rows[1]  # route's budget is 15 us of host time: 14 meets it
     assert "| 15 (**missed**) |" in rows[2]  # GateLinear's is 15 too: 16 misses it
     assert "| - | no graph: RuntimeError | - | 7 |" in rows[3]  # peers have no budget; an uncapturable call says why

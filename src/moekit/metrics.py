@@ -32,6 +32,18 @@ LOGITS_TOL = Tolerance(max_rel=1e-4, rms_rel=1e-5)  # router logits in fp32
 WEIGHT_TOL = 1e-4  # absolute, on routing weights in [0, scaling]
 
 
+def experts_tolerance(dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> Tolerance:
+    """The budget of an experts call against its float64 reference, as the gate and `moekit verify` set it: W8A8_TOL
+    for FP8 activations (W8A8, W4A8; against the W8A8 reference), else EXPERTS_TOL of the activations' dtype (bf16
+    weights, and 4-bit W4A16 against float64 on its dequantized weights)."""
+    return W8A8_TOL if w8a8 else EXPERTS_TOL[dtype]
+
+
+def within(tol: Tolerance, max_rel: float | None, rms_rel: float | None) -> bool:
+    """Both errors within ``tol``; an error not measured (None) is not held against it."""
+    return (max_rel is None or max_rel <= tol.max_rel) and (rms_rel is None or rms_rel <= tol.rms_rel)
+
+
 @dataclass
 class CheckResult:
     """One check of an implementation against its reference (a row of `moekit verify`'s table)."""

@@ -8,7 +8,9 @@ same loops' time until the last call returns, before the synchronize: the host's
 (equal to eager us/call where the host is the bottleneck, below it where the GPU is). A shared host's speed varies
 from run to run (the torch chain, the same code every run, is its yardstick): compare ops within one run.
 graph us/call: the same call replayed in a CUDA graph (bench/timing.py). kernels: CUDA kernels one call launches
-(torch.profiler).
+(torch.profiler). batched_experts runs M = max(1, T*k/E) rows for every one of the E experts (its table label says
+E x M rows): another workload than fused_experts' at the same T (at T=1, E experts' weights instead of k).
+The results record the transformers version and which experts implementation each generation row ran.
 
     python benchmarks/bench_eager.py --out benchmarks/results            (writes eager.json / eager.md)
 """
@@ -68,6 +70,22 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def batched_rows(spec, T: int) -> int:
+    """Rows per expert of the batched_experts case: M = max(1, T*k/E), every expert's slab full (E*M rows)."""
+    return max(1, T * spec.top_k // spec.num_experts)
+
+
+def op_label(r: dict) -> str:
+    """A record's op as the table names it: batched_experts with the rows it runs (E x M)."""
+    if r["op"] != "batched_experts":
+        return r["op"]
+    E, M = r.get("experts"), r.get("rows_per_expert")
+    if M is None:  # records before these fields: the same rule from the preset
+        spec = presets.get(r["preset"])
+        E, M = spec.num_experts, batched_rows(spec, r["T"])
+    return f"batched_experts ({E} x {M} rows)"
+
+
 def cases(spec, T: int) -> dict:
     """op -> a no-argument call on fresh inputs of ``spec`` at ``T`` tokens."""
     dev, dt = "cuda", torch.bfloat16
@@ -76,7 +94,7 @@ def cases(spec, T: int) -> dict:
     x = torch.randn(T, H, device=dev, dtype=dt)
     with torch.no_grad():
         tw, tid = layer.route(x)
-    M = max(1, T * k // E)
+    M = batched_rows(spec, T)
     xb = torch.randn(E, M, H, device=dev, dtype=dt)
     counts = torch.full((E,), M, dtype=torch.int32, device=dev)
     gate = GateLinear(H, E, bias=spec.router_bias, device=dev)
@@ -144,6 +162,8 @@ def run(args) -> list[dict]:
                     eager, host = eager_loop_us(fn)
                     rec = {"op": op, "preset": name, "T": T, "eager_us": eager, "host_us": host, "graph_us": graph,
                            "kernels": kernels_per_call(fn)}
+                    if op == "batched_experts":
+                        rec |= {"experts": spec.num_experts, "rows_per_expert": batched_rows(spec, T)}
                     if note:
                         rec["note"] = note
                     records.append(rec)
@@ -222,9 +242,9 @@ def profile(args) -> str:
     return "\n".join(report)
 
 
-def generate_tokens_per_s(patched: bool, new_tokens: int = 64) -> float:
-    """Greedy generation, eager mode, of a Qwen3-MoE model at qwen3-30b-a3b's hidden and expert sizes with 2
-    layers and random weights (no download)."""
+def generate_tokens_per_s(patched: bool, new_tokens: int = 64) -> tuple[float, str]:
+    """(tokens per second, which experts implementation ran) of greedy generation, eager mode, of a Qwen3-MoE model
+    at qwen3-30b-a3b's hidden and expert sizes with 2 layers and random weights (no download)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from ...integrations.transformers import patch
@@ -237,38 +257,69 @@ def generate_tokens_per_s(patched: bool, new_tokens: int = 64) -> float:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
-    if patched:
-        patch(model)
+    experts = experts_implementation(model, patch(model) if patched else None)
     prompt = torch.randint(0, 32000, (1, 16), device="cuda")
     model.generate(prompt, max_new_tokens=8, do_sample=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     torch.cuda.synchronize()
-    return new_tokens / (time.perf_counter() - start)
+    return new_tokens / (time.perf_counter() - start), experts
 
 
-def markdown(records: list[dict], env: dict, generation: dict, replay: dict | None = None) -> str:
+def experts_implementation(model, report=None) -> str:
+    """Which experts implementation a generation ran: moekit's blocks (``report``: patch()'s), or the experts
+    implementation transformers dispatched to (its config's _experts_implementation; "grouped_mm" by default in
+    transformers 5)."""
+    if report is not None:
+        left = f", {len(report.left_alone)} left alone" if report.left_alone else ""
+        return f"moekit patch(): {len(report.replaced)} MoE blocks replaced by MoekitBlock (fused_router + " \
+               f"fused_experts){left}"
+    impl = getattr(model.config, "_experts_implementation", None)
+    return f"transformers experts_implementation={impl!r}" if impl else "transformers' experts module (no " \
+        "experts_implementation in this transformers)"
+
+
+def transformers_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def markdown(records: list[dict], env: dict, generation: dict, replay: dict | None = None,
+             generation_experts: dict | None = None) -> str:
+    """The table; ``generation``: {model: tokens/s}; ``generation_experts``: {model: the experts implementation it
+    ran}; ``replay``: graph_replay_errors()."""
+    versions = f"torch {env['torch']}, triton {env['triton']}" + (
+        f", transformers {env['transformers']}" if env.get("transformers") else "")
     lines = [f"# Eager host time ({env['gpu']}, {env['date']})", "",
-             f"torch {env['torch']}, triton {env['triton']}. eager: {LOOP} back-to-back calls, one synchronize, "
+             f"{versions}. eager: {LOOP} back-to-back calls, one synchronize, "
              f"wall time / calls (median of {ROUNDS} loops); host: the same loops until the last call returns (the "
              "host's work alone); graph: the same call replayed in a CUDA graph; target: the host-time budget. "
-             "The host's speed varies between runs: the torch chain (the same code in every run) is its yardstick.",
-             "", "| op | preset | T | eager us/call | host us/call | target | graph us/call | eager / graph | kernels |",
+             "The host's speed varies between runs: the torch chain (the same code in every run) is its yardstick. "
+             "batched_experts (E x M rows): M = max(1, T*k/E) rows for every expert, E*M rows in all: not the "
+             "workload of fused_experts at the same T (at T=1 it reads all E experts, fused_experts k).",
+             "", "| op | preset | T | eager us/call | host us/call | target | graph us/call | eager / graph | "
+             "kernels |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ratio = f"{r['eager_us'] / r['graph_us']:.2f}" if r.get("graph_us") else "-"
         graph = f"{r['graph_us']:.1f}" if r.get("graph_us") else r.get("note", "-")
         budget = HOST_TARGET_US.get(r["op"])
         target = "-" if budget is None else f"{budget} ({'met' if r['host_us'] <= budget else '**missed**'})"
-        lines.append(f"| {r['op']} | {r['preset']} | {r['T']} | {r['eager_us']:.1f} | {r['host_us']:.1f} | {target} "
-                     f"| {graph} | {ratio} | {r['kernels']} |")
+        lines.append(f"| {op_label(r)} | {r['preset']} | {r['T']} | {r['eager_us']:.1f} | {r['host_us']:.1f} | "
+                     f"{target} | {graph} | {ratio} | {r['kernels']} |")
     if generation:
+        experts = generation_experts or {}
         lines += ["", "Greedy generation, eager, Qwen3-MoE at qwen3-30b-a3b's sizes, 2 layers, 64 tokens:", "",
-                  "| model | tokens/s |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in generation.items()]
+                  "| model | tokens/s | experts implementation |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.1f} | {experts.get(k, 'not recorded')} |" for k, v in generation.items()]
     if replay:
-        lines += ["", "Graph safety, qwen3-30b-a3b experts at T=16: captured on one routing, replayed on new inputs and "
-                  "routes, against the eager call on them (max relative error; 0 = the same bits):", "",
+        lines += ["", "Graph safety, qwen3-30b-a3b experts at T=16: captured on one routing, replayed on new inputs "
+                  "and routes, against the eager call on them (max relative error; 0 = the same bits):", "",
                   "| experts | replay vs eager |", "|---|---|"]
         lines += [f"| {k} | {v if isinstance(v, str) else f'{v:.3g}'} |" for k, v in replay.items()]
     return "\n".join(lines) + "\n"
@@ -291,15 +342,17 @@ def main(argv=None) -> None:
         print(graph_replay_errors())
         return
     records = run(args)
-    generation = {}
+    generation, generation_experts = {}, {}
     if args.generate:
-        generation = {"transformers": generate_tokens_per_s(False), "moekit patch()": generate_tokens_per_s(True)}
+        for label, patched in (("transformers", False), ("moekit patch()", True)):
+            generation[label], generation_experts[label] = generate_tokens_per_s(patched)
     replay = graph_replay_errors()
-    env = environment()
+    env = environment() | {"transformers": transformers_version()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "eager.json").write_text(json.dumps({"env": env, "records": records, "generate_tokens_per_s": generation,
-                                                     "graph_replay_max_rel_err": replay}, indent=1))
-    md = markdown(records, env, generation, replay)
+    (args.out / "eager.json").write_text(json.dumps(
+        {"env": env, "records": records, "generate_tokens_per_s": generation, "generate_experts": generation_experts,
+         "graph_replay_max_rel_err": replay}, indent=1))
+    md = markdown(records, env, generation, replay, generation_experts)
     (args.out / "eager.md").write_text(md)
     print(md)
 

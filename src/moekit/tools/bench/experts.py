@@ -8,9 +8,12 @@ plain torch grouped_mm pipeline. Uniform random routing (k distinct experts per 
 package is not installed is skipped with one line saying how to install it; the results name it.
 
 Timing: CUDA-graph replay (eager where an implementation cannot be captured; marked). For
-T <= 64 a graph of 8 consecutive calls cycling over 4 layers' weights (as consecutive layers of a
-model run), us per call = replay / 8; above, a graph of one call. Floors: bytes of the distinct
-experts hit at the copy rate, and 2*T*k*3*H*I FLOPs at the bf16 matmul rate measured in this run.
+T <= 64 a graph of 8 consecutive calls, each with its own routing and input, cycling over 4 layers'
+weights (as consecutive layers of a model run), us per call = replay / 8; above, a graph of one call.
+Floors (floors.py): the bytes the timed calls read and write at the copy rate (the distinct experts
+each call hits, mean over the calls, as stored, plus x and out), and 2*T*k*3*H*I FLOPs at the bf16
+matmul rate measured in this run. Outputs (checks.py): every implementation's, at every T, against
+float64 (every row up to T = 1024, 256 random rows above), against the bf16 budget of moekit.metrics.
 
   moekit bench --preset qwen3-30b-a3b --tokens 1 16 256 --plot experts.png
   python benchmarks/bench_experts.py --out benchmarks/results
@@ -32,10 +35,10 @@ import torch.nn.functional as F
 
 from ... import layouts, presets, reference
 from ...experts import fused_experts
-from ...metrics import rel_errors
+from ...metrics import experts_tolerance, within
 from .. import _argtypes
-from . import sglang_peer
-from .timing import COPY_BW, copy_rate_words, eager_time_us, environment, graph_time_us
+from . import checks, floors, sglang_peer
+from .timing import copy_rate_words, eager_time_us, environment, graph_time_us
 
 PRESETS = ["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"]
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -48,6 +51,10 @@ PEER_PACKAGES = {  # peer: (module it imports, distribution, how to install it)
     "liger": ("liger_kernel", "liger-kernel", BENCH_EXTRA),
     "sglang": ("sglang", "sglang", sglang_peer.INSTALL),
 }
+# Distributions a peer may run beside its own, recorded where installed: SGLang's CUDA alignment comes from
+# sgl_kernel (sglang-kernel) or is built with apache-tvm-ffi (sglang_peer.CudaAlign)
+PEER_EXTRA_DISTS = {"sglang": ("sglang-kernel", "apache-tvm-ffi")}
+DECODE_MAX_T, DECODE_CALLS = 64, 8  # up to this T a graph times this many calls (each its own routing)
 MAX_PEER_BYTES = 40e9  # a peer whose working set exceeds this is reported as out of memory, not run
 
 
@@ -91,9 +98,11 @@ def unavailable_peers(names) -> dict[str, str]:
 
 
 def peer_versions(names) -> dict[str, str]:
-    """{distribution: installed version} of the peers' packages (for the results)."""
+    """{distribution: installed version} of the packages the peers ``names`` run (for the results); torch and
+    triton are the environment's (timing.environment)."""
     out = {}
-    for dist in dict.fromkeys(PEER_PACKAGES[n][1] for n in names if n in PEER_PACKAGES):
+    dists = [d for n in names if n in PEER_PACKAGES for d in (PEER_PACKAGES[n][1], *PEER_EXTRA_DISTS.get(n, ()))]
+    for dist in dict.fromkeys(dists):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -112,9 +121,9 @@ def matmul_rate() -> float:
 class Layer:
     """One layer's expert weights in moekit's layout, plus the Hugging Face module over them."""
 
-    def __init__(self, spec, impl_names):
+    def __init__(self, spec, impl_names, device="cuda"):
         E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
-        dev, dt = "cuda", torch.bfloat16
+        dev, dt = device, torch.bfloat16
         self.spec = spec
         g = _gen(dev)
         self.w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g).mul_(H ** -0.5)
@@ -163,7 +172,8 @@ def _torch_grouped_mm(x, layer, tw, tid):
     T, k = tid.shape
     flat = tid.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.histc(flat.int() if flat.is_cuda else flat.float(), bins=spec.num_experts, min=0, max=spec.num_experts - 1)
+    counts = torch.histc(flat.int() if flat.is_cuda else flat.float(), bins=spec.num_experts, min=0,
+                         max=spec.num_experts - 1)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x[order // k]
     h = torch._grouped_mm(xs, layer.w13.transpose(1, 2), offs=offs)
@@ -251,14 +261,16 @@ EAGER_ONLY = {"hf_eager", "liger"}  # host syncs (nonzero, .item()): a capture a
 
 
 def make_cases(spec, T, layers) -> list[tuple]:
-    """(x, layer, topk_weights, topk_ids) per call: 8 calls cycling over the layers for T <= 64
-    (decode: a graph of consecutive layers), one call above."""
-    calls, used = (8, len(layers)) if T <= 64 else (1, 1)
-    reseed(f"{spec.name} T={T}")
+    """(x [T, H], layer, topk_weights [T, k], topk_ids [T, k]) per call, each with its own routing and input, on
+    the layers' device: DECODE_CALLS calls cycling over the layers for T <= DECODE_MAX_T (decode: a graph of
+    consecutive layers), one call above."""
+    calls, used = (DECODE_CALLS, len(layers)) if T <= DECODE_MAX_T else (1, 1)
+    device = layers[0].w13.device.type
+    reseed(f"{spec.name} T={T}", device)
     cases = []
     for i in range(calls):
-        tw, tid = routes(spec, T)
-        x = torch.randn(T, spec.hidden_size, device="cuda", generator=_gen("cuda")).bfloat16()
+        tw, tid = routes(spec, T, device)
+        x = torch.randn(T, spec.hidden_size, device=device, generator=_gen(device)).bfloat16()
         cases.append((x, layers[i % used], tw, tid))
     return cases
 
@@ -321,8 +333,9 @@ def save(args, records, rate, render=None):
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     result = {"env": env, "matmul_rate": rate}
-    if render is None:  # this benchmark's peers: which ran (and their versions), which were skipped and why
-        result |= {"peers": args.peers, "peer_versions": peer_versions(args.peers),
+    if render is None:  # this benchmark's peers: which ran (and their versions, in env too), which were skipped and why
+        env["peer_versions"] = peer_versions(args.peers)
+        result |= {"peers": args.peers, "peer_versions": env["peer_versions"],
                    "skipped_peers": getattr(args, "skipped_peers", {})}
     result["records"] = records
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
@@ -333,29 +346,55 @@ def save(args, records, rate, render=None):
     return md
 
 
+def make_layers(spec, n: int, impl_names, device="cuda") -> list[Layer]:
+    """``n`` layers of the preset's weights, drawn from the preset's own seed."""
+    reseed(f"{spec.name} weights", device)
+    return [Layer(spec, impl_names, device) for _ in range(n)]
+
+
+def floor_fields(spec, T, cases, rate) -> dict:
+    """The row's floor: the experts the timed calls hit (each call's distinct experts, and their mean), one
+    expert's bytes as stored (w13, w2 and any biases) and the floor (floors.py) with the bound that sets it."""
+    layer = cases[0][1]
+    hit, per_call = floors.experts_hit([tid for _, _, _, tid in cases])
+    per_expert = floors.expert_bytes(spec.num_experts, layer.w13, layer.w2, layer.b13, layer.b2)
+    floor, kind = floors.floor_us(spec, T, hit, per_expert, rate)
+    return {"experts_hit": hit, "experts_hit_per_call": per_call, "expert_bytes": per_expert, "floor_us": floor,
+            "floor_kind": kind}
+
+
+def _reference_fn(spec):
+    def ref(x, layer, tw, tid):
+        return reference.fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
+                                       w13_bias=layer.b13, w2_bias=layer.b2)
+    return ref
+
+
+def checked(args, T) -> bool:
+    """Whether this T's outputs are checked: every T unless --accuracy-tokens names some."""
+    tokens = getattr(args, "accuracy_tokens", None)
+    return tokens is None or T in tokens
+
+
 def run_preset(args, spec, rate, on_row, progress: Progress | None = None):
     """Every T of one preset, each row handed to ``on_row`` as it is measured; the weights are freed on return.
-    A peer that fails on a case is recorded as failed (with its error) and the run goes on."""
+    A peer that fails on a case is recorded as failed (with its error) and the run goes on. Every timed
+    implementation's output is checked against float64 on the timed calls (checks.py): ``{impl}_err`` (RMS) and
+    ``{impl}_max_err``, the worst over the calls."""
     progress = progress or Progress()
     name = spec.name
     n_layers = min(args.layers, 4)
-    reseed(f"{name} weights")
-    layers = [Layer(spec, args.peers) for _ in range(n_layers)]
+    layers = make_layers(spec, n_layers, args.peers)
     impls = implementations(spec, args.peers)
     for T in args.tokens:
         progress.case(name, T)
         cases = make_cases(spec, T, layers)
-        hit = torch.unique(cases[0][3]).numel()
-        expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 2
-        bw_floor = (hit * expert_bytes + 2 * T * spec.hidden_size * 2) / COPY_BW * 1e6
-        mm_floor = 2 * T * spec.top_k * 3 * spec.hidden_size * spec.intermediate_size / rate * 1e6
-        row = {"preset": name, "T": T, "layers": n_layers, "experts_hit": hit, "floor_us": max(bw_floor, mm_floor),
-               "floor_kind": "bytes" if bw_floor >= mm_floor else "flops"}
-        ref = None
-        if T in args.accuracy_tokens:
-            x, layer, tw, tid = cases[0]
-            ref = reference.fused_experts(x, layer.w13, layer.w2, tw, tid, activation=spec.activation,
-                                          w13_bias=layer.b13, w2_bias=layer.b2)
+        row = {"preset": name, "T": T, "layers": n_layers, **floor_fields(spec, T, cases, rate)}
+        rows, refs = None, None
+        if checked(args, T):
+            rows = checks.checked_rows(T, f"{name} T={T}")
+            refs = checks.references(_reference_fn(spec), cases, rows)
+            row["checked_rows"], row["checked_calls"] = checks.rows_words(T, rows), len(cases)
         for impl, fn in impls.items():
             why = supported(impl, spec, T)
             if why:
@@ -366,8 +405,6 @@ def run_preset(args, spec, rate, on_row, progress: Progress | None = None):
                 row |= {f"sglang_{k}": v for k, v in sglang_peer.load().describe(spec, T).items()}
             try:
                 us, mode = time_impl(impl, fn, cases)
-                if ref is not None:
-                    row[f"{impl}_err"] = rel_errors(fn(*cases[0]), ref)[1]
             except torch.OutOfMemoryError:
                 us, mode = None, "out of memory"
                 torch.cuda.empty_cache()
@@ -377,6 +414,8 @@ def run_preset(args, spec, rate, on_row, progress: Progress | None = None):
                 print(f"{name} T={T}: {impl} {row[f'{impl}_note']}", flush=True)
                 _settle()
             row[impl], row[f"{impl}_mode"] = us, mode
+            if us is not None and refs is not None:
+                check_impl(row, impl, fn, cases, refs, rows)
         timed = {p: row[p] for p in impls if p != "moekit" and row.get(p) is not None}
         if timed and row.get("moekit"):
             best = min(timed, key=timed.get)
@@ -384,8 +423,19 @@ def run_preset(args, spec, rate, on_row, progress: Progress | None = None):
             row["speedup_vs_best_peer"] = timed[best] / row["moekit"]
             row["floor_ratio"] = row["moekit"] / row["floor_us"]
         on_row(row)
-        del cases, ref
+        del cases, refs
         torch.cuda.empty_cache()
+
+
+def check_impl(row, impl, fn, cases, refs, rows) -> None:
+    """``row[f"{impl}_max_err"]``, ``row[f"{impl}_err"]`` (RMS) of ``fn`` on the timed calls; a check that fails
+    to run is a note, the time stays."""
+    try:
+        row[f"{impl}_max_err"], row[f"{impl}_err"] = checks.worst_errors(fn, cases, refs, rows)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory beside the references
+        row[f"{impl}_err_note"] = f"check failed: {_one_line(exc)}"
+        print(f"{row['preset']} T={row['T']}: {impl} {row[f'{impl}_err_note']}", flush=True)
+        _settle()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -404,13 +454,14 @@ def _settle() -> None:
 
 
 def _rates(r) -> tuple[float | None, float | None]:
-    """moekit's (TFLOP/s, GB/s of expert weights hit) for a record."""
+    """moekit's (TFLOP/s, GB/s of expert weights hit) for a record (records before ``expert_bytes``: bf16 w13 + w2)."""
     us = r.get("moekit")
     if not us:
         return None, None
     spec = presets.get(r["preset"])
     params = 3 * spec.hidden_size * spec.intermediate_size
-    return 2 * r["T"] * spec.top_k * params / us * 1e-6, r["experts_hit"] * params * 2 / us * 1e-3
+    weight_bytes = r["experts_hit"] * r.get("expert_bytes", params * 2)
+    return 2 * r["T"] * spec.top_k * params / us * 1e-6, weight_bytes / us * 1e-3
 
 
 def _fmt(v, digits=1):
@@ -437,6 +488,8 @@ def merge(paths, args):
     env = dict(runs[-1]["env"], date=" and ".join(sorted({r["env"]["date"] for r in runs})))
     rates = [r["matmul_rate"] for r in runs]
     versions = {k: v for run_ in runs for k, v in run_.get("peer_versions", {}).items()}
+    if versions:
+        env["peer_versions"] = versions
     # a peer skipped by one run but measured by another is not skipped in the merged table
     skipped = {k: v for run_ in runs for k, v in run_.get("skipped_peers", {}).items()
                if not any(r.get(k) is not None for r in records)}
@@ -453,21 +506,29 @@ NOTE_CELL = 28  # longer notes go below the table, numbered, so the table stays 
 
 
 def markdown(records, env, rate, impl_names, skipped=None, versions=None):
-    """The table of one run (or a merge); ``skipped``: {peer: why it did not run}; ``versions``: {package: version}."""
+    """The table of one run (or a merge); ``skipped``: {peer: why it did not run}; ``versions``: {package: version}
+    (default: the env block's peer_versions)."""
     cols = ["moekit"] + [p for p in impl_names if any(r.get(p) is not None or f"{p}_note" in r for r in records)]
-    layers = max((r.get("layers", 4) for r in records), default=4)  # records before this field used 4
+    versions = versions or env.get("peer_versions")
+    tol = experts_tolerance(torch.bfloat16)
     lines = [f"# Experts benchmark ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. bf16, uniform random routing.",
-             "us per fused_experts call (alignment and combine included). CUDA-graph replay: T <= 64 a graph of 8",
-             f"calls over {layers} layers' weights (replay / 8), above one call per graph; `(e)` = eager (cannot be",
-             f"captured). floor = max(bytes of the distinct experts hit + x + out at {copy_rate_words(env)}, FLOPs at the",
-             f"bf16 matmul rate measured in {_rate_words(rate)}). x floor = moekit / floor."]
+             "us per fused_experts call (alignment and combine included). CUDA-graph replay: T <= "
+             f"{DECODE_MAX_T} a graph of {DECODE_CALLS}",
+             f"calls, each with its own routing, over {_layers_words(records)}: us = replay / {DECODE_CALLS}; above, "
+             "one call per graph; `(e)` = eager (cannot be captured).",
+             "floor = max(bytes of the distinct experts each timed call hits (mean over the calls; w13, w2 and biases",
+             f"as stored) + x + out at {copy_rate_words(env)}, FLOPs at the bf16 matmul rate measured in",
+             f"{_rate_words(rate)}). x floor = moekit / floor."]
+    if any("experts_hit_per_call" not in r for r in records):
+        lines.append("Rows without experts_hit_per_call in the JSON (earlier runs): their floor counts the first "
+                     "timed call's experts only.")
     if versions:
         lines.append("Peer versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".")
     if skipped:
         lines.append("Peers skipped (not run): " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ".")
     lines += ["", "| preset | T | " + " | ".join(cols) + " | best peer / moekit | floor us | x floor | "
-              "moekit TFLOP/s | moekit GB/s | rel err moekit |",
+              "moekit TFLOP/s | moekit GB/s | moekit RMS err |",
               "|---|---|" + "---|" * (len(cols) + 6)]
     notes: list[str] = []
     for r in records:
@@ -487,11 +548,58 @@ def markdown(records, env, rate, impl_names, skipped=None, versions=None):
         lines.append(f"| {r['preset']} | {r['T']} | " + " | ".join(cells) +
                      f" | {_fmt(r.get('speedup_vs_best_peer'), 2)} | {_fmt(r['floor_us'])} ({r['floor_kind']}) | "
                      f"{_fmt(r.get('floor_ratio'), 2)} | {_fmt(tflops)} | {_fmt(gbps, 0)} | "
-                     f"{_fmt(r.get('moekit_err'), 5) if r.get('moekit_err') is not None else '-'} |")
+                     f"{checks.error_cell(r.get('moekit_err'), r.get('moekit_max_err'), tol)} |")
     if notes:
         lines += [""] + [f"[{i}] {text}" for i, text in enumerate(notes, 1)]
+    lines += _error_table(records, cols, tol)
     lines += _sglang_notes(records)
     return "\n".join(lines) + "\n"
+
+
+def _layers_words(records) -> str:
+    """What the decode graphs cycled over, as the rows ran (records before the ``layers`` field used 4): one
+    count, or the most common one and each other with its presets (and token counts where a preset has both)."""
+    decode = [r for r in records if r["T"] <= DECODE_MAX_T] or records
+    by_count: dict[int, list[dict]] = {}
+    for r in decode:
+        by_count.setdefault(r.get("layers", 4), []).append(r)
+    if len(by_count) <= 1:
+        return f"{next(iter(by_count), 4)} layers' weights"
+    main = max(by_count, key=lambda n: len(by_count[n]))
+    others = []
+    for n, rows in by_count.items():
+        if n == main:
+            continue
+        parts = []
+        for preset in dict.fromkeys(r["preset"] for r in rows):
+            ts = [r["T"] for r in rows if r["preset"] == preset]
+            whole = len(ts) == sum(r["preset"] == preset for r in decode)
+            parts.append(preset if whole else f"{preset} T = {', '.join(map(str, ts))}")
+        others.append(f"{n} for {'; '.join(parts)}")
+    return f"{main} layers' weights ({'; '.join(others)})"
+
+
+def _error_table(records, cols, tol) -> list[str]:
+    """Every implementation's RMS error against float64 per row that was checked, over budget in bold."""
+    checked_cols = [c for c in cols if any(r.get(f"{c}_err") is not None for r in records)]
+    rows = [r for r in records if any(r.get(f"{c}_err") is not None for c in checked_cols)]
+    if not rows:
+        return []
+    lines = ["", "Outputs against float64 (relative RMS error, the worst of the timed calls; every row up to "
+             f"T = {checks.FULL_CHECK_MAX_T}, {checks.SAMPLE_ROWS} rows drawn at random above). **Bold**: over the "
+             f"bf16 budget of moekit.metrics ({checks.budget_words(tol)}).", "",
+             "| preset | T | rows checked | " + " | ".join(checked_cols) + " |",
+             "|---|---|---|" + "---|" * len(checked_cols)]
+    for r in rows:
+        cells = [checks.error_cell(r.get(f"{c}_err"), r.get(f"{c}_max_err"), tol) if r.get(f"{c}_err") is not None
+                 else r.get(f"{c}_err_note", "-") for c in checked_cols]
+        what = r.get("checked_rows", "all, first call only")  # (earlier runs checked the first call)
+        lines.append(f"| {r['preset']} | {r['T']} | {what} | " + " | ".join(cells) + " |")
+    over = [(c, r["preset"], r["T"]) for c in checked_cols for r in rows
+            if r.get(f"{c}_err") is not None and not within(tol, r.get(f"{c}_max_err"), r[f"{c}_err"])]
+    if over:
+        lines += ["", checks.over_budget_words(over)]
+    return lines
 
 
 def _sglang_notes(records) -> list[str]:
@@ -524,8 +632,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=_argtypes.positive_int, default=4,
                    help="layers of weights a graph cycles through, so that no call finds its weights in L2 "
                         "(default: 4)")
-    p.add_argument("--accuracy-tokens", nargs="*", type=_argtypes.positive_token_count, default=[16, 1024],
-                   help="token counts whose outputs are also checked against float64 (default: 16 1024)")
+    p.add_argument("--accuracy-tokens", nargs="*", type=_argtypes.positive_token_count, default=None,
+                   help="token counts whose outputs are also checked against float64 (default: every --tokens "
+                        "value; none given: no check)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")),
                    help="folder for NAME.json and NAME.md (default: $OUT, else benchmarks/results)")
     p.add_argument("--name", default="experts", help="the result files' name (default: experts)")
