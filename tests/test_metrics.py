@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit.metrics import EXPERTS_TOL, W8A8_TOL, check_close, rel_errors
+from moekit.metrics import EXPERTS_TOL, check_close, rel_errors
 
 INF, NAN = float("inf"), float("nan")
 
@@ -23,14 +23,6 @@ INF, NAN = float("inf"), float("nan")
 def test_non_finite_values_compare_position_by_position(got, ref, passes, why):
     max_rel, rms_rel = rel_errors(torch.tensor(got), torch.tensor(ref))
     assert (max_rel == 0.0 and rms_rel == 0.0) if passes else (max_rel == INF and rms_rel == INF), why
-
-
-def test_an_fp8_output_one_and_a_half_percent_off_fails_its_budget():
-    # the W8A8 budget was 3e-2 RMS: a uniform scale error up to 2.9% passed
-    ref = torch.randn(64, 128, dtype=torch.float64)
-    with pytest.raises(AssertionError, match="rms_rel"):
-        check_close("x1.015", ref * 1.015, ref, W8A8_TOL)
-    check_close("x1.005", ref * 1.005, ref, W8A8_TOL)
 
 
 def test_empty_and_mismatched_shapes():

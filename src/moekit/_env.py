@@ -7,14 +7,18 @@ decodes the value, a microsecond or more per read, and an eager call reads sever
 
 from __future__ import annotations
 
+import itertools
 import os
 
 _BYTES_KEYS = os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict)
 # the usual spellings of "off" too: MOEKIT_BATCH_INVARIANT=false once turned the mode on
 _OFF_WORDS = ("", "0", "false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF")
 _OFF = frozenset((None, *_OFF_WORDS, *(w.encode() for w in _OFF_WORDS)))  # (a set: one hash per read)
-# Triton's own reading of its switches (triton.knobs, getenv_bool): these words in any case are on, all else off
-_TRITON_ON = frozenset(w for word in ("1", "true", "on", "yes", "y") for w in (word, word.encode()))
+# Triton's own reading of its switches (triton.knobs, getenv_bool): these words in any case are on, all else off. Every
+# spelling is in the set (not value.lower(): torch.compile cannot trace bytes.lower).
+_TRITON_ON = frozenset(w for word in ("1", "true", "on", "yes", "y")
+                       for spelling in itertools.product(*({c.lower(), c.upper()} for c in word))
+                       for w in ("".join(spelling), "".join(spelling).encode()))
 
 
 def _reader(name: str):
@@ -43,6 +47,5 @@ def triton_flag(name: str):
     read = _reader(name)
 
     def on() -> bool:
-        value = read()
-        return value is not None and value.lower() in _TRITON_ON
+        return read() in _TRITON_ON
     return on
