@@ -363,6 +363,18 @@ def lora_variants():
                 lambda x=x, ids=ids, w13=w13, w2=w2, dense=dense, cfg=cfg, s=spec: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg,
                     lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
+        if name == "qwen3-30b-a3b":  # both terms with GEMV1's registers capped (experts/lora.py DECODE_TERMS_MAXNREG)
+            x, ids = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.int32)
+
+            def capped(x=x, ids=ids, w13=w13, w2=w2, dense=dense, s=spec):
+                from moekit.experts import lora as expert_lora
+                expert_lora.DECODE_TERMS_MAXNREG = 168
+                try:
+                    fused_experts(x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton",
+                                  config=gemv, lora=dense, lora_ids=torch.zeros(1, dtype=torch.int32))
+                finally:
+                    expert_lora.DECODE_TERMS_MAXNREG = None
+            yield f"lora {name} T=1 decode terms in the GEMVs, GEMV1 maxnreg 168", capped
         # 4-bit weights: GEMV1 on the rows kernel (one pair per program, 1024-code chunks) with the terms inside
         # (the H200 table's qwen3-30b-a3b NVFP4 T=4 shape; gpt-oss-120b's 360 column blocks take the separate kernels)
         rows = ExpertsConfig(16, GemmConfig(8, 1024, 4, 2, row_scaled=True), GemmConfig(8, 256, 4, 1, slots=0),

@@ -5,6 +5,7 @@ shrink launched before GEMV1, W2's a reduction across GEMV1's programs that GEMV
 GEMV1's K loop was timed against its launch with this script and was slower: commit ea7e20d has both.)
 
     python benchmarks/experiments/lora_decode_split.py --out $OUT         (about 60 s)
+    python benchmarks/experiments/lora_decode_split.py --maxnreg 168 --out $OUT   (and both terms at 168 registers)
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 
 from moekit import FusedMoE, presets
 from moekit.experts import ExpertsLoRA, fused_experts
+from moekit.experts import lora as expert_lora
 from moekit.tools.bench.lora import lora_ids, random_lora
 from moekit.tools.bench.timing import archive_stem, environment, graph_time_us, kernel_times_us, write_results
 
 
-def split(name: str, rank: int = 16) -> list[dict]:
+def split(name: str, rank: int = 16, maxnreg: int | None = None) -> list[dict]:
     spec = presets.get(name)
     torch.manual_seed(0)
     layer = FusedMoE(spec, dtype=torch.bfloat16, device="cuda")
@@ -34,8 +36,12 @@ def split(name: str, rank: int = 16) -> list[dict]:
         tw, tid = layer.route(x)
         ids = lora_ids(1, 1)
         kw = dict(activation=spec.activation, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
-        for label, lora in variants.items():
+        runs = list(variants.items())
+        if maxnreg:  # both terms again with GEMV1's registers capped (experts/lora.py DECODE_TERMS_MAXNREG)
+            runs.append((f"both terms, GEMV1 maxnreg {maxnreg}", full))
+        for label, lora in runs:
             extra = {} if lora is None else dict(lora=lora, lora_ids=ids)
+            expert_lora.DECODE_TERMS_MAXNREG = maxnreg if "maxnreg" in label else None
 
             def call(extra=extra):
                 return fused_experts(x, layer.w13, layer.w2, tw, tid, **kw, **extra)
@@ -45,6 +51,7 @@ def split(name: str, rank: int = 16) -> list[dict]:
                    "kernels_us": {k: round(t, 1) for k, t, _ in kernel_times_us(call, 10)}}
             records.append(rec)
             print(f"{name} T=1 {label:10s} {rec['graph_us']:7.1f} us | {rec['kernels_us']}", flush=True)
+        expert_lora.DECODE_TERMS_MAXNREG = None
     return records
 
 
@@ -52,8 +59,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-120b"], choices=presets.names())
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--maxnreg", type=int, help="also both terms with GEMV1's registers capped at this (e.g. 168: three "
+                   "4-warp programs per SM)")
     args = p.parse_args()
-    records = [r for name in args.preset for r in split(name)]
+    records = [r for name in args.preset for r in split(name, maxnreg=args.maxnreg)]
     env = environment()
     write_results(args.out, archive_stem("lora_decode_split", env), env, records, markdown(env, records))
 

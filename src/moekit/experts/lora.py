@@ -412,6 +412,11 @@ def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_depen
 
 # ------------------------------------------------------------------------------ decode terms inside the GEMVs
 DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program (4 warps); past it, the kernels above
+# GEMV1's register cap with both terms inside (None: the compiler's). Both terms take qwen3-30b-a3b's GEMV1 from 168 to
+# 204 registers at T=1 (sm_90 compile, 2026-12-07): 2 programs per SM instead of 3, so its 384 programs run in two
+# waves, where either term alone keeps one (GEMV1 27.6 us against 20.5 / 22.1 on an H100). 168 keeps 3 per SM;
+# off until a GPU A/B measures it (benchmarks/experiments/lora_decode_split.py --maxnreg).
+DECODE_TERMS_MAXNREG: int | None = None
 
 
 @dataclass(frozen=True)
@@ -493,7 +498,8 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
         (parts1, b13, a2, parts2, counters, lora.scaling, lora_ids, n, r1, r2),
         dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
              LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence,
-             **({"launch_pdl": True} if pdl and r1 else {})),
+             **({"launch_pdl": True} if pdl and r1 else {}),
+             **({"maxnreg": DECODE_TERMS_MAXNREG} if DECODE_TERMS_MAXNREG and r1 and r2 else {})),
         (parts2, b2, lora_ids, n, r2, blocks),
         dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad),
         launch_shrink,
