@@ -648,6 +648,29 @@ def test_fused_moe_sees_a_write_into_a_scaling_it_converted():
                                                                 lora_ids=lids), EXPERTS_TOL[torch.float32])
 
 
+def test_a_converted_lora_scaling_keeps_its_buffer_and_compiles():
+    # the buffer was swapped for its converted copy inside forward: a state_dict saved before no longer loaded, and
+    # under inference_mode the buffer became an inference tensor; the CPU finiteness check broke torch.compile
+    layer = FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+    spec = layer.spec
+    layer.load_lora(_lora(2, spec.num_experts, spec.hidden_size, spec.intermediate_size, 4, torch.float32))
+    layer.lora_scaling = torch.tensor(2.0)
+    saved = layer.state_dict()
+    x, lids = torch.randn(5, spec.hidden_size), torch.tensor([0, 1, -1, 1, 0], dtype=torch.int32)
+    with torch.inference_mode():
+        want = layer(x, lora_ids=lids)
+    assert layer.lora_scaling.shape == () and not layer.lora_scaling.is_inference()
+    layer.load_state_dict(saved)
+    torch._dynamo.reset()
+    fresh = FusedMoE.from_preset("qwen3-30b-a3b", dtype=torch.float32, scaled=True)
+    fresh.load_state_dict(layer.state_dict(), strict=False)
+    fresh.load_lora(layer.expert_lora())
+    fresh.lora_scaling = torch.tensor(2.0)
+    with torch.no_grad():  # the adapters built inside the compiled call
+        got = torch.compile(fresh, fullgraph=True)(x, lora_ids=lids)
+    check_close("compiled", got, want, FP32_REORDERED)
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 GPU_PRESETS = ["qwen3-30b-a3b", "gpt-oss-120b"]
 

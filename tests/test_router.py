@@ -364,7 +364,8 @@ def test_gatelinear_reads_its_lora_scale_once_under_inference_mode():
     with torch.inference_mode():
         gate = GateLinear(H, E, params_dtype=torch.float32)
         gate.set_lora(torch.randn(2, H), torch.randn(E, 2), scale=0.5)
-        gate = gate.to(torch.float64).to(torch.float32)  # buffers become inference tensors
+        gate.lora_scale = torch.tensor(0.5)  # a scale assigned (or loaded) under inference_mode: no version counter
+        assert gate.lora_scale.is_inference()
         first = gate.lora
         assert first.scale == 0.5 and gate.lora is first  # cached: no second read
         gate.lora_scale.fill_(2.0)  # a write inside inference_mode is still seen

@@ -8,7 +8,7 @@ from torch import nn
 
 from . import _invariant
 from . import presets as _presets
-from ._checks import check_shape, check_tensor
+from ._checks import check_shape, check_tensor, tensor_version
 from .experts import ExpertsLoRA, check_act_quant, fused_experts
 from .experts.api import check_quantized_stack
 from .experts.lora import check_call as check_lora
@@ -229,15 +229,14 @@ class FusedMoE(nn.Module):
         if self._buffers.get(_LORA_SCALING) is None:  # no adapters: the common case, on every forward
             return None
         parts = tuple(self._buffers.get(f"lora_{field}") for field in _LORA_PARTS)
+        scaling_version = tensor_version(parts[-1])
         cached = self._lora
-        if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
-            lora = ExpertsLoRA(*parts)
-            if lora.scaling is not parts[-1]:
-                # The adapters read a converted copy (fp32 [adapters], contiguous): the module keeps that copy, so that
-                # an in-place write to its lora_scaling still reaches the calls.
-                self._buffers[_LORA_SCALING] = lora.scaling
-                parts = (*parts[:-1], lora.scaling)
-            cached = self._lora = (parts, lora)
+        if (cached is None or any(a is not b for a, b in zip(cached[0], parts))
+                or (cached[1].scaling is not parts[-1] and (scaling_version is None or cached[2] != scaling_version))):
+            # A lora_scaling the adapters take as it is (fp32 [adapters], contiguous) is read by every call; one they
+            # convert (0-dim, another dtype, strided) is a copy, made again after each write torch sees (or every
+            # call for an inference tensor, which keeps no version).
+            cached = self._lora = (parts, ExpertsLoRA(*parts), scaling_version)
         return cached[1]
 
     def route(self, x2: torch.Tensor, *, replay_ids: torch.Tensor | None = None,

@@ -129,7 +129,8 @@ def _scaling(value, n: int, device: torch.device) -> torch.Tensor:
             raise ValueError(f"lora.scaling must be on the adapters' device {device}, got {value.device}")
         if value.shape not in ((), (n,)):
             raise ValueError(f"lora.scaling must have shape ({n},) (one per adapter) or (), got {tuple(value.shape)}")
-        if value.device.type == "cpu" and not torch.isfinite(value).all():  # (a GPU tensor's values: a sync)
+        # (a GPU tensor's values: a sync; under torch.compile a branch on values breaks the graph)
+        if value.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.isfinite(value).all():
             raise TypeError(f"lora.scaling must hold finite values, got {value.tolist()}")
         if value.dtype == torch.float32 and value.shape == (n,) and value.is_contiguous():
             return value
