@@ -377,17 +377,22 @@ def test_explain_names_the_tiles_the_kernels_launch(monkeypatch, recipe, act_qua
     triton = next(b for b in backends.BACKENDS if b.name == "triton")
     monkeypatch.setattr(backends, "select_backend", lambda call, backend="auto": triton)  # as on a GPU
     line = cli.explain_experts(spec, T, torch.device("cpu"), dtype=torch.float16, recipe=recipe)
-    seen = {}
+    from moekit._launch import Launcher
+
+    gemm = {}  # the Launcher objects of the GEMM and GEMV kernels: which GEMM each computes
     for name in ("gemm1_act_kernel", "gemm2_kernel", "gemm2_tokens_kernel", "gemv1_act_kernel", "gemv1_rows_kernel",
                  "gemv2_rows_kernel", "gemv2_tokens_kernel"):
         launcher = getattr(triton_backend, name, None)
-        if launcher is None:
-            continue
+        if launcher is not None:
+            gemm[id(launcher)] = "gemm1" if "1" in name else "gemm2"
+    seen = {}
+    real = Launcher.launch
 
-        def record(grid, args, kwargs, _launch=launcher.launch, _gemm="gemm1" if "1" in name else "gemm2"):
-            seen[_gemm] = (kwargs["BLOCK_N"], kwargs["BLOCK_K"])
-            return _launch(grid, args, kwargs)
-        monkeypatch.setattr(launcher, "launch", record)
+    def record(self, grid, args, kwargs):  # (on the class: an instance attribute would outlive the test)
+        if id(self) in gemm:
+            seen[gemm[id(self)]] = (kwargs["BLOCK_N"], kwargs["BLOCK_K"])
+        return real(self, grid, args, kwargs)
+    monkeypatch.setattr(Launcher, "launch", record)
     w13 = quantize_experts(torch.randn(E, 2 * I, H) * 0.05, recipe)
     w2 = quantize_experts(torch.randn(E, H, I) * 0.05, recipe)
     x, tw = torch.randn(T, H, dtype=torch.float16), torch.rand(T, k)
