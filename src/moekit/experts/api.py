@@ -22,7 +22,7 @@ from ..presets import ACTIVATIONS
 from . import backends
 from .backends import ExpertsCall, select_backend
 from .configs import ExpertsConfig
-from .lora import _PARTS as LORA_PARTS, ExpertsLoRA, check_call as check_lora
+from .lora import ExpertsLoRA, check_call as check_lora
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -336,12 +336,13 @@ def _read_by_lora(lora) -> dict:
     """The adapters' stacks and scaling (GEMM2 writes out before the W2 term reads them in the decode modes)."""
     if lora is None:
         return {}
-    return {f"lora.{name}": getattr(lora, name) for name in (*LORA_PARTS, "scaling") if getattr(lora, name) is not None}
+    return {f"lora.{name}": getattr(lora, name) for name in ("w13_a", "w13_b", "w2_a", "w2_b", "scaling")
+            if getattr(lora, name) is not None}
 
 
 def _lora_tensors(lora) -> tuple:
     """The adapters' stacks, for the gradients warning (training adapters asks for gradients through them)."""
-    return () if lora is None else tuple(t for t in map(lora.__getattribute__, LORA_PARTS) if t is not None)
+    return () if lora is None else tuple(t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None)
 
 
 def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
