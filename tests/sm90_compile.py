@@ -190,6 +190,16 @@ def expert_variants():
         yield f"slots decode {name}", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=slots: fused_experts(
             x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
 
+    # the H100 table's gpt-oss-120b bf16 T=1 entry: its GEMV1 (211 registers uncapped) at GemmConfig.maxnreg 168
+    spec = presets.get("gpt-oss-120b")
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    capped = ExpertsConfig(16, GemmConfig(16, 256, 4, 1, maxnreg=168), GemmConfig(8, 1024, 4, 1, slots=1),
+                           mode="gemv", pdl=True)
+    w13, w2 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
+    x, ids = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, spec.top_k, dtype=torch.int32)
+    yield "capped decode gpt-oss-120b maxnreg 168", lambda x=x, ids=ids, w13=w13, w2=w2, s=spec: fused_experts(
+        x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=capped)
+
     # row-scaled decode (GemmConfig.row_scaled): MXFP4 with interleaved rows, NVFP4 with [gate; up] halves
     from moekit.formats import nvfp4
     for name, mod in (("gpt-oss-120b", mxfp4), ("qwen3-30b-a3b", nvfp4)):
@@ -363,18 +373,16 @@ def lora_variants():
                 lambda x=x, ids=ids, w13=w13, w2=w2, dense=dense, cfg=cfg, s=spec: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=cfg,
                     lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
-        if name == "qwen3-30b-a3b":  # both terms with GEMV1's registers capped (experts/lora.py DECODE_TERMS_MAXNREG)
+        # GEMV1's register cap with both terms (experts/lora.py DECODE_TERMS_MAXNREG) up to its padded rank, and the
+        # ranks on either side of that limit
+        for r in (8, 32, 64):
+            wide = ExpertsLoRA(*(torch.empty(2, E, *shape, dtype=torch.bfloat16)
+                                 for shape in ((r, H), (2 * I, r), (r, I), (H, r))), scaling=[1.0] * 2)
             x, ids = torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.int32)
-
-            def capped(x=x, ids=ids, w13=w13, w2=w2, dense=dense, s=spec):
-                from moekit.experts import lora as expert_lora
-                expert_lora.DECODE_TERMS_MAXNREG = 168
-                try:
-                    fused_experts(x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton",
-                                  config=gemv, lora=dense, lora_ids=torch.zeros(1, dtype=torch.int32))
-                finally:
-                    expert_lora.DECODE_TERMS_MAXNREG = None
-            yield f"lora {name} T=1 decode terms in the GEMVs, GEMV1 maxnreg 168", capped
+            yield f"lora {name} T=1 decode terms in the GEMVs r={r}", \
+                lambda x=x, ids=ids, w13=w13, w2=w2, wide=wide, s=spec: fused_experts(
+                    x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=gemv,
+                    lora=wide, lora_ids=torch.zeros(1, dtype=torch.int32))
         # 4-bit weights: GEMV1 on the rows kernel (one pair per program, 1024-code chunks) with the terms inside
         # (the H200 table's qwen3-30b-a3b NVFP4 T=4 shape; gpt-oss-120b's 360 column blocks take the separate kernels)
         rows = ExpertsConfig(16, GemmConfig(8, 1024, 4, 2, row_scaled=True), GemmConfig(8, 256, 4, 1, slots=0),

@@ -95,6 +95,8 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
      "CUDA-core GEMM2, a loop per slot for dense weights"),
     (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), mode="gemv", split_slots=True),
      "CUDA-core GEMM2 per pair into fp32 rows, the slots summed by the combine"),
+    (ExpertsConfig(16, GemmConfig(16, 32, maxnreg=168), GemmConfig(32, 16, maxnreg=168), mode="gemv"),
+     "CUDA-core kernels with a register cap (a launch option: the same sums)"),
 ])
 def test_every_block_shape(config, why):
     # 40 tokens fill several row blocks; the per-pair modes launch per (token, slot), so 13 tokens (39 pairs,
@@ -414,6 +416,17 @@ def test_gpu_decode_modes(per_pair, T, E, H, I, k, act, biases, why):
     tile = GemmConfig(block_n=32, block_k=128, num_stages=4)
     _run_case("triton", torch.bfloat16, T, E, H, I, k, act, biases, why, device="cuda",
               config=ExpertsConfig(16, tile, tile, mode="per_pair" if per_pair else "aligned"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2])
+def test_gpu_gemv_with_registers_capped(T):
+    # gpt-oss-120b's GEMV1 builds in 211 registers: capped at 168 (3 programs per SM), the kernels the H100 table
+    # entry runs, dependent launch included
+    cfg = ExpertsConfig(16, GemmConfig(16, 256, 4, 1, maxnreg=168), GemmConfig(8, 1024, 4, 1, slots=1), mode="gemv",
+                        pdl=True)
+    _run_case("triton", torch.bfloat16, T, 128, 2880, 2880, 4, "swiglu_oai", True, "gpt-oss-120b decode, capped",
+              device="cuda", config=cfg)
 
 
 @pytest.mark.gpu
@@ -776,6 +789,9 @@ _GPU_4BIT_CONFIGS = {
     "CUDA-core, GEMM2 per pair on the rows kernel, dependent": ExpertsConfig(
         16, GemmConfig(16, 512), GemmConfig(32, 256, 4, 2, row_scaled=True), mode="gemv", split_slots=True,
         pdl=True),
+    # 3 programs of 4 warps per SM where the compiler would take more registers (gpt-oss-120b's bf16 GEMV1)
+    "CUDA-core, registers capped at 168": ExpertsConfig(16, GemmConfig(16, 512, maxnreg=168),
+                                                        GemmConfig(32, 256, maxnreg=168), mode="gemv"),
     "aligned": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64)),
 }
 
@@ -1407,6 +1423,26 @@ def test_gpu_w4a8_tiles_equal_the_recoding_bit_for_bit():
         assert torch.allclose(y[0] / h, want[i], rtol=1e-5, atol=0), i
 
 
+@pytest.mark.parametrize("cap", [0, 16, 256, True, 168.0, "168"])
+def test_gemv_register_cap_must_be_an_int_ptxas_takes(cap):
+    with pytest.raises(ValueError, match="GemmConfig.maxnreg"):
+        GemmConfig(8, 512, maxnreg=cap)
+
+
+def test_gemv_register_cap_reaches_every_decode_kernel_launch_and_round_trips_the_table_form():
+    capped = GemmConfig(16, 256, maxnreg=168)
+    cfg = ExpertsConfig(16, capped, capped, mode="gemv")
+    assert ExpertsConfig.from_dict(cfg.to_dict()) == cfg
+    tb = _experts_triton
+    assert tb._gemv1_constants("dense", torch.bfloat16, capped, 4, "silu_and_mul", False, False, False,
+                               False)[3]["maxnreg"] == 168
+    assert tb._gemv1_rows_constants("mxfp4", replace(capped, row_scaled=True), "silu_and_mul", False, False, False,
+                                    False)["maxnreg"] == 168
+    assert tb._gemv2_constants("dense", torch.bfloat16, capped, 4, False, False, False)[2]["maxnreg"] == 168
+    assert "maxnreg" not in tb._gemv1_constants("dense", torch.bfloat16, GemmConfig(16, 256), 4, "silu_and_mul",
+                                                False, False, False, False)[3]
+
+
 @pytest.mark.parametrize("slots", [-1, 3, 6])
 def test_gemv_slots_must_be_a_power_of_two(slots):
     with pytest.raises(ValueError, match="GemmConfig.slots"):
@@ -1420,6 +1456,8 @@ def test_gemv_slots_must_be_a_power_of_two(slots):
     ("aligned", "gemm2", {"slots": 2}, "slots are the CUDA-core kernels' pairs per program"),
     ("aligned", "gemm1", {"packed": True}, "fp16x2 products are the CUDA-core kernels'"),
     ("per_pair", "gemm1", {"row_scaled": True}, "the rows kernel is a CUDA-core GEMM1"),
+    ("aligned", "gemm1", {"maxnreg": 168}, "the register cap is the CUDA-core kernels' (tensor-core tiles are tuned "
+                                           "by their warps and stages)"),
 ])
 def test_a_switch_set_under_another_mode_is_refused(mode, gemm, switch, why):
     plain = GemmConfig(16, 64)

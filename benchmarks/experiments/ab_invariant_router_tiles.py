@@ -38,7 +38,7 @@ def forced_config(block_t: int, block_r: int, fold: bool, token_finish: bool = F
     without routing or LoRA finishes groups of tokens at once (the heuristic's finishing groups) instead of one token
     at a time: its finishing step only adds each split's partial sums in split order, an elementwise sum whose bits
     no layout changes (routing and the LoRA term reduce across a tile, so they keep one token)."""
-    def config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms=132):
+    def config(num_tokens, hidden, num_experts, rank, fuse_topk, num_sms=132, ieee=False):
         splits, per_split = tiers.invariant_splits(hidden)
         folded = fold and splits > 1
         fin_t = None if token_finish and not fuse_topk and not rank else 1

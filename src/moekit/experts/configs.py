@@ -74,6 +74,12 @@ class GemmConfig:
     kernels/gemv1_rows.py, 2 * block_n rows of w13 per program in their stored order (slots and packed do not
     apply). GEMM2: its loop per slot, each slot's h row scaled (slots and packed do not apply). Dense weights and
     fp32 activations ignore it."""
+    maxnreg: int | None = None
+    """On the CUDA cores (mode "gemv"): the kernels' registers per thread at most (Triton's ``maxnreg``; None: the
+    compiler's choice). A decode GEMV of 4 warps at 169-255 registers fits 2 programs per SM, at 168 or fewer 3:
+    more bytes in flight, a tighter schedule. gpt-oss-120b's bf16 GEMV1 builds in 211 for sm_90; capped at 168, its
+    T=1 call took 72.3 us against 74.8 on an H100
+    (benchmarks/results/archive/ab_decode_maxnreg_h100_2026-12-07.md). A cap below a kernel's need spills."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):  # tl.arange and warp counts take powers of two
@@ -82,6 +88,9 @@ class GemmConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GemmConfig.{name}: expected an int >= 1, got {value!r}")
+        if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
+                                         or not 24 <= self.maxnreg <= 255):
+            raise ValueError(f"GemmConfig.maxnreg: expected None or an int in [24, 255], got {self.maxnreg!r}")
         if self.slots is not None and (self.slots < 0 or self.slots & (self.slots - 1)):
             raise ValueError(f"GemmConfig.slots: expected None, 0 or a power of two, got {self.slots}")
 
@@ -99,7 +108,8 @@ def four_bit_block_k(cfg: GemmConfig, tiles: int = 1) -> int:
 MODES = ("aligned", "per_pair", "gemv")
 # GemmConfig switches and the modes whose kernels read them
 _SWITCH_MODES = {"tma": ("aligned", "per_pair"), "half_tails": ("aligned",), "scales_ahead": ("aligned", "per_pair"),
-                 "slots": ("gemv",), "packed": ("gemv",), "row_scaled": ("gemv",)}
+                 "slots": ("gemv",), "packed": ("gemv",), "row_scaled": ("gemv",),
+                 "maxnreg": ("gemv",)}
 
 
 @dataclass(frozen=True)

@@ -413,11 +413,15 @@ def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_depen
 
 # ------------------------------------------------------------------------------ decode terms inside the GEMVs
 DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program (4 warps); past it, the kernels above
-# GEMV1's register cap with both terms inside (None: the compiler's). Both terms take qwen3-30b-a3b's GEMV1 from 168 to
-# 204 registers at T=1 (sm_90 compile, 2026-12-07): 2 programs per SM instead of 3, so its 384 programs run in two
-# waves, where either term alone keeps one (GEMV1 27.6 us against 20.5 / 22.1 on an H100). 168 keeps 3 per SM;
-# off until a GPU A/B measures it (benchmarks/experiments/lora_decode_split.py --maxnreg).
-DECODE_TERMS_MAXNREG: int | None = None
+# GEMV1's register cap with both terms inside. Both terms take qwen3-30b-a3b's GEMV1 from 168 to 204 registers at
+# T=1 (sm_90 compile, 2026-12-07): 2 programs per SM instead of 3, so its 384 programs run in two waves where either
+# term alone keeps one. Capped, it builds in 159 without spills (tests/sm90_compile.py checks every decode-terms
+# variant it builds), and the call with one rank-16 adapter on an H100 went from +36% to +21% over the call without
+# (qwen3-30b-a3b T=1) and from +13% to +7% (gpt-oss-120b, whose GEMV1 sits at 211 with or without terms):
+# benchmarks/results/archive/ab_decode_maxnreg_h100_2026-12-07.md. Past DECODE_TERMS_MAXNREG_RANK (padded) the
+# terms' tiles need registers of their own, and the compiler's choice stays.
+DECODE_TERMS_MAXNREG: int | None = 168
+DECODE_TERMS_MAXNREG_RANK = 32
 
 
 @dataclass(frozen=True)
@@ -500,7 +504,8 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
         dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
              LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence,
              **({"launch_pdl": True} if pdl and r1 else {}),
-             **({"maxnreg": DECODE_TERMS_MAXNREG} if DECODE_TERMS_MAXNREG and r1 and r2 else {})),
+             **({"maxnreg": DECODE_TERMS_MAXNREG} if DECODE_TERMS_MAXNREG and r1 and r2
+                and max(r1_pad, r2_pad) <= DECODE_TERMS_MAXNREG_RANK else {})),
         (parts2, b2, lora_ids, n, r2, blocks),
         dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad),
         launch_shrink,

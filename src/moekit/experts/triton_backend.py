@@ -512,7 +512,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
                                           delta is not None, pdl, w.pairs)
         if terms is not None:
             terms.launch_shrink()
-            constants = {**constants, **terms.gemv1_constants}
+            constants = _with_terms(constants, terms, cfg)
         args = _gemv1_rows_args(_plain_x_args(x), w_args, b13, x, h, delta, ids, expert_map, top_k, num_global,
                                 w.shape[0], inter, hidden, step, up_off, terms.gemv1_args if terms else None)
         grid = (ids.numel() * _triton.cdiv(inter, cfg.block_n),)
@@ -533,7 +533,7 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
     if terms is not None:
         terms.launch_shrink()
-        constants = {**constants, **terms.gemv1_constants}
+        constants = _with_terms(constants, terms, cfg)
     args = _gemv1_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, w.shape[0], inter,
                        hidden, step, up_off, terms.gemv1_args if terms else None)
     kernel = gemv1_act_kernel.launch((programs,), args, constants)
@@ -587,7 +587,22 @@ def _gemv1_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, to
     return slots, packed, block_k, Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation], HAS_DELTA=has_delta,
         FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n, BLOCK_K=block_k, HALVES_ASM=_PTX, PDL=pdl,
-        SLOTS=slots, PACKED=packed, W4_PAIRS=pairs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SLOTS=slots, PACKED=packed, W4_PAIRS=pairs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_register_cap(cfg))
+
+
+def _with_terms(constants, terms: expert_lora.DecodeTerms, cfg: GemmConfig) -> dict:
+    """GEMV1's launch keywords with the adapters' terms inside: the lower of the two register caps where both set
+    one."""
+    merged = {**constants, **terms.gemv1_constants}
+    if cfg.maxnreg is not None and "maxnreg" in terms.gemv1_constants:
+        merged["maxnreg"] = min(cfg.maxnreg, terms.gemv1_constants["maxnreg"])
+    return merged
+
+
+def _register_cap(cfg: GemmConfig) -> dict:
+    """A decode GEMV's ``maxnreg`` launch option where its config caps the registers (GemmConfig.maxnreg)."""
+    return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
 def gemv1_slots(cfg: GemmConfig, top_k: int) -> int:
@@ -632,7 +647,7 @@ def _gemv1_rows_constants(weight_format: str, cfg: GemmConfig, activation: str, 
         HAS_BIAS=has_bias, HAS_MAP=has_map, ACTIVATION=ACTIVATION_IDS[activation], FORMAT=FORMAT_IDS[weight_format],
         BLOCK_N=cfg.block_n, BLOCK_K=_gemv_block_k(weight_format, cfg.block_k), XBLOCK=GEMV_ROW_XBLOCK,
         HALVES_ASM=_PTX, PDL=pdl, HAS_DELTA=has_delta, W4_PAIRS=pairs, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **_register_cap(cfg))
 
 
 SCALED_FP16_BLOCK = 256  # activations per program of the fp16 preparation
@@ -764,7 +779,7 @@ def _gemv2_rows_constants(weight_format: str, cfg: GemmConfig, has_bias: bool, h
     return Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n,
         BLOCK_K=_gemv_block_k(weight_format, cfg.block_k), XBLOCK=GEMV_ROW_XBLOCK, HALVES_ASM=_PTX, PDL=pdl,
-        W4_PAIRS=pairs, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W4_PAIRS=pairs, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg))
 
 
 def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, num_local, hidden, inter,
@@ -786,7 +801,7 @@ def _gemv2_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, to
     return packed, block_k, Constants(
         HAS_BIAS=has_bias, HAS_MAP=has_map, FORMAT=FORMAT_IDS[weight_format], BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         HALVES_ASM=_PTX, SLOTS=slots, PDL=pdl, PACKED=packed, ROW_SCALED=row_scaled, XBLOCK=GEMV_ROW_XBLOCK,
-        W4_PAIRS=pairs, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W4_PAIRS=pairs, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg))
 
 
 def align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local: int, block_m: int,
