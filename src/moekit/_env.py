@@ -14,6 +14,8 @@ _BYTES_KEYS = os.name == "posix" and isinstance(getattr(os.environ, "_data", Non
 # the usual spellings of "off" too: MOEKIT_BATCH_INVARIANT=false once turned the mode on
 _OFF_WORDS = ("", "0", "false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF")
 _OFF = frozenset((None, *_OFF_WORDS, *(w.encode() for w in _OFF_WORDS)))  # (a set: one hash per read)
+_ON_WORDS = ("1", "true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON")
+_ON = frozenset((*_ON_WORDS, *(w.encode() for w in _ON_WORDS)))
 # Triton's own reading of its switches (triton.knobs, getenv_bool): these words in any case are on, all else off. Every
 # spelling is in the set (not value.lower(): torch.compile cannot trace bytes.lower).
 _TRITON_ON = frozenset(w for word in ("1", "true", "on", "yes", "y")
@@ -35,10 +37,21 @@ def _reader(name: str):
 
 
 def flag(name: str):
-    """``flag(NAME)() -> bool``: whether the variable is set to anything but "", "0", "false", "no" or "off" (in
-    lower, upper or title case), at the time of the call."""
+    """``flag(NAME)() -> bool``: the variable at the time of the call: on for "1", "true", "yes" or "on", off for
+    unset, "", "0", "false", "no" or "off" (the words in lower, upper or title case); any other value raises a
+    ValueError naming the variable (a typo such as "ture" or "o" must not pick a mode silently)."""
     read = _reader(name)
-    return lambda: read() not in _OFF
+
+    def on() -> bool:
+        value = read()
+        if value in _OFF:
+            return False
+        if value in _ON:
+            return True
+        if isinstance(value, bytes):
+            value = os.fsdecode(value)
+        raise ValueError(f"{name}={value!r}: expected 1, true, yes or on (on) or 0, false, no, off or empty (off)")
+    return on
 
 
 def triton_flag(name: str):
