@@ -103,6 +103,37 @@ def test_fused_experts_with_mixed_adapters(backend, dtype, T, E, H, I, k, act, n
         assert (base - ref).norm() > 0.1 * ref.norm()
 
 
+class _RecordingLauncher:
+    """Stands in for a kernel's Launcher: records each launch's keywords, returns a kernel of ``regs`` registers."""
+
+    def __init__(self, regs):
+        self.regs, self.launches = regs, []
+
+    def launch(self, grid, args, constants):
+        self.launches.append(dict(constants))
+        return type("Kernel", (), {"n_regs": self.regs})()
+
+
+@pytest.mark.parametrize("regs,warps,cap,capped,why", [
+    (204, 4, 168, True, "qwen3-30b-a3b's bf16 GEMV1 with both terms: 2 programs per SM uncapped, 3 capped"),
+    (122, 4, 168, False, "a GEMV1 under the cap: a cap would make ptxas spend up to it (fewer programs per SM)"),
+    (204, 8, 168, False, "8 warps: 168 registers fit no more programs per SM than 204"),
+    (204, 4, None, False, "no cap for these terms (one term, or a rank past DECODE_TERMS_MAXNREG_RANK)"),
+])
+def test_gemv1_with_terms_is_capped_only_where_its_uncapped_build_took_more(regs, warps, cap, capped, why):
+    from moekit.experts import lora as expert_lora
+    from moekit.experts import triton_backend
+
+    terms = expert_lora.DecodeTerms((), {"LORA_W13": True, "PROBE": regs * 10 + warps}, (), {}, lambda: None, cap)
+    launcher = _RecordingLauncher(regs)
+    cfg = GemmConfig(16, 256, warps, 1, maxnreg=144)  # the config's own cap was measured without adapters: dropped
+    for _ in range(3):
+        triton_backend._launch_with_terms(launcher, (1,), (), {"BLOCK_N": 16, "maxnreg": 144}, terms, cfg)
+    caps = [launch.get("maxnreg") for launch in launcher.launches]
+    assert caps == [None] + [cap if capped else None] * 2, why
+    assert all(launch["LORA_W13"] for launch in launcher.launches)
+
+
 @pytest.mark.parametrize("contiguous", [True, False], ids=["terms_in_the_gemvs", "separate_kernels"])
 @pytest.mark.parametrize("which", [("w13", "w2"), ("w13",), ("w2",)])
 def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which):

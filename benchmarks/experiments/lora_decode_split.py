@@ -2,7 +2,9 @@
 graph with both adapter terms, with W13's only, with W2's only, and without adapters; beside each, the device time
 per kernel (torch.profiler, eager). The terms run inside the GEMVs (kernels/lora.py, decode terms): W13's needs its
 shrink launched before GEMV1, W2's a reduction across GEMV1's programs that GEMV2 reads. (W13's shrink inside
-GEMV1's K loop was timed against its launch with this script and was slower: commit ea7e20d has both.)
+GEMV1's K loop was timed against its launch with this script and was slower: commit ea7e20d has both.) The rows
+without --maxnreg run GEMV1 with the terms uncapped (experts/lora.py DECODE_TERMS_MAXNREG off), the call without
+adapters as the library serves it (on an H100, gpt-oss-120b's table entry caps its GEMV1).
 
     python benchmarks/experiments/lora_decode_split.py --out $OUT         (about 60 s)
     python benchmarks/experiments/lora_decode_split.py --maxnreg 168 --out $OUT   (and both terms at 168 registers)
@@ -37,6 +39,7 @@ def split(name: str, rank: int = 16, maxnreg: int | None = None) -> list[dict]:
         ids = lora_ids(1, 1)
         kw = dict(activation=spec.activation, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
         runs = list(variants.items())
+        shipped_cap = expert_lora.DECODE_TERMS_MAXNREG
         if maxnreg:  # both terms again with GEMV1's registers capped (experts/lora.py DECODE_TERMS_MAXNREG)
             runs.append((f"both terms, GEMV1 maxnreg {maxnreg}", full))
         for label, lora in runs:
@@ -51,7 +54,7 @@ def split(name: str, rank: int = 16, maxnreg: int | None = None) -> list[dict]:
                    "kernels_us": {k: round(t, 1) for k, t, _ in kernel_times_us(call, 10)}}
             records.append(rec)
             print(f"{name} T=1 {label:10s} {rec['graph_us']:7.1f} us | {rec['kernels_us']}", flush=True)
-        expert_lora.DECODE_TERMS_MAXNREG = None
+        expert_lora.DECODE_TERMS_MAXNREG = shipped_cap
     return records
 
 

@@ -79,7 +79,9 @@ class GemmConfig:
     compiler's choice). A decode GEMV of 4 warps at 169-255 registers fits 2 programs per SM, at 168 or fewer 3:
     more bytes in flight, a tighter schedule. gpt-oss-120b's bf16 GEMV1 builds in 211 for sm_90; capped at 168, its
     T=1 call took 72.3 us against 74.8 on an H100
-    (benchmarks/results/archive/ab_decode_maxnreg_h100_2026-12-07.md). A cap below a kernel's need spills."""
+    (benchmarks/results/archive/ab_decode_maxnreg_h100_2026-12-07.md). A cap below a kernel's need spills, and one
+    above it is no ceiling only: ptxas spends up to it, so the kernel may fit fewer programs per SM than uncapped. With
+    expert LoRA's terms inside GEMV1 the cap is dropped (experts/lora.py DECODE_TERMS_MAXNREG decides there)."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):  # tl.arange and warp counts take powers of two

@@ -413,13 +413,16 @@ def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_depen
 
 # ------------------------------------------------------------------------------ decode terms inside the GEMVs
 DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program (4 warps); past it, the kernels above
-# GEMV1's register cap with both terms inside. Both terms take qwen3-30b-a3b's GEMV1 from 168 to 204 registers at
-# T=1 (sm_90 compile, 2026-12-07): 2 programs per SM instead of 3, so its 384 programs run in two waves where either
-# term alone keeps one. Capped, it builds in 159 without spills (tests/sm90_compile.py checks every decode-terms
-# variant it builds), and the call with one rank-16 adapter on an H100 went from +36% to +21% over the call without
-# (qwen3-30b-a3b T=1) and from +13% to +7% (gpt-oss-120b, whose GEMV1 sits at 211 with or without terms):
-# benchmarks/results/archive/ab_decode_maxnreg_h100_2026-12-07.md. Past DECODE_TERMS_MAXNREG_RANK (padded) the
-# terms' tiles need registers of their own, and the compiler's choice stays.
+# GEMV1's register cap with both terms inside. Both terms take qwen3-30b-a3b's bf16 GEMV1 from 168 to 204 registers at
+# T=1 (sm_90 compile, 2026-12-07): 2 programs of 4 warps per SM instead of 3, so its 384 programs run in two waves
+# where either term alone keeps one. Capped, it builds in 159 without spills, and the call with one rank-16 adapter on
+# an H100 went from +36% to +21% over the call without (qwen3-30b-a3b T=1), and from +13% to +7% for gpt-oss-120b
+# (its GEMV1 at 227 with the terms; +10% where the call without adapters is capped too, as the H100 table's entry
+# does): benchmarks/results/archive/ab_decode_maxnreg_h100_2026-12-07.md. A cap is no
+# ceiling only: ptxas spends up to it, so a kernel that builds in fewer registers takes more under it and fits fewer
+# programs (the rows GEMV1 93 -> 135, 4-bit GEMV1s 48-55 -> 85-123). So the backend caps a 4-warp GEMV1 with both
+# terms only where its first, uncapped build took more (triton_backend.py _launch_with_terms), and past
+# DECODE_TERMS_MAXNREG_RANK (padded) the terms' tiles need registers of their own: no cap.
 DECODE_TERMS_MAXNREG: int | None = 168
 DECODE_TERMS_MAXNREG_RANK = 32
 
@@ -434,6 +437,7 @@ class DecodeTerms:
     gemv2_args: tuple
     gemv2_constants: dict
     launch_shrink: Callable[[], None]  # W13's shrink: GEMV1 launches it right before itself (after its preparation)
+    register_cap: int | None = None  # GEMV1's cap where its build takes more (DECODE_TERMS_MAXNREG; None: none)
 
 
 def decode_terms_fit(r1: int, r2: int, inter: int, gemv1_block_n: int, gemv1_slots: int, gemv2_block_n: int,
@@ -503,12 +507,11 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
         (parts1, b13, a2, parts2, counters, lora.scaling, lora_ids, n, r1, r2),
         dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
              LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence,
-             **({"launch_pdl": True} if pdl and r1 else {}),
-             **({"maxnreg": DECODE_TERMS_MAXNREG} if DECODE_TERMS_MAXNREG and r1 and r2
-                and max(r1_pad, r2_pad) <= DECODE_TERMS_MAXNREG_RANK else {})),
+             **({"launch_pdl": True} if pdl and r1 else {})),
         (parts2, b2, lora_ids, n, r2, blocks),
         dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad),
         launch_shrink,
+        DECODE_TERMS_MAXNREG if r1 and r2 and max(r1_pad, r2_pad) <= DECODE_TERMS_MAXNREG_RANK else None,
     )
 
 

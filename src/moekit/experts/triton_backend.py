@@ -512,11 +512,11 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
                                           delta is not None, pdl, w.pairs)
         if terms is not None:
             terms.launch_shrink()
-            constants = _with_terms(constants, terms, cfg)
         args = _gemv1_rows_args(_plain_x_args(x), w_args, b13, x, h, delta, ids, expert_map, top_k, num_global,
                                 w.shape[0], inter, hidden, step, up_off, terms.gemv1_args if terms else None)
         grid = (ids.numel() * _triton.cdiv(inter, cfg.block_n),)
-        kernel = gemv1_rows_kernel.launch(grid, args, constants)
+        kernel = (gemv1_rows_kernel.launch(grid, args, constants) if terms is None else
+                  _launch_with_terms(gemv1_rows_kernel, grid, args, constants, terms, cfg))
         if not prepare:
             return kernel
         prepared = None if delta is not None or terms is not None else gemv1_rows_kernel.prepare(args, constants)
@@ -533,10 +533,10 @@ def gemv1(x, w: WeightOperand, b13, h, ids, expert_map, num_global, activation, 
     w_args = w.gemv_args()  # (may copy: before the shrink, which must be the launch right before GEMV1's)
     if terms is not None:
         terms.launch_shrink()
-        constants = _with_terms(constants, terms, cfg)
     args = _gemv1_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, w.shape[0], inter,
                        hidden, step, up_off, terms.gemv1_args if terms else None)
-    kernel = gemv1_act_kernel.launch((programs,), args, constants)
+    kernel = (gemv1_act_kernel.launch((programs,), args, constants) if terms is None else
+              _launch_with_terms(gemv1_act_kernel, (programs,), args, constants, terms, cfg))
     if not prepare:
         return kernel
     if (packed and packing is None) or delta is not None or terms is not None:
@@ -591,13 +591,31 @@ def _gemv1_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, to
         **_register_cap(cfg))
 
 
-def _with_terms(constants, terms: expert_lora.DecodeTerms, cfg: GemmConfig) -> dict:
-    """GEMV1's launch keywords with the adapters' terms inside: the lower of the two register caps where both set
-    one."""
-    merged = {**constants, **terms.gemv1_constants}
-    if cfg.maxnreg is not None and "maxnreg" in terms.gemv1_constants:
-        merged["maxnreg"] = min(cfg.maxnreg, terms.gemv1_constants["maxnreg"])
-    return merged
+_TERMS_CAPPED: dict = {}  # (kernel, cap, launch keywords) -> whether GEMV1 with the terms built above the cap
+
+
+def _kernel_registers(kernel) -> int | None:
+    """Registers per thread of a launched kernel (None where unknown: the interpreter)."""
+    return getattr(kernel, "n_regs", None)
+
+
+def _launch_with_terms(launcher, grid, args, constants, terms: expert_lora.DecodeTerms, cfg: GemmConfig):
+    """GEMV1 with the adapters' terms inside: the config's register cap dropped (measured without adapters), and
+    DecodeTerms.register_cap applied to a 4-warp program only where the first, uncapped build of this kind of launch
+    took more registers (a cap makes ptxas spend up to it: experts/lora.py DECODE_TERMS_MAXNREG). Returns the launched
+    kernel."""
+    merged = {k: v for k, v in constants.items() if k != "maxnreg"} | terms.gemv1_constants
+    cap = terms.register_cap if cfg.num_warps == 4 else None
+    if cap is None:
+        return launcher.launch(grid, args, merged)
+    key = (launcher, cap, Constants(merged))
+    capped = _TERMS_CAPPED.get(key)
+    if capped is None:  # decided once per kind of launch, on its uncapped build
+        kernel = launcher.launch(grid, args, merged)
+        regs = _kernel_registers(kernel)
+        _TERMS_CAPPED[key] = regs is not None and regs > cap
+        return kernel
+    return launcher.launch(grid, args, merged | {"maxnreg": cap} if capped else merged)
 
 
 def _register_cap(cfg: GemmConfig) -> dict:
