@@ -53,6 +53,17 @@ def test_user_mistakes_are_one_line_and_exit_2(argv, message, capsys):
     assert captured.err.count("\n") == 1 and "FAILED" not in captured.out
 
 
+@pytest.mark.parametrize("variable", ["MOEKIT_VERIFY", "MOEKIT_BATCH_INVARIANT"])
+def test_a_bad_environment_switch_is_a_usage_error_not_failed_checks(variable, monkeypatch, capsys):
+    monkeypatch.setenv(variable, "maybe")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--preset", "mixtral-8x7b", "--tokens", "1"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"moekit: error: {variable}='maybe': expected 1, true"), captured.err
+    assert "FAILED" not in captured.out
+
+
 def test_verify_prints_its_table_before_the_json_can_fail(tmp_path, capsys, monkeypatch):
     # the report folder vanished during the run: the table is printed all the same, then one error line
     from pathlib import Path

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moekit import FusedMoE, reference
+from moekit._launch import Constants
 from moekit.experts import ExpertsConfig, ExpertsLoRA, GemmConfig, batched_experts, fused_experts
 from moekit.formats import dequantize, quantize_experts
 from moekit.metrics import EXPERTS_TOL, W8A8_TOL, Tolerance, check_close
@@ -104,14 +105,19 @@ def test_fused_experts_with_mixed_adapters(backend, dtype, T, E, H, I, k, act, n
 
 
 class _RecordingLauncher:
-    """Stands in for a kernel's Launcher: records each launch's keywords, returns a kernel of ``regs`` registers."""
+    """Stands in for a kernel's Launcher: records each launch's keywords and each compile-only build; a build takes
+    ``regs`` registers."""
 
     def __init__(self, regs):
-        self.regs, self.launches = regs, []
+        self.regs, self.launches, self.builds = regs, [], []
+        self.fn = self  # (Launcher.fn: the JIT function, whose warmup builds without running)
+
+    def warmup(self, *args, grid, **constants):
+        self.builds.append(dict(constants))
+        return type("Kernel", (), {"n_regs": self.regs})()
 
     def launch(self, grid, args, constants):
         self.launches.append(dict(constants))
-        return type("Kernel", (), {"n_regs": self.regs})()
 
 
 @pytest.mark.parametrize("regs,warps,cap,capped,why", [
@@ -120,17 +126,22 @@ class _RecordingLauncher:
     (204, 8, 168, False, "8 warps: 168 registers fit no more programs per SM than 204"),
     (204, 4, None, False, "no cap for these terms (one term, or a rank past DECODE_TERMS_MAXNREG_RANK)"),
 ])
-def test_gemv1_with_terms_is_capped_only_where_its_uncapped_build_took_more(regs, warps, cap, capped, why):
+def test_gemv1_with_terms_is_capped_only_where_its_uncapped_build_took_more(monkeypatch, regs, warps, cap, capped,
+                                                                           why):
+    from moekit import _triton
     from moekit.experts import lora as expert_lora
     from moekit.experts import triton_backend
 
+    monkeypatch.setattr(_triton, "interpreting", lambda: False)  # (the interpreter builds nothing to count)
     terms = expert_lora.DecodeTerms((), {"LORA_W13": True, "PROBE": regs * 10 + warps}, (), {}, lambda: None, cap)
     launcher = _RecordingLauncher(regs)
     cfg = GemmConfig(16, 256, warps, 1, maxnreg=144)  # the config's own cap was measured without adapters: dropped
+    x = torch.empty(1, 8)
     for _ in range(3):
-        triton_backend._launch_with_terms(launcher, (1,), (), {"BLOCK_N": 16, "maxnreg": 144}, terms, cfg)
-    caps = [launch.get("maxnreg") for launch in launcher.launches]
-    assert caps == [None] + [cap if capped else None] * 2, why
+        triton_backend._launch_with_terms(launcher, (1,), (x,), Constants(BLOCK_N=16, maxnreg=144), terms, cfg)
+    # decided on the first call, which launches under the decision: a graph captured after it builds nothing new
+    assert [launch.get("maxnreg") for launch in launcher.launches] == [cap if capped else None] * 3, why
+    assert len(launcher.builds) == (1 if cap and warps == 4 else 0) and all("maxnreg" not in b for b in launcher.builds)
     assert all(launch["LORA_W13"] for launch in launcher.launches)
 
 

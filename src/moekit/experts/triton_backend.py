@@ -591,31 +591,47 @@ def _gemv1_constants(weight_format: str, dtype: torch.dtype, cfg: GemmConfig, to
         **_register_cap(cfg))
 
 
-_TERMS_CAPPED: dict = {}  # (kernel, cap, launch keywords) -> whether GEMV1 with the terms built above the cap
+_TERMS_LAUNCH: dict = {}  # (kernel, its constants, the terms', cap, x's dtype and device) -> the launch keywords
 
 
 def _kernel_registers(kernel) -> int | None:
-    """Registers per thread of a launched kernel (None where unknown: the interpreter)."""
+    """Registers per thread of a compiled kernel, loading it where it is not yet (None where unknown)."""
+    if hasattr(kernel, "result"):  # an asynchronous compile's future
+        kernel = kernel.result()
+    if getattr(kernel, "n_regs", None) is None and hasattr(kernel, "_init_handles"):
+        kernel._init_handles()
     return getattr(kernel, "n_regs", None)
+
+
+def _uncapped_registers(launcher, grid, args, constants) -> int | None:
+    """Registers per thread of this launch's build without a cap: compiled and loaded, not run (None in the
+    interpreter, which builds nothing)."""
+    if _triton.interpreting():
+        return None
+    try:
+        return _kernel_registers(launcher.fn.warmup(*args, grid=grid, **constants))
+    except Exception:  # noqa: BLE001 - a register count only picks a launch option: without it, no cap
+        return None
 
 
 def _launch_with_terms(launcher, grid, args, constants, terms: expert_lora.DecodeTerms, cfg: GemmConfig):
     """GEMV1 with the adapters' terms inside: the config's register cap dropped (measured without adapters), and
-    DecodeTerms.register_cap applied to a 4-warp program only where the first, uncapped build of this kind of launch
-    took more registers (a cap makes ptxas spend up to it: experts/lora.py DECODE_TERMS_MAXNREG). Returns the launched
-    kernel."""
-    merged = {k: v for k, v in constants.items() if k != "maxnreg"} | terms.gemv1_constants
+    DecodeTerms.register_cap applied to a 4-warp program only where its uncapped build takes more registers (a cap
+    makes ptxas spend up to it: experts/lora.py DECODE_TERMS_MAXNREG). Decided on the first call of each kind, which
+    builds both (so a CUDA graph captured after one eager call builds nothing); later calls reuse the keywords.
+    Returns the launched kernel."""
     cap = terms.register_cap if cfg.num_warps == 4 else None
-    if cap is None:
-        return launcher.launch(grid, args, merged)
-    key = (launcher, cap, Constants(merged))
-    capped = _TERMS_CAPPED.get(key)
-    if capped is None:  # decided once per kind of launch, on its uncapped build
-        kernel = launcher.launch(grid, args, merged)
-        regs = _kernel_registers(kernel)
-        _TERMS_CAPPED[key] = regs is not None and regs > cap
-        return kernel
-    return launcher.launch(grid, args, merged | {"maxnreg": cap} if capped else merged)
+    x = args[0]
+    key = (launcher, constants, tuple(terms.gemv1_constants.items()), cap, x.dtype, x.device)
+    final = _TERMS_LAUNCH.get(key)
+    if final is None:
+        final = Constants({k: v for k, v in constants.items() if k != "maxnreg"} | terms.gemv1_constants)
+        if cap is not None:
+            regs = _uncapped_registers(launcher, grid, args, final)
+            if regs is not None and regs > cap:
+                final = Constants(final | {"maxnreg": cap})
+        _TERMS_LAUNCH[key] = final
+    return launcher.launch(grid, args, final)
 
 
 def _register_cap(cfg: GemmConfig) -> dict:

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import _invariant, _triton, presets
+from .. import _invariant, _triton, gate, presets
 from ..experts import backends, configs as expert_configs
 from ..formats import FOUR_BIT_FORMATS, recipe_format
 from ..routing import tiers as router_tiers
@@ -352,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU through numpy
     if _triton.interpreting():
         _interpreter.speed_up()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # the environment switches, read once here: a bad value is a usage error, not a failure of every check
+        _invariant.enabled(), gate.enabled()
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command is None:  # (a command is missing: the usage, and the status of a usage error)
         build_parser().print_help(sys.stderr)
         return 2
