@@ -7,6 +7,7 @@ of qwen3-30b-a3b and gpt-oss-120b, and inside a CUDA graph.
 """
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -169,6 +170,33 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     assert [t is not None for t in fused] == [contiguous]
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", lora=lora, lora_ids=lids)
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
+
+
+def test_a_configs_register_cap_leaves_the_gemvs_that_run_decode_terms(monkeypatch):
+    # GemmConfig.maxnreg was measured on calls without adapters: with the terms inside, GEMV1 and GEMV2 drop it (a
+    # rank-128 adapter spilled under the table's cap), and the same call without adapters keeps it
+    from moekit import _launch
+
+    launches = {}
+    real = _launch.Launcher.launch
+
+    def launch(self, grid, args, constants):  # (on the class: an instance's patch outlives monkeypatch's undo)
+        name = {"gemv1_act_kernel": "gemv1", "gemv2_tokens_kernel": "gemv2"}.get(getattr(self.fn, "__name__", ""))
+        if name:
+            launches.setdefault(name, []).append(constants.get("maxnreg"))
+        return real(self, grid, args, constants)
+
+    monkeypatch.setattr(_launch.Launcher, "launch", launch)
+    T, E, H, I, k = 3, 7, 40, 24, 3
+    w13, w2 = _weights(E, H, I, torch.float32)
+    capped = ExpertsConfig(16, replace(GEMV.gemm1, maxnreg=128), replace(GEMV.gemm2, maxnreg=128), mode="gemv")
+    x, (tw, tid), lids = torch.randn(T, H), _routes(T, E, k), _lora_ids(T, 2)
+    fused_experts(x, w13, w2, tw, tid, backend="triton", config=capped)
+    assert launches == {"gemv1": [128], "gemv2": [128]}
+    launches.clear()
+    fused_experts(x, w13, w2, tw, tid, backend="triton", config=capped, lora=_lora(2, E, H, I, 8, torch.float32),
+                  lora_ids=lids)
+    assert launches == {"gemv1": [None], "gemv2": [None]}
 
 
 @pytest.mark.parametrize("fmt, which, mapped, T", [

@@ -767,8 +767,8 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
         h_args = _packed_h_args(pairs, exps)
     else:
         h_args = _plain_h_args(h)
-    if terms is not None:
-        constants = {**constants, **terms.gemv2_constants}
+    if terms is not None:  # (the config's register cap, measured without adapters, dropped as in GEMV1's)
+        constants = {k: v for k, v in constants.items() if k != "maxnreg"} | terms.gemv2_constants
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
     w_args = w.gemv_args() if w_args is None else w_args
     args = _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, w.shape[0], hidden,
