@@ -158,6 +158,8 @@ ROUTER = [
      r"lora.b must be \[E, r=4\]"),
     ("lora of rank 65", lambda v: RouterLoRA(torch.zeros(65, H), torch.zeros(E, 65)), ValueError,
      r"lora rank must be in \[1, 64\]"),
+    ("lora scale NaN (every logit NaN)", lambda v: RouterLoRA(torch.zeros(4, H), torch.zeros(E, 4), float("nan")),
+     ValueError, r"lora.scale must be finite, got nan"),
     ("top_k above E", lambda v: moekit.fused_router(v.x, v.gate, top_k=E + 1, method="softmax_topk"), ValueError,
      r"top_k must be in \[1, num_experts=4\], got 5"),
     ("top_k as a float", lambda v: moekit.fused_router(v.x, v.gate, top_k=2.0, method="softmax_topk"), TypeError,
@@ -462,3 +464,29 @@ def test_ops_refuse_bad_input(device, why, call, error, match):
                          ids=[c[0] for c in LAYOUTS_AND_REFERENCE + FORMATS + INTEGRATIONS])
 def test_host_routines_refuse_bad_input(why, call, error, match):
     _check(_valid("cpu"), call, error, match)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_negation_views_are_refused_not_read_as_stored(backend):
+    # z.conj().imag and torch._neg_view carry a lazy sign flip that the Triton kernels, reading memory as stored,
+    # would lose (router logits off by tens, other experts picked); out= with it would store unflipped values
+    z = torch.complex(torch.randn(T, H), torch.randn(T, H))
+    neg = z.conj().imag
+    w = torch.randn(E, H)
+    tier = "triton" if backend == "triton" else "torch"
+    with pytest.raises(ValueError, match="x is a view with torch's lazy negation"):
+        moekit.router_gemm(neg, w, tier=tier)
+    with pytest.raises(ValueError, match="logits is a view with torch's lazy negation"):
+        moekit.route(neg[:, :E], K, "softmax_topk", impl=backend)
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    tw, tid = torch.softmax(torch.randn(T, K), -1), torch.randint(0, E, (T, K), dtype=torch.int32)
+    with pytest.raises(ValueError, match="x is a view with torch's lazy negation"):
+        moekit.experts.fused_experts(neg, w13, w2, tw, tid, backend=backend)
+    with pytest.raises(ValueError, match="out is a view with torch's lazy negation"):
+        moekit.experts.fused_experts(torch.randn(T, H), w13, w2, tw, tid, backend=backend,
+                                     out=torch._neg_view(torch.zeros(T, H)))
+    # after a call of the same shapes and strides (its checks cached), the view is refused too
+    x = torch.randn(T, H)
+    moekit.router_gemm(x, w, tier=tier)
+    with pytest.raises(ValueError, match="lazy negation"):
+        moekit.router_gemm(torch._neg_view(x), w, tier=tier)

@@ -25,7 +25,7 @@ def _meta(a):
     if a is None:
         return None
     if isinstance(a, torch.Tensor):
-        return (a.shape, a.stride(), a.dtype, a.device)
+        return (a.shape, a.stride(), a.dtype, a.device, a.is_neg())  # (the checks refuse a negation view)
     if isinstance(a, _QUANTIZED):
         fmt, data, scales, global_scale, tag, shape = to_parts(a)
         return (fmt, tag, tuple(shape), _meta(data), _meta(scales), _meta(global_scale))

@@ -22,6 +22,10 @@ def check_tensor(
 ) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    # the kernels read memory as stored: a view's lazy sign flip would be lost (dynamo cannot trace the bits' query)
+    if not torch.compiler.is_compiling() and (t.is_neg() or t.is_conj()):
+        raise ValueError(f"{name} is a view with torch's lazy negation or conjugation bit (as .conj().imag gives): "
+                         f"pass a tensor without it ({name}.resolve_neg() or .resolve_conj() makes one)")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else ndim
         if t.dim() not in allowed:

@@ -8,6 +8,8 @@ crossover, plain torch on other devices (see :mod:`moekit.routing.tiers`).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,6 +52,8 @@ class RouterLoRA:
             raise ValueError(f"lora.b must be [E, r={rank}] (r from lora.a [r, H]), got {tuple(self.b.shape)}")
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
             raise TypeError(f"lora.scale must be a float, got {type(self.scale).__name__}")
+        if not math.isfinite(self.scale):  # every logit would be NaN: routing on nothing, silently
+            raise ValueError(f"lora.scale must be finite, got {self.scale}")
 
 
 class _GemmArgs(NamedTuple):  # a tuple: made on every call, cheaper than a frozen dataclass
