@@ -625,7 +625,7 @@ def _launch_with_terms(launcher, grid, args, constants, terms: expert_lora.Decod
     key = (launcher, constants, tuple(terms.gemv1_constants.items()), cap, x.dtype, x.device)
     final = _TERMS_LAUNCH.get(key)
     if final is None:
-        final = Constants({k: v for k, v in constants.items() if k != "maxnreg"} | terms.gemv1_constants)
+        final = Constants(_without_register_cap(constants) | terms.gemv1_constants)
         if cap is not None:
             regs = _uncapped_registers(launcher, grid, args, final)
             if regs is not None and regs > cap:
@@ -637,6 +637,11 @@ def _launch_with_terms(launcher, grid, args, constants, terms: expert_lora.Decod
 def _register_cap(cfg: GemmConfig) -> dict:
     """A decode GEMV's ``maxnreg`` launch option where its config caps the registers (GemmConfig.maxnreg)."""
     return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
+
+
+def _without_register_cap(constants) -> dict:
+    """A GEMV's launch keywords without its config's register cap (measured on calls without adapters)."""
+    return {k: v for k, v in constants.items() if k != "maxnreg"}
 
 
 def gemv1_slots(cfg: GemmConfig, top_k: int) -> int:
@@ -768,7 +773,7 @@ def gemv2_tokens(h, w: WeightOperand, b2, weights, ids, expert_map, num_global, 
     else:
         h_args = _plain_h_args(h)
     if terms is not None:  # (the config's register cap, measured without adapters, dropped as in GEMV1's)
-        constants = {k: v for k, v in constants.items() if k != "maxnreg"} | terms.gemv2_constants
+        constants = _without_register_cap(constants) | terms.gemv2_constants
     grid = (out.shape[0] * _triton.cdiv(hidden, cfg.block_n),)
     w_args = w.gemv_args() if w_args is None else w_args
     args = _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num_global, w.shape[0], hidden,

@@ -9,7 +9,6 @@ crossover, plain torch on other devices (see :mod:`moekit.routing.tiers`).
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import NamedTuple
 

@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.command is None:  # (a command is missing: the usage, and the status of a usage error)
-        build_parser().print_help(sys.stderr)
+        parser.print_help(sys.stderr)
         return 2
     try:
         return args.func(args)
