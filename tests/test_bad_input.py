@@ -44,6 +44,11 @@ EXPERTS = [
      ValueError, r"x must have 2 dimensions, got shape \(64,\)"),
     ("x not a tensor", lambda v: moekit.fused_experts(v.x.tolist(), v.w13, v.w2, v.tw, v.tid), TypeError,
      "x must be a torch.Tensor, got list"),
+    ("x sparse (COO)", lambda v: moekit.fused_experts(v.x.to_sparse(), v.w13, v.w2, v.tw, v.tid), ValueError,
+     r"x must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    ("w13 sparse (CSR, which has no strides)", lambda v: moekit.fused_experts(
+        v.x, v.w13.to_sparse_csr(dense_dim=1), v.w2, v.tw, v.tid), ValueError,
+     r"w13 must be a dense \(strided\) tensor, got layout torch.sparse_csr"),
     ("x of an integer dtype", lambda v: moekit.fused_experts(v.x.int(), v.w13, v.w2, v.tw, v.tid), TypeError,
      "x must have dtype in"),
     ("x of another dtype than the weights", lambda v: moekit.fused_experts(v.x.half(), v.w13, v.w2, v.tw, v.tid),
@@ -200,6 +205,14 @@ ROUTER = [
     ("route: an unknown impl with replayed ids", lambda v: moekit.route(
         torch.randn(T, E, device=v.device), 2, "softmax_topk", impl="gpu", replay_ids=v.tid),
      ValueError, "impl must be 'auto', 'triton' or 'torch'"),
+    ("router_gemm: x sparse (CSR)", lambda v: moekit.router_gemm(v.x.to_sparse_csr(), v.gate), ValueError,
+     r"x must be a dense \(strided\) tensor, got layout torch.sparse_csr"),
+    ("route: logits sparse", lambda v: moekit.route(torch.randn(T, E, device=v.device).to_sparse(), 2,
+                                                    "softmax_topk"), ValueError, "logits must be a dense"),
+    ("GateLinear with a bool for num_experts (bias passed in its place)", lambda v: moekit.GateLinear(H, True),
+     TypeError, "num_experts must be an int, got bool"),
+    ("GateLinear with a float hidden_size", lambda v: moekit.GateLinear(2.5, E), TypeError,
+     "hidden_size must be an int, got float"),
     ("GateLinear of no experts", lambda v: moekit.GateLinear(H, 0), ValueError,
      "hidden_size and num_experts must be >= 1"),
     ("GateLinear on x of another H", lambda v: moekit.GateLinear(H, E, params_dtype=v.dt, device=v.device)(v.x[:, :8]),
@@ -464,6 +477,15 @@ def test_ops_refuse_bad_input(device, why, call, error, match):
                          ids=[c[0] for c in LAYOUTS_AND_REFERENCE + FORMATS + INTEGRATIONS])
 def test_host_routines_refuse_bad_input(why, call, error, match):
     _check(_valid("cpu"), call, error, match)
+
+
+def test_meta_tensors_with_an_expert_map_give_meta_output():
+    # shape propagation (model init on "meta"): the map's values cannot be read and are not
+    m = {"device": "meta"}
+    got = moekit.fused_experts(torch.empty(T, H, **m), torch.empty(E, 2 * I, H, **m), torch.empty(E, H, I, **m),
+                               torch.empty(T, K, **m), torch.empty(T, K, dtype=torch.int32, **m),
+                               expert_map=torch.empty(E, dtype=torch.int32, **m))
+    assert got.is_meta and got.shape == (T, H)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

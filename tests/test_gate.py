@@ -127,6 +127,25 @@ def test_correct_backends_pass_and_are_checked_once():
         gate.reset()
 
 
+def test_a_process_default_device_does_not_fail_the_checks():
+    # the cases draw on the CPU and move to the call's device; under "meta" (or "cuda" with CPU calls) a case drawn
+    # on the default device raised, and the gate disabled every backend, the reference's own included
+    gate.reset()
+    gate.set_verification(True)
+    run, ref, pick = _call("fused")
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        got = run()
+    finally:
+        torch.set_default_device(previous)
+        gate.set_verification(False)
+        verdicts = gate.results()
+        gate.reset()
+    assert all(v[0] for v in verdicts.values()) and verdicts
+    check_close("under a default device", pick(got), pick(ref), Tolerance(1e-5, 1e-5))
+
+
 def test_environment_switch(monkeypatch):
     gate.set_verification(None)
     monkeypatch.setenv("MOEKIT_VERIFY", "1")

@@ -119,11 +119,14 @@ def test_a_float64_correction_bias_routes_in_float64_in_the_fused_router_too():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sigmoid_grouped_renormalizes_scores_that_underflow(impl):
     # fp32 sigmoid of a logit below about -88 is 0: the kernel's renormalized weights were 0 / 0 = NaN (the float64
-    # reference resolves them: ratios of exp(logit))
-    lg = torch.tensor([[-100.0, -101.0, -102.0, -103.0], [-1000.0, -1001.0, 5.0, 3.0], [0.5, -0.3, 1.2, 2.0]])
+    # reference resolves them: ratios of exp(logit)); below about -745 float64's sigmoids underflow too, and the
+    # reference takes the same limit where it gave NaN (ids: every score ties at 0, the lowest win)
+    lg = torch.tensor([[-100.0, -101.0, -102.0, -103.0], [-1000.0, -1001.0, 5.0, 3.0], [0.5, -0.3, 1.2, 2.0],
+                       [-1000.0, -1000.5, -999.0, -1003.0]])
     w, ids = moekit.route(lg, 2, "sigmoid_grouped", impl=impl, scaling=2.5)
     ref_w, ref_ids = reference.route(lg.double(), 2, "sigmoid_grouped", scaling=2.5)
     assert torch.equal(ids.long(), ref_ids) and torch.allclose(w.double(), ref_w, rtol=1e-6, atol=1e-6)
+    assert ref_ids[3].tolist() == [0, 1] and ref_w[3].isfinite().all()
 
 
 def test_every_token_on_one_expert():

@@ -3,8 +3,10 @@ expert maps and scale stacks, out= sharing memory with what the kernels read, Na
 casts of a layer that must keep its fp32 biases, and the reference's own reading of ids outside an expert map. CPU:
 the torch backend and the Triton kernels through the interpreter (fp16/fp32), against float64."""
 
+import dataclasses
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -110,6 +112,45 @@ def test_batched_out_may_not_share_memory_with_its_bias():
     with pytest.raises(ValueError, match="out must not overlap the memory of w2_bias"):
         batched_experts(torch.randn(E, M, H), torch.tensor([3, 0, 2, 1], dtype=torch.int32), w13, w2,
                         w2_bias=out[:, 0], out=out)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+def test_out_may_not_share_memory_with_a_quantized_weights_scales(fmt):
+    # the decode modes write a token's output before later programs read w2's scales
+    E, H, I, T, k = 4, 32, 128, 5, 2
+    w13, w2 = _stacks(E, H, I, torch.float32)
+    q13, q2 = quantize_experts(w13, fmt), quantize_experts(w2, fmt)
+    scales = q2.scale if fmt == "fp8_block" else q2.scales
+    buf = torch.zeros(scales.nbytes + T * H * 4, dtype=torch.uint8)
+    shared = buf[:scales.nbytes].view(scales.dtype).view(scales.shape)
+    shared.copy_(scales)
+    q2 = dataclasses.replace(q2, **{"scale" if fmt == "fp8_block" else "scales": shared})
+    out = buf[:T * H * 4].view(torch.float32).view(T, H)  # out's first rows are the scales' bytes
+    tw, tid = _routes(T, E, k)
+    with pytest.raises(ValueError, match="out must not overlap the memory of w2.scales"):
+        fused_experts(torch.randn(T, H), q13, q2, tw, tid, out=out)
+
+
+def test_out_may_not_share_a_buffer_wrapped_by_two_storages():
+    # two storage objects over one allocation (from_numpy of two views): the byte spans overlap, the storages differ
+    T, H, E = 8, 32, 16
+    buf = np.random.default_rng(0).standard_normal(T * H + T * E).astype(np.float32)
+    x = torch.from_numpy(buf[:T * H]).view(T, H)
+    out = torch.from_numpy(buf[4 * H:4 * H + T * E]).view(T, E)  # from x's row 4 on
+    assert x.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="out must not overlap the memory of x"):
+        moekit.router_gemm(x, torch.randn(E, H), out=out)
+
+
+def test_router_out_may_not_share_memory_with_its_lora():
+    # the Triton finisher reads the adapter's B after other programs stored logits
+    T, H, E, r = 8, 32, 16, 4
+    out = torch.zeros(T, E)
+    b = out.view(-1)[:E * r].view(E, r)
+    b.copy_(torch.randn(E, r))
+    lora = moekit.routing.RouterLoRA(torch.randn(r, H), b, 0.5)
+    with pytest.raises(ValueError, match="out must not overlap the memory of lora.b"):
+        moekit.router_gemm(torch.randn(T, H), torch.randn(E, H), out=out, lora=lora)
 
 
 @pytest.mark.parametrize("where", ["an unrouted row of x", "an expert no token uses"])

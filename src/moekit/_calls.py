@@ -25,6 +25,8 @@ def _meta(a):
     if a is None:
         return None
     if isinstance(a, torch.Tensor):
+        if a.layout != torch.strided:  # (the checks refuse it; a sparse tensor has no strides to key on)
+            return (type(a), a.layout, a.shape)
         return (a.shape, a.stride(), a.dtype, a.device, a.is_neg())  # (the checks refuse a negation view)
     if isinstance(a, _QUANTIZED):
         fmt, data, scales, global_scale, tag, shape = to_parts(a)

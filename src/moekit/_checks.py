@@ -22,6 +22,8 @@ def check_tensor(
 ) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # the kernels and the torch path index dense memory
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout} ({name}.to_dense() makes one)")
     # the kernels read memory as stored: a view's lazy sign flip would be lost (dynamo cannot trace the bits' query)
     if not torch.compiler.is_compiling() and (t.is_neg() or t.is_conj()):
         raise ValueError(f"{name} is a view with torch's lazy negation or conjugation bit (as .conj().imag gives): "
@@ -123,8 +125,9 @@ def warned_if_detached(op: str, advice: str, result, *inputs):
 
 
 def may_sync(t: torch.Tensor) -> bool:
-    """A check may read ``t``'s values on the host now: not while torch.compile traces or a CUDA graph is captured."""
-    return not (torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+    """A check may read ``t``'s values on the host now: not while torch.compile traces or a CUDA graph is captured,
+    nor from a meta tensor, which has none."""
+    return not (torch.compiler.is_compiling() or t.is_meta or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def tensor_version(t: torch.Tensor) -> int | None:
@@ -137,7 +140,9 @@ def tensor_version(t: torch.Tensor) -> int | None:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    # byte spans, not storage identity: two storages can wrap one buffer (from_numpy, frombuffer, DLPack of one
+    # allocation at two offsets); meta tensors have no memory to share
+    if a.device != b.device or a.is_meta:
         return False
     a0, a1 = _byte_span(a)
     b0, b1 = _byte_span(b)

@@ -65,7 +65,10 @@ def verdict(key: tuple, name: str, describe: str, run_check) -> str | None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"moekit's verification gate has not checked {name} for {describe} yet and cannot "
                                "while a CUDA graph is being captured: run one eager call of this shape first")
-        _RESULTS[key] = run_check()
+        # the cases draw on the CPU and move to the call's device: a process-wide default device (set_default_device)
+        # must not make a case fail, which would disable a backend that serves the call correctly
+        with torch.device("cpu"):
+            _RESULTS[key] = run_check()
         _GENERATION[0] += 1
         if not _RESULTS[key][0]:
             warnings.warn(f"moekit: backend {name!r} failed its accuracy check for {describe}: "

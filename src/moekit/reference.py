@@ -125,7 +125,11 @@ def route_weights(logits: torch.Tensor, ids: torch.Tensor, method: str, *, renor
     elif method == "sigmoid_grouped":
         w = torch.where(valid, torch.gather(_invariant.elementwise(torch.sigmoid, l64), 1, safe), 0.0)
         if renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
+            total = w.sum(dim=-1, keepdim=True)
+            # every chosen sigmoid underflowed (logits below about -745 in float64): 0 / 0 has a limit, the ratios of
+            # exp(logit), which the kernels give from -88 on (float32)
+            tail = _softmax(torch.gather(l64, 1, safe).masked_fill(~valid, -torch.inf))
+            w = torch.where(total == 0, tail, w / total)
         w = w * scaling
     else:
         raise ValueError(f"unknown routing method {method!r}")

@@ -17,7 +17,7 @@ from .. import _invariant, gate
 from .._calls import CheckedCalls
 from .._checks import (check_disjoint, check_out, check_shape, check_tensor, may_sync, tensor_version,
                        warn_gradients_dropped)
-from ..formats import format_of
+from ..formats import format_of, to_parts
 from ..presets import ACTIVATIONS
 from . import backends
 from .backends import ExpertsCall, select_backend
@@ -148,9 +148,13 @@ def _warn_if_gradients_asked(chosen, *tensors) -> None:
         warn_gradients_dropped(f"{chosen.name} experts", "backend='torch'", *tensors)
 
 
-def _storage(w) -> torch.Tensor:
-    """The tensor holding a weight's values (a quantized weight's packed bytes), for alias checks."""
-    return w if isinstance(w, torch.Tensor) else w.data
+def _weight_memory(name: str, w) -> dict[str, torch.Tensor | None]:
+    """Every tensor a weight's kernels read (a quantized weight's codes and its scales), for alias checks: the
+    decode modes write a token's output before later programs read the scales."""
+    if isinstance(w, torch.Tensor):
+        return {name: w}
+    _, data, scales, global_scale, _, _ = to_parts(w)
+    return {name: data, f"{name}.scales": scales, f"{name}.global_scale": global_scale}
 
 
 ACT_QUANTS = (None, "nvfp4", "fp8_group")
@@ -176,7 +180,7 @@ def _options_and_out(x, w13, w2, act_quant, config, out, **other_inputs) -> torc
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     check_out("out", out, tuple(x.shape), x.dtype, x.device,
-              {"x": x, "w13": _storage(w13), "w2": _storage(w2), **other_inputs})
+              {"x": x, **_weight_memory("w13", w13), **_weight_memory("w2", w2), **other_inputs})
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out.stride()}")
     return out
@@ -350,7 +354,7 @@ def _fresh_or_disjoint(out, x, w13, w2, **other_inputs) -> torch.Tensor:
     the inputs: addresses change from call to call, so this check does too."""
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    check_disjoint("out", out, {"x": x, "w13": _storage(w13), "w2": _storage(w2), **other_inputs})
+    check_disjoint("out", out, {"x": x, **_weight_memory("w13", w13), **_weight_memory("w2", w2), **other_inputs})
     return out
 
 

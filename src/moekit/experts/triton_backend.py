@@ -1396,7 +1396,8 @@ def _fused_experts_op(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2:
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
                       w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
                       expert_map: torch.Tensor | None) -> None:
-    check_written_memory("out", out, {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights})
+    check_written_memory("out", out, {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids,
+                                      "w13_bias": w13_bias, "w2_bias": w2_bias, "expert_map": expert_map})
     fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map)
 
 
@@ -1409,7 +1410,8 @@ def _(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, ex
 def _batched_experts_op(out: torch.Tensor, x: torch.Tensor, expert_num_tokens: torch.Tensor, w13: torch.Tensor,
                         w2: torch.Tensor, activation: str, w13_bias: torch.Tensor | None,
                         w2_bias: torch.Tensor | None) -> None:
-    check_written_memory("out", out, {"x": x, "w13": w13, "w2": w2})
+    check_written_memory("out", out, {"x": x, "expert_num_tokens": expert_num_tokens, "w13": w13, "w2": w2,
+                                      "w13_bias": w13_bias, "w2_bias": w2_bias})
     batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias)
 
 
@@ -1433,7 +1435,11 @@ def _fused_experts_general_op(out: torch.Tensor, x: torch.Tensor, fmt: str,
                               lora_w13_a: torch.Tensor | None, lora_w13_b: torch.Tensor | None,
                               lora_w2_a: torch.Tensor | None, lora_w2_b: torch.Tensor | None,
                               lora_scaling: torch.Tensor | None, lora_ids: torch.Tensor | None) -> None:
-    check_written_memory("out", out, {"x": x, "w13": w13_data, "w2": w2_data, "topk_weights": topk_weights})
+    check_written_memory("out", out, {"x": x, "w13": w13_data, "w13.scales": w13_scales, "w13.global_scale": w13_global,
+                                      "w2": w2_data, "w2.scales": w2_scales, "w2.global_scale": w2_global,
+                                      "topk_weights": topk_weights, "topk_ids": topk_ids, "w13_bias": w13_bias,
+                                      "w2_bias": w2_bias, "expert_map": expert_map, "lora_ids": lora_ids,
+                                      **_lora_memory(lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b, lora_scaling)})
     w13 = from_parts(fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape)
     w2 = from_parts(fmt, w2_data, w2_scales, w2_global, w2_tag, w2_shape)
     fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, expert_map,
@@ -1459,7 +1465,11 @@ def _batched_experts_general_op(out: torch.Tensor, x: torch.Tensor, expert_num_t
                                 lora_w13_b: torch.Tensor | None, lora_w2_a: torch.Tensor | None,
                                 lora_w2_b: torch.Tensor | None, lora_scaling: torch.Tensor | None,
                                 lora_ids: torch.Tensor | None) -> None:
-    check_written_memory("out", out, {"x": x, "w13": w13_data, "w2": w2_data})
+    check_written_memory("out", out, {"x": x, "w13": w13_data, "w13.scales": w13_scales, "w13.global_scale": w13_global,
+                                      "w2": w2_data, "w2.scales": w2_scales, "w2.global_scale": w2_global,
+                                      "expert_num_tokens": expert_num_tokens, "w13_bias": w13_bias, "w2_bias": w2_bias,
+                                      "lora_ids": lora_ids,
+                                      **_lora_memory(lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b, lora_scaling)})
     w13 = from_parts(fmt, w13_data, w13_scales, w13_global, w13_tag, w13_shape)
     w2 = from_parts(fmt, w2_data, w2_scales, w2_global, w2_tag, w2_shape)
     batched_experts_into(out, x, expert_num_tokens, w13, w2, activation, w13_bias, w2_bias, _config_of(config),
@@ -1501,6 +1511,11 @@ def _config_of(text: str | None) -> ExpertsConfig | None:
         return None
     *top, g1, g2 = ast.literal_eval(text)
     return ExpertsConfig(**dict(zip(_EXPERTS_FIELDS, top)), gemm1=GemmConfig(*g1), gemm2=GemmConfig(*g2))
+
+
+def _lora_memory(w13_a, w13_b, w2_a, w2_b, scaling) -> dict:
+    """The adapters' tensors, which the W2 term reads after GEMM2 has written out in the decode modes."""
+    return {"lora.w13_a": w13_a, "lora.w13_b": w13_b, "lora.w2_a": w2_a, "lora.w2_b": w2_b, "lora.scaling": scaling}
 
 
 def _lora_of(w13_a, w13_b, w2_a, w2_b, scaling):

@@ -95,7 +95,7 @@ def activation_of(module: nn.Module, two_i: int) -> str | None:
     crosses gpt-oss's clamp limits and goes far past them, must equal one of moekit's activations (a family's own spelling of
     silu_and_mul or gpt-oss's swiglu is served; another limit, alpha or activation is not)."""
     gen = torch.Generator().manual_seed(0)
-    probe = torch.rand(64, two_i, generator=gen) * 24 - 12
+    probe = torch.rand(64, two_i, generator=gen, device="cpu") * 24 - 12
     probe[-8:] *= 100  # far past any clamp: a limit moekit does not have shows here
     try:
         with torch.no_grad():

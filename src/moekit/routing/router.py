@@ -138,7 +138,8 @@ def router_gemm(
     num_experts = weight.shape[0]
     out_shape = tuple(x.shape[:-1]) + (num_experts,)
     if out is not None:
-        check_out("out", out, out_shape, out_dtype, weight.device, {"x": x, "weight": weight, "bias": bias})
+        check_out("out", out, out_shape, out_dtype, weight.device, {"x": x, "weight": weight, "bias": bias,
+                                                                    **_lora_memory(lora)})
         try:
             out2 = out if out.dim() == 2 else out.view(-1, num_experts)
         except RuntimeError:
@@ -170,6 +171,11 @@ def _gradients_traced(args: _GemmArgs, tier: str) -> bool:
 _CHECKED_GEMMS = CheckedCalls()
 
 
+def _lora_memory(lora: RouterLoRA | None) -> dict:
+    """The adapter's tensors, which the Triton finisher reads after other programs stored logits."""
+    return {} if lora is None else {"lora.a": lora.a, "lora.b": lora.b}
+
+
 def _lora_parts(lora: RouterLoRA | None):
     return (None, None, 0.0) if lora is None else (lora.a, lora.b, float(lora.scale))
 
@@ -179,7 +185,7 @@ def _lora_parts(lora: RouterLoRA | None):
 @torch.library.custom_op("moekit::router_gemm_into", mutates_args=("out",))
 def _router_gemm_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, lora_scale: float, tier: str) -> None:
-    check_written_memory("out", out, {"x": x, "weight": weight, "bias": bias})
+    check_written_memory("out", out, {"x": x, "weight": weight, "bias": bias, "lora.a": lora_a, "lora.b": lora_b})
     lora = None if lora_a is None else RouterLoRA(lora_a, lora_b, lora_scale)
     _gemm(_GemmArgs(x, weight, bias, lora), out, tier)
 
@@ -427,6 +433,9 @@ class GateLinear(nn.Module):
                  params_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
+        for name, n in (("hidden_size", hidden_size), ("num_experts", num_experts)):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"{name} must be an int, got {type(n).__name__}")
         if hidden_size < 1 or num_experts < 1:
             raise ValueError(f"hidden_size and num_experts must be >= 1, got {hidden_size}, {num_experts}")
         if params_dtype not in INPUT_DTYPES:
