@@ -146,13 +146,19 @@ def test_gemv1_with_terms_is_capped_only_where_its_uncapped_build_took_more(monk
     assert all(launch["LORA_W13"] for launch in launcher.launches)
 
 
+W2_SUMS = pytest.mark.parametrize("w2_sums", [False, True], ids=["w2_summed_in_gemv1", "w2_summed_in_gemv2"])
+
+
+@W2_SUMS
 @pytest.mark.parametrize("contiguous", [True, False], ids=["terms_in_the_gemvs", "separate_kernels"])
 @pytest.mark.parametrize("which", [("w13", "w2"), ("w13",), ("w2",)])
-def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which):
+def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which, w2_sums):
     """At decode the adapters' terms run inside GEMV1 / GEMV2 (one shrink launch of their own at most) when the
-    stacks are contiguous and their tiles fit; other stacks take the separate shrink/expand kernels."""
+    stacks are contiguous and their tiles fit; other stacks take the separate shrink/expand kernels. W2's shrink
+    gets its blocks of h's columns added by GEMV1's last program of each pair or by GEMV2 (both forms)."""
     from moekit.experts import lora as expert_lora
 
+    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
     fused = []
     real = expert_lora.decode_terms
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
@@ -208,12 +214,15 @@ def test_a_configs_register_cap_leaves_the_gemvs_that_run_decode_terms(monkeypat
     ("mxfp4", ("w13", "w2"), False, 1),  # one token, its adapter id -1 (none): the terms must add nothing
     ("nvfp4", ("w13", "w2"), False, 9),  # past a power of two of tokens
 ])
-def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped, T):
+@W2_SUMS
+def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped, T, w2_sums):
     """GEMV1 on the rows kernel (4-bit weights, 16-bit x: one pair per program) takes the adapters' terms as the
     other GEMV1 does: W13's after its K loop, W2's shrink per block of h's columns, summed by the pair's last
-    program. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
+    program or by GEMV2. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
     from moekit.experts import lora as expert_lora
     from moekit.experts import triton_backend as tb
+
+    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
 
     fused, rows = [], []
     real = expert_lora.decode_terms
@@ -794,7 +803,8 @@ def test_gpu_quantized_bases(fmt, act_quant, layout, T):
 @pytest.mark.parametrize("name,fmt", [("qwen3-30b-a3b", None), ("gpt-oss-120b", None), ("gpt-oss-120b", "mxfp4"),
                                       ("qwen3-30b-a3b", "nvfp4")])
 @pytest.mark.parametrize("T", [1, 4])
-def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(name, fmt, T):
+@W2_SUMS
+def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt, T, w2_sums):
     """The H200 table's decode configs forced on any GPU (elsewhere T=1 may take the per-pair tensor cores): the
     adapters' terms inside GEMV1/GEMV2, their shrink as GEMV1's programmatic parent, eager and in a CUDA graph."""
     import json
@@ -802,7 +812,9 @@ def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(name, fmt, T):
 
     import moekit.experts
     from moekit import presets
+    from moekit.experts import lora as expert_lora
 
+    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
     spec = presets.get(name)
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
     table = json.loads(Path(moekit.experts.__file__).with_name("tuned_configs.json").read_text())

@@ -826,7 +826,7 @@ def _gemv2_args(h_args, w_args, b2, h, weights, ids, expert_map, out, top_k, num
     """gemv2_tokens_kernel's runtime arguments (``term_args`` None: no decode terms)."""
     return (*h_args, *w_args, *_bias_args(b2, h), weights, ids, expert_map if expert_map is not None else ids,
             out, out.stride(0), top_k, num_global, num_local, hidden, inter,
-            *(term_args if term_args is not None else (h, h, h, 0, 0, 0)))
+            *(term_args if term_args is not None else (h, h, h, h, 0, 0, 0)))
 
 
 @functools.lru_cache(maxsize=1024)  # (see _gemv1_constants)

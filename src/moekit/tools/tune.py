@@ -309,10 +309,11 @@ def tune(spec, num_tokens: int, weights, weight_format: str = "dense", modes=MOD
             # GEMV1 at 3 programs of 4 warps per SM where the compiler takes more registers (gpt-oss-120b's bf16 GEMV1
             # builds in 211: benchmarks/results/archive/ab_decode_maxnreg_h100_2026-12-07.md); kept only if faster,
             # since under a cap ptxas spends up to it (a GEMV1 that builds in fewer takes more, fits fewer per SM)
-            if gemv_cfg.gemm1.num_warps == 4:  # (168 fits one program more per SM for 4 warps only)
-                variants.append(("GEMV1 at 168 registers",
-                                 lambda c: replace(c, gemm1=replace(c.gemm1, maxnreg=168)),
-                                 "gemv_gemm1_maxnreg_168_call_us"))
+            three = _triton.registers_for(programs_per_sm=3, num_warps=4)  # 168: a third program of 4 warps per SM
+            if gemv_cfg.gemm1.num_warps == 4:  # (at 8 warps the same cap fits no program more)
+                variants.append((f"GEMV1 at {three} registers",
+                                 lambda c: replace(c, gemm1=replace(c.gemm1, maxnreg=three)),
+                                 f"gemv_gemm1_maxnreg_{three}_call_us"))
             if spec.top_k > 1:  # GEMM2 per pair, then the combine
                 variants.append(("GEMM2 per pair", lambda c: replace(c, split_slots=True), "gemv_split_slots_call_us"))
             if spec.top_k > 1 and weight_format in FOUR_BIT_FORMATS:

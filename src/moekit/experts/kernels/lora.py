@@ -362,17 +362,19 @@ def w2_decode_cols(a_ptr, adapter, live, e64, offs_n, ok, num_local, inter, R, R
 
 @triton.jit
 def w2_decode_parts(a_cols, parts_ptr, cnt_ptr, scaling_ptr, adapter, live, pair, h, offs_n, group, block,
-                    num_blocks, R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, FENCE: tl.constexpr):
+                    num_blocks, R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, FENCE: tl.constexpr,
+                    SUMS_IN_GEMV2: tl.constexpr = False):
     """W2's shrink of the pairs ``pair`` [SLOTS] (of one GEMV1 program group: the same pairs, every block of h's
     columns) on ``h`` [SLOTS, BLOCK_N] (fp32 of the values as stored) with A2's columns ``a_cols``
     (w2_decode_cols): each program writes its block's sums into parts [pairs, num_blocks + 1, R_PAD]; the group's
     last program to arrive (counter ``group``) adds the blocks in block order, scales them, and writes the pair's
-    shrink at block index num_blocks, for GEMV2. Live pairs only (GEMV2 reads only those)."""
+    shrink at block index num_blocks, for GEMV2. Live pairs only (GEMV2 reads only those). ``SUMS_IN_GEMV2``: the
+    blocks' sums only; GEMV2 adds them (w2_decode_summed)."""
     offs_r = tl.arange(0, R_PAD)
     part = tl.sum(a_cols.to(tl.float32) * h[:, None, :], axis=2)
     rows = pair.to(tl.int64)[:, None] * (num_blocks + 1)
     tl.store(parts_ptr + (rows + block) * R_PAD + offs_r[None, :], part, mask=live[:, None])
-    if tl.max(live.to(tl.int32), axis=0) > 0:  # the same for every program of the group
+    if not SUMS_IN_GEMV2 and tl.max(live.to(tl.int32), axis=0) > 0:  # the same for every program of the group
         if FENCE:
             _gpu_release_fence(offs_n)
         tl.debug_barrier()
@@ -400,16 +402,38 @@ def w2_decode_rows(b_ptr, adapter_ptr, ids_ptr, expert_map_ptr, t, top_k, num_gl
     base = b_ptr + ((tl.where(ok, a, 0).to(tl.int64) * num_local + tl.where(ok, e, 0)) * N) * R  # [K_PAD]
     b = tl.load(base[:, None, None] + offs_n[None, :, None] * R + offs_r[None, None, :],
                 mask=ok[:, None, None] & n_ok[None, :, None] & (offs_r < R)[None, None, :], other=0.0)
-    return b, pair, ok
+    return b, pair, ok, a
 
 
 @triton.jit
-def w2_decode_term(parts_ptr, b_rows, pair, ok, weights_ptr, num_blocks, R_PAD: tl.constexpr):
-    """A token's W2 term [BLOCK_N] in fp32: its slots' scaled shrinks (w2_decode_parts, at block index
-    num_blocks) times B2's rows ``b_rows`` (w2_decode_rows), times the router weights, summed over the slots."""
+def w2_decode_stored(parts_ptr, pair, ok, num_blocks, R_PAD: tl.constexpr):
+    """The slots' scaled shrinks [K_PAD, R_PAD] as GEMV1's last programs wrote them (at block index num_blocks)."""
     offs_r = tl.arange(0, R_PAD)
-    s = tl.load(parts_ptr + (pair.to(tl.int64)[:, None] * (num_blocks + 1) + num_blocks) * R_PAD + offs_r[None, :],
-                mask=ok[:, None], other=0.0)
+    return tl.load(parts_ptr + (pair.to(tl.int64)[:, None] * (num_blocks + 1) + num_blocks) * R_PAD
+                   + offs_r[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def w2_decode_summed(parts_ptr, scaling_ptr, adapter, pair, ok, num_blocks, R_PAD: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """The slots' shrinks [K_PAD, R_PAD] from GEMV1's blocks (w2_decode_parts with SUMS_IN_GEMV2): CHUNK blocks
+    at a time, in block order, then scaled."""
+    offs_r = tl.arange(0, R_PAD)
+    offs_b = tl.arange(0, CHUNK)
+    rows = pair.to(tl.int64)[:, None, None] * (num_blocks + 1)
+    s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + offs_b
+        s += tl.sum(tl.load(parts_ptr + (rows + blocks[None, :, None]) * R_PAD + offs_r[None, None, :],
+                            mask=ok[:, None, None] & (blocks < num_blocks)[None, :, None], other=0.0), axis=1)
+    return s * tl.load(scaling_ptr + tl.where(ok, adapter, 0), mask=ok, other=0.0)[:, None]
+
+
+@triton.jit
+def w2_decode_term(s, b_rows, pair, ok, weights_ptr):
+    """A token's W2 term [BLOCK_N] in fp32: its slots' scaled shrinks ``s`` [K_PAD, R_PAD] (w2_decode_stored or
+    w2_decode_summed) times B2's rows ``b_rows`` (w2_decode_rows), times the router weights, summed over the
+    slots."""
     per_slot = tl.sum(b_rows.to(tl.float32) * s[:, None, :], axis=2) * tl.load(weights_ptr + pair, mask=ok,
                                                                                other=0.0)[:, None]
     return tl.sum(per_slot, axis=0)
