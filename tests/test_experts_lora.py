@@ -178,6 +178,32 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
 
 
+@W2_SUMS
+def test_w2_decode_shrink_summed_over_several_chunks(monkeypatch, w2_sums):
+    # k=8 slots of rank 32: GEMV2 adds GEMV1's 24 blocks (I=96 in 4-column blocks) in chunks of 16, the second
+    # partial; the tests above reach one chunk only
+    from moekit.experts import lora as expert_lora
+
+    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
+    fused = []
+    real = expert_lora.decode_terms
+    monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
+    T, E, H, I, k, n, r = 3, 10, 32, 96, 8, 2, 32
+    w13, w2 = _weights(E, H, I, torch.float32)
+    lora = _lora(n, E, H, I, r, torch.float32, which=("w2",))
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    lids = torch.tensor([0, 1, -1], dtype=torch.int32)
+    config = ExpertsConfig(16, GemmConfig(4, 32, slots=2), GemmConfig(16, 32), mode="gemv")
+    got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=config, lora=lora, lora_ids=lids,
+                        out=_poisoned((T, H), torch.float32))
+    assert fused[0] is not None
+    if w2_sums:
+        assert fused[0].gemv2_constants["LORA_W2_CHUNK"] == 16 and fused[0].gemv2_args[-1] == 24
+    ref = reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids)
+    check_close("W2's shrink over 24 blocks", got, ref, _tol(torch.float32))
+
+
 def test_a_configs_register_cap_leaves_the_gemvs_that_run_decode_terms(monkeypatch):
     # GemmConfig.maxnreg was measured on calls without adapters: with the terms inside, GEMV1 and GEMV2 drop it (a
     # rank-128 adapter spilled under the table's cap), and the same call without adapters keeps it

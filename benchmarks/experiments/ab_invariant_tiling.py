@@ -10,8 +10,9 @@ the mode could run the default mode's own aligned configs. Per preset, format an
 - ``+half``: the same with half tails on in both GEMMs;
 - ``bkN``: the same with another K step (stages scaled to the same bytes in flight);
 - ``default``: the default mode's config at that T, where it is aligned;
-- at T <= 16, ``per_pair`` instead of the two above: the per-pair tensor-core mode on the mode's tiles (two
-  launches, no alignment), and ``default`` whatever its mode (times only);
+- at T <= 16, no half tails (16-row blocks have none) but K steps up to 256, ``per_pair`` (dense weights: the
+  per-pair tensor-core mode on the mode's tiles, two launches, no alignment; time only) and ``default`` whatever its
+  mode (time only);
 
 each timed (CUDA-graph replay over two layers) and checked bitwise: a probe token's output row in the T-token call
 against the same token alone (T=1, the mode's own config), and the whole output against the ``invariant`` row's.
@@ -65,17 +66,19 @@ def variants(spec, fmt: str, T: int, k_steps) -> list[tuple[str, object]]:
     _invariant.set_batch_invariant(False)
     default = expert_configs.choose(*dims, torch.device("cuda"), torch.bfloat16, fmt)[0]
     _invariant.set_batch_invariant(True)
-    if T <= 16:  # decode: the default's CUDA-core GEMVs sum in another order; the per-pair tensor-core mode's
-        # time on the mode's tiles (its GEMM2 sums the slots in fp32, not rounded per slot: bits not expected)
-        return [("invariant", inv), ("per_pair", replace(inv, mode="per_pair")), ("default", default)]
-    out = [("invariant", inv), ("+half", _with(inv, half_tails=True))]
-    out += [(f"bk{bk}", _k_step(inv, bk)) for bk in k_steps if bk != inv.gemm1.block_k]
-    if default.mode == "aligned":
+    out = [("invariant", inv)]
+    if T > 16:
+        out.append(("+half", _with(inv, half_tails=True)))
+    out += [(f"bk{bk}", _k_step(inv, bk)) for bk in k_steps if bk != inv.gemm1.block_k and (bk <= 128 or T <= 16)]
+    if T <= 16 and fmt == "dense":  # the per-pair tensor-core mode's time on the mode's tiles (its GEMM2 sums the
+        # slots in fp32, not rounded per slot as the combine: bits not expected)
+        out.append(("per_pair", replace(inv, mode="per_pair")))
+    if default.mode == "aligned" or T <= 16:  # (at decode the default's time whatever its mode)
         out.append(("default", default))
     return out
 
 
-def run(args) -> list[dict]:
+def run(args, on_row=None) -> list[dict]:
     rows = []
     _invariant.set_batch_invariant(True)
     for name in args.presets:
@@ -109,6 +112,8 @@ def run(args) -> list[dict]:
                     row = {"preset": name, "format": fmt, "T": T, "variant": label, "config": str(cfg), "us": us,
                            "probe_bits_as_alone": probe, "bits_as_invariant": same, "error": err}
                     rows.append(row)
+                    if on_row is not None:
+                        on_row(rows)
                     print(f"{name:14s} {fmt:6s} T={T:5d} {label:10s} {us:9.1f} us probe={probe} same={same} {err}",
                           flush=True)
             del layers
@@ -137,15 +142,17 @@ def main(argv=None) -> None:
     p.add_argument("--presets", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--formats", nargs="+", default=["mxfp4", "nvfp4", "dense"])
     p.add_argument("--tokens", nargs="+", type=int, default=[64, 256, 1024, 4096])
-    p.add_argument("--k-steps", nargs="+", type=int, default=[128])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "ab_invariant_tiling")
+    p.add_argument("--k-steps", nargs="+", type=int, default=[128, 256])
     args = p.parse_args(argv)
-    rows = run(args)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(meta, rows))
+
+    def write(rows):  # after every row: a run cut short keeps what it measured
+        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(meta, rows))
+    run(args, write)
 
 
 if __name__ == "__main__":

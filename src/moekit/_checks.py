@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def check_tensor(
@@ -75,9 +76,23 @@ def check_own_memory(name: str, t: torch.Tensor) -> None:
 
 
 def check_disjoint(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | None]) -> None:
-    """``out`` shares no memory with any of ``inputs`` (what a kernel writes must not be what it reads)."""
+    """``out`` shares no memory with any of ``inputs`` (what a kernel writes must not be what it reads), by byte
+    spans: two storages can wrap one buffer (from_numpy, frombuffer, DLPack of one allocation at two offsets), and
+    strided views whose spans interleave are refused though their elements may not meet. Tensors without memory
+    (meta, fake) share none. On every repeated eager call with ``out=``: an input whose whole allocation misses
+    out's bytes is passed after one comparison."""
+    if not out.numel() or not _has_memory(out):
+        return
+    o0, o1 = _byte_span(out)
     for other_name, other in inputs.items():
-        if other is not None and out.numel() and other.numel() and _overlaps(out, other):
+        if other is None or not other.numel() or other.device != out.device or not _has_memory(other):
+            continue
+        storage = other.untyped_storage()
+        s0 = storage.data_ptr()
+        if s0 >= o1 or s0 + storage.nbytes() <= o0:
+            continue
+        b0, b1 = _byte_span(other)
+        if b0 < o1 and o0 < b1:
             raise ValueError(f"{name} must not overlap the memory of {other_name}")
 
 
@@ -126,8 +141,9 @@ def warned_if_detached(op: str, advice: str, result, *inputs):
 
 def may_sync(t: torch.Tensor) -> bool:
     """A check may read ``t``'s values on the host now: not while torch.compile traces or a CUDA graph is captured,
-    nor from a meta tensor, which has none."""
-    return not (torch.compiler.is_compiling() or t.is_meta or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+    nor from a meta or fake tensor, which has none."""
+    return not (torch.compiler.is_compiling() or not _has_memory(t)
+                or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def tensor_version(t: torch.Tensor) -> int | None:
@@ -139,18 +155,15 @@ def tensor_version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # byte spans, not storage identity: two storages can wrap one buffer (from_numpy, frombuffer, DLPack of one
-    # allocation at two offsets); meta tensors have no memory to share
-    if a.device != b.device or a.is_meta:
-        return False
-    a0, a1 = _byte_span(a)
-    b0, b1 = _byte_span(b)
-    return a0 < b1 and b0 < a1
+def _has_memory(t: torch.Tensor) -> bool:
+    """Not a meta or fake tensor (FakeTensorMode outside torch.compile: every one reports address 0)."""
+    return not (t.is_meta or isinstance(t, FakeTensor))
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
+    if t.is_contiguous():  # (the common case, without a loop over the dims)
+        return start, start + t.numel() * t.element_size()
     extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
     return start, start + (extent + 1) * t.element_size()
 

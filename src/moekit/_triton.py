@@ -106,8 +106,10 @@ REGISTER_GRANULE = 8  # a thread's registers are allocated in multiples of this
 def registers_for(programs_per_sm: int, num_warps: int) -> int:
     """Registers per thread at most for ``programs_per_sm`` programs of ``num_warps`` warps to fit one SM (168 for
     three programs of 4 warps): a kernel's ``maxnreg`` cap for that occupancy."""
-    per_thread = REGISTERS_PER_SM // (programs_per_sm * num_warps * 32)
-    return min(255, per_thread // REGISTER_GRANULE * REGISTER_GRANULE)
+    per_thread = REGISTERS_PER_SM // (programs_per_sm * num_warps * 32) // REGISTER_GRANULE * REGISTER_GRANULE
+    if per_thread < 24:  # (ptxas's least)
+        raise ValueError(f"{programs_per_sm} programs of {num_warps} warps do not fit one SM's registers")
+    return min(255, per_thread)
 
 
 NUM_COUNTERS = 4096

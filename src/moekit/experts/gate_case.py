@@ -29,7 +29,7 @@ DEFAULT_TOP_K = 2  # slots per token of a call that does not say (backends' Trit
 def refusal(backend, call) -> str | None:
     """None when ``backend`` may serve ``call`` (gate off, or its check passed), else why not. While torch.compile
     traces, no check runs: a backend that failed any check of the call's kind is refused."""
-    if not gate.enabled():
+    if not gate.enabled() or call.device.type == "meta":  # (meta tensors: shapes only, nothing to check)
         return None
     if torch.compiler.is_compiling():
         return _failure_of_kind(backend, call)

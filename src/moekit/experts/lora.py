@@ -123,6 +123,8 @@ class ExpertsLoRA:
 def _scaling(value, n: int, device: torch.device) -> torch.Tensor:
     """``scaling`` as a contiguous fp32 tensor [n] on ``device`` (a tensor of that kind is kept, not copied)."""
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise ValueError(f"lora.scaling must be a dense (strided) tensor, got layout {value.layout}")
         if not value.is_floating_point():
             raise TypeError(f"lora.scaling must be a float tensor, got dtype {value.dtype}")
         if value.device != device:
@@ -447,7 +449,8 @@ class DecodeTerms:
 def decode_terms_fit(r1: int, r2: int, inter: int, gemv1_block_n: int, gemv1_slots: int, gemv2_block_n: int,
                      top_k: int, num_tokens: int) -> bool:
     """Whether :func:`decode_terms` can run adapters of ranks ``r1`` (w13) and ``r2`` (w2, 0: none) inside the GEMVs
-    of a call: their tiles fit a program's registers and GEMV1's program groups its arrival counters."""
+    of a call: their tiles fit a program's registers and, where GEMV1's last programs add W2's shrink
+    (DECODE_W2_SUMS_IN_GEMV2 off), GEMV1's program groups its arrival counters."""
     r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
     blocks_pad = _triton.next_pow2(_triton.cdiv(inter, gemv1_block_n))
     groups = num_tokens * _triton.cdiv(top_k, gemv1_slots)
@@ -480,7 +483,7 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
     GEMV launches add, W13's shrink (when the adapters touch w13) among it, for GEMV1 to launch right before itself
     (as the shrink's programmatic dependent GEMV1 reads, until it waits, only what earlier launches wrote). None
     where the terms' tiles would not fit a program's registers, a stack is not contiguous or GEMV1's program groups
-    outnumber the arrival counters: the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's
+    outnumber the arrival counters (decode_terms_fit): the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's
     programmatic dependent (its K loop overlaps the shrink; a link of its own, whatever the config says of GEMV2's);
     ``fence``: the kernels are built for the GPU (the counters' memory fence is PTX)."""
     stacks = [t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None]
@@ -501,7 +504,8 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
     if r1:
         parts1, splits, launch_shrink = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows,
                                                      launch_dependents=pdl)
-    if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program)
+    if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program, unless GEMV2 adds
+        # the blocks itself)
         parts2 = torch.empty(rows.ids.numel(), blocks + 1, r2_pad, dtype=torch.float32, device=x.device)
         counters = x if DECODE_W2_SUMS_IN_GEMV2 else _triton.counters(x.device)
     b13 = lora.w13_b if r1 else x

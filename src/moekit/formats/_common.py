@@ -54,6 +54,8 @@ def check_field(owner: str, field: str, t, dtypes: tuple[torch.dtype, ...], expe
     name = f"{owner}.{field}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
                         f"got {str(t.dtype).removeprefix('torch.')}")

@@ -9,6 +9,7 @@ crossover, plain torch on other devices (see :mod:`moekit.routing.tiers`).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -433,9 +434,15 @@ class GateLinear(nn.Module):
                  params_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
+        sizes = []
         for name, n in (("hidden_size", hidden_size), ("num_experts", num_experts)):
-            if isinstance(n, bool) or not isinstance(n, int):
+            try:  # ints of numpy and 0-d integer tensors too (sizes read from checkpoint metadata)
+                sizes.append(operator.index(n) if not isinstance(n, bool) else None)
+            except TypeError:
+                sizes.append(None)
+            if sizes[-1] is None:
                 raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        hidden_size, num_experts = sizes
         if hidden_size < 1 or num_experts < 1:
             raise ValueError(f"hidden_size and num_experts must be >= 1, got {hidden_size}, {num_experts}")
         if params_dtype not in INPUT_DTYPES:

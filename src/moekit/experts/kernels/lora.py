@@ -315,8 +315,9 @@ def lora_expand_kernel(
 # (experts/lora.py, decode_terms) only W13's shrink runs as a kernel of its own, launched right before GEMV1, which
 # starts as its programmatic dependent and waits for it after its own K loop. GEMV1 adds W13's term to its sums
 # (w13_decode_terms), then writes each pair's shrink of W2 over its block of h columns, and the last program of
-# the pair's group adds the blocks in block order (w2_decode_parts); GEMV2 adds W2's term to its slots' weighted
-# sum (w2_decode_term). The adapter stacks are contiguous there, so their strides follow from the shapes.
+# the pair's group adds the blocks in block order (w2_decode_parts), or GEMV2 adds them after its K loop
+# (experts/lora.py DECODE_W2_SUMS_IN_GEMV2: w2_decode_summed); GEMV2 adds W2's term to its slots' weighted sum
+# (w2_decode_term). The adapter stacks are contiguous there, so their strides follow from the shapes.
 
 
 @triton.jit
@@ -416,8 +417,9 @@ def w2_decode_stored(parts_ptr, pair, ok, num_blocks, R_PAD: tl.constexpr):
 @triton.jit
 def w2_decode_summed(parts_ptr, scaling_ptr, adapter, pair, ok, num_blocks, R_PAD: tl.constexpr,
                      CHUNK: tl.constexpr):
-    """The slots' shrinks [K_PAD, R_PAD] from GEMV1's blocks (w2_decode_parts with SUMS_IN_GEMV2): CHUNK blocks
-    at a time, in block order, then scaled."""
+    """The slots' shrinks [K_PAD, R_PAD] from GEMV1's blocks (w2_decode_parts with SUMS_IN_GEMV2): chunks of CHUNK
+    blocks in block order, each chunk's sum a tree (so the bits differ from the last-program form's where there is
+    more than one chunk; either form is the same bits on every run), then scaled."""
     offs_r = tl.arange(0, R_PAD)
     offs_b = tl.arange(0, CHUNK)
     rows = pair.to(tl.int64)[:, None, None] * (num_blocks + 1)

@@ -602,8 +602,8 @@ def gemv2_tokens_kernel(
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
-    # decode LoRA (kernels/lora.py): W2's shrinks [T*k, lora_blocks + 1, R2_PAD] fp32 from GEMV1, B2
-    # [adapters, E, H, r2] (contiguous), adapter ids int32 [T]
+    # decode LoRA (kernels/lora.py): W2's shrinks [T*k, lora_blocks + 1, R2_PAD] fp32 from GEMV1 (LORA_W2_SUMS: its
+    # blocks' sums), B2 [adapters, E, H, r2] (contiguous), adapter ids int32 [T], scaling fp32 [adapters]
     lora_parts2_ptr, lora_b2_ptr, lora_ids_ptr, lora_scaling_ptr, lora_adapters, lora_r2, lora_blocks,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
