@@ -332,6 +332,28 @@ def test_router_split_programs_and_folded_splits_give_the_same_bits(monkeypatch,
         _replan()
 
 
+def test_an_explicit_config_the_mode_cannot_keep_invariant_is_refused():
+    # an explicit config is the caller's order of sums: the decode modes sum a token's slots otherwise than the
+    # aligned mode's combine, and FP8 products in a half block run on mma.sync
+    from moekit.formats import quantize_experts
+
+    _on()
+    E, H, I, T, k = 4, 128, 128, 3, 2
+    w13, w2 = torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    x, tw, ids = torch.randn(T, H), torch.rand(T, k), torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+    tile = GemmConfig(block_n=32, block_k=64)
+    for mode in ("per_pair", "gemv"):
+        with pytest.raises(ValueError, match=f"config with mode '{mode}' is not batch-invariant"):
+            fused_experts(x, w13, w2, tw, ids, config=ExpertsConfig(16, tile, tile, mode=mode))
+    half = dataclasses.replace(tile, half_tails=True)
+    q13, q2 = quantize_experts(w13, "fp8_block"), quantize_experts(w2, "fp8_block")
+    with pytest.raises(ValueError, match="half_tails on FP8 products is not batch-invariant"):
+        fused_experts(x, q13, q2, tw, ids, act_quant="fp8_group", config=ExpertsConfig(64, half, half))
+    fused_experts(x, w13, w2, tw, ids, config=ExpertsConfig(32, half, half))  # 16-bit products: served
+    moekit.set_batch_invariant(False)
+    fused_experts(x, w13, w2, tw, ids, config=ExpertsConfig(16, tile, tile, mode="gemv"))
+
+
 # ---- a planted fault: a configuration that changes with T ------------------------------------------------------
 
 _INVARIANT_CHOOSE = C._invariant_choose

@@ -29,9 +29,21 @@ BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 weight_format = format_of  # the name this module has always exported
 
 
-def _check_config(config) -> None:
-    if config is not None and not isinstance(config, ExpertsConfig):
+def _check_config(config, fp8_products: bool = False) -> None:
+    """An explicit config is an ExpertsConfig; in batch-invariant mode, one whose order of sums the mode can keep
+    (``fp8_products``: the call multiplies FP8 codes, W8A8 or W4A8)."""
+    if config is None:
+        return
+    if not isinstance(config, ExpertsConfig):
         raise TypeError(f"config must be a moekit.experts.ExpertsConfig or None, got {type(config).__name__}")
+    if not _invariant.enabled():
+        return
+    if config.mode != "aligned":  # (the mode's own configs: experts/configs.py _invariant_choose)
+        raise ValueError(_invariant.refusal(f"config with mode {config.mode!r}", "the decode modes sum a token's "
+                                            "slots inside GEMM2, and the CUDA-core one also across lanes"))
+    if fp8_products and (config.gemm1.half_tails or config.gemm2.half_tails):
+        raise ValueError(_invariant.refusal("config with half_tails on FP8 products", "a half block runs on "
+                                            "mma.sync, whose FP8 sums round otherwise than wgmma's"))
 
 
 def choose_backend(x: torch.Tensor, w13, backend: str = "auto", act_quant: str | None = None, *,
@@ -176,7 +188,8 @@ def _options_and_out(x, w13, w2, act_quant, config, out, **other_inputs) -> torc
     then the output: ``out`` itself, or a new tensor of x's shape, dtype and device. ``out`` must be contiguous
     and must not alias x, the weights or ``other_inputs``."""
     check_act_quant(act_quant, x.shape[-1], w2.shape[2])
-    _check_config(config)
+    fmt = format_of(w13)
+    _check_config(config, fmt == "fp8" or (fmt == "mxfp4" and act_quant == "fp8_group"))
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     check_out("out", out, tuple(x.shape), x.dtype, x.device,
