@@ -368,18 +368,20 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
 # Batch-invariant configurations. A token's bits depend on the order in which each GEMM adds its K terms and on
 # how the k slots are combined. The aligned mode fixes the second (each slot's weighted output rounded to x's
 # dtype, then the slots summed in order) at every T, while the decode modes sum slots inside GEMM2, and "gemv"
-# also sums each K chunk across the CUDA cores' lanes: so only "aligned" serves, at every T. Inside it the order
-# is the sequence of K steps, each one tensor-core product (its K terms in the MMA's fixed order, whatever the
-# tile's rows or columns), so BLOCK_K is fixed per shape class while BLOCK_M, BLOCK_N, warps, stages and the
-# program order follow the token count as in the default mode. Half-height tail blocks are off (a block's row
-# count would change with its neighbours), and an FP8 GEMM2 keeps columns within one 128-row weight block (one
+# also sums each K chunk across the CUDA cores' lanes: so only "aligned" serves, at every T. Inside it, with 16-bit
+# activations, a GEMM adds its K terms as one chain of MMA instructions on one accumulator (tl.dot(a, w, acc)),
+# whatever the K step, the tile's rows or columns: so for 4-bit weights the default mode's aligned configs serve as
+# they are, half tails included (on an H100, 2026-12-07: 128- against 64-deep steps, half tails and the default's
+# own configs kept every bit of MXFP4 and NVFP4 calls at T = 1-1024,
+# benchmarks/results/archive/ab_invariant_tiling_h100_2026-12-07.md; 16- against 64-row tiles earlier,
+# ab_invariant_rows_2026-12-05.md), but for NVFP4 weight tiles of fewer than 64 rows (mma.sync rounds those
+# products otherwise). Dense weights keep one K step per shape class and no half tails (not measured otherwise).
+# FP8 x FP8 products (W8A8, W4A8) multiply a scale in after each 128-deep step, and fix the tensor-core
+# instruction: Triton builds tiles of fewer than 64 rows from mma.sync and larger ones from wgmma, whose FP8
+# accumulation rounds differently (measured on the H200, benchmarks/results/invariant.md 2026-12-05: deepseek-v3
+# W8A8 lost invariance where T reached 64-row tiles), so those formats run 64-row tiles on whole warpgroups at
+# every T, without half tails, one K step per shape class, and GEMM2 columns within one 128-row weight block (one
 # scale per tile, which the kernel multiplies in another order than per-column scales).
-# FP8 x FP8 products (W8A8, W4A8) also fix the tensor-core instruction: Triton builds tiles of fewer than 64 rows
-# from mma.sync and larger ones from wgmma, whose FP8 accumulation rounds differently (measured on the H200,
-# benchmarks/results/invariant.md 2026-12-05: deepseek-v3 W8A8 lost invariance where T reached 64-row tiles), so
-# those formats run 64-row tiles on whole warpgroups at every T. 16-bit products give the same bits on both
-# (benchmarks/results/archive/ab_invariant_rows_2026-12-05.md) and keep the default's row blocks.
-INVARIANT_MAX_STAGES = 6  # a K step shorter than the tuned one gets more stages (same bytes in flight), up to this
 FP8_DOT_FORMATS = ("fp8", "w4a8")
 WGMMA_MIN_ROWS = 64
 
@@ -410,49 +412,75 @@ def _reduction_steps(keys: tuple[str, ...], shape: str, num_experts: int, n1: in
     return _effective_block_k(cfg.gemm1, weight_format, 2), _effective_block_k(cfg.gemm2, weight_format, 1), source
 
 
-def _with_block_k(g: GemmConfig, block_k: int, weight_format: str, tiles: int) -> GemmConfig:
-    """``g`` running K steps of ``block_k``: stages scaled so that the bytes in flight stay those of ``g``; 4-bit
-    tiles narrowed until the step fits the registers (four_bit_block_k keeps it); FP8 columns within one 128-row
-    weight block."""
-    if weight_format in ("fp8", "w4a8"):  # the kernels' own FP8 tiles (128-deep, GEMM1 128 wide) fill the stages
-        stages = g.num_stages if g.block_k == block_k else min(g.num_stages, 4)
+def _with_block_k(g: GemmConfig, block_k: int, weight_format: str) -> GemmConfig:
+    """``g`` running K steps of ``block_k``, without half tails: dense tiles with stages scaled so that the bytes in
+    flight stay those of ``g`` (up to 6); FP8 tiles (the kernels' own 128-deep steps) with GEMM2 columns within one
+    128-row weight block."""
+    if weight_format in FP8_DOT_FORMATS:
+        stages, block_n = (g.num_stages if g.block_k == block_k else min(g.num_stages, 4)), min(g.block_n, FP8_BLOCK_K)
     else:
-        stages = max(2, min(INVARIANT_MAX_STAGES, g.num_stages * g.block_k // block_k))
-    g = replace(g, block_k=block_k, num_stages=stages, half_tails=False,
-                slots=None, packed=None)
-    if weight_format in FOUR_BIT_FORMATS:
-        # NVFP4 weight tiles (the MMA's M side) of fewer than 64 rows run on mma.sync, whose products round
-        # otherwise than wgmma's (H100: 32-row tiles changed bits, 64 and 128 did not:
-        # benchmarks/results/archive/ab_invariant_nvfp4_tile_bits_h100_2026-12-06.md); MXFP4 kept its bits at 16-64
-        least = WGMMA_MIN_ROWS if weight_format == "nvfp4" else 16
-        g = replace(g, block_n=max(g.block_n, least))
-        while g.block_n > least and four_bit_block_k(g, tiles) < block_k:
-            g = replace(g, block_n=g.block_n // 2)
-        if four_bit_block_k(g, tiles) < block_k:  # the kernels would run a shorter K step: another order
-            raise ValueError(_invariant.refusal(
-                f"{weight_format} weights with {block_k}-deep K steps",
-                f"a {g.block_n}-row tile of {block_k} codes does not fit {g.num_warps} warps' registers, and a "
-                "shorter step or narrower tile would sum in another order than at other token counts"))
-    if weight_format in ("fp8", "w4a8") and g.block_n > FP8_BLOCK_K:
-        g = replace(g, block_n=FP8_BLOCK_K)
-    return g
+        stages, block_n = max(2, min(6, g.num_stages * g.block_k // block_k)), g.block_n
+    return replace(g, block_k=block_k, num_stages=stages, block_n=block_n, half_tails=False, slots=None, packed=None)
+
+
+INVARIANT_DECODE_4BIT = dict(block_k=128, num_stages=3)
+"""4-bit tiles at decode sizes (where the default runs the CUDA-core kernels): 128-deep K steps on 3 stages. On an
+H100 at T=1, against 64-deep steps on 6 stages, the same bits: qwen3-30b-a3b NVFP4 46.2 -> 35.1 us, gpt-oss-120b
+MXFP4 72.5 -> 72.4 (benchmarks/results/archive/ab_invariant_tiling_h100_2026-12-07.md)."""
 
 
 @functools.lru_cache(maxsize=4096)
 def _invariant_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int,
                       k1: int, weight_format: str):
+    if weight_format not in FOUR_BIT_FORMATS:
+        return _invariant_pinned_choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+    cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
+    if cfg.mode != "aligned":
+        cfg, source = _invariant_decode_tiles(num_tokens, num_experts, top_k, n1, k1, weight_format, cfg.mode)
+    g1, g2 = _invariant_tile(cfg.gemm1, weight_format), _invariant_tile(cfg.gemm2, weight_format)
+    return ExpertsConfig(cfg.block_m, g1, g2), (
+        f"batch-invariant: aligned mode (K steps, row blocks and tiles follow T: a step's K terms are one chain of "
+        f"MMA instructions on one accumulator); tiles from {source}")
+
+
+def _invariant_decode_tiles(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, weight_format: str,
+                            default_mode: str, block_k: int | None = None) -> tuple[ExpertsConfig, str]:
+    """The aligned tiles that serve where the default runs a decode mode: the heuristic's at the first T it aligns,
+    else 16-row tiles of ``block_k``-deep steps; 4-bit ones with INVARIANT_DECODE_4BIT."""
+    tokens = max(num_tokens, _first_aligned_tokens(weight_format))
+    cfg = heuristic(tokens, num_experts, top_k, n1, k1, weight_format)
+    source = f"the heuristic's aligned tiles at T={tokens} (the default's {default_mode!r} mode sums in another order)"
+    if cfg.mode != "aligned":  # no aligned regime of the heuristic at this few rows per expert
+        bk = block_k or 64
+        cfg = ExpertsConfig(16, GemmConfig(block_n=64, block_k=bk, num_warps=4, num_stages=4),
+                            GemmConfig(block_n=64, block_k=bk, num_warps=4, num_stages=4))
+        source = "16-row aligned tiles"
+    if weight_format in FOUR_BIT_FORMATS:
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, **INVARIANT_DECODE_4BIT),
+                      gemm2=replace(cfg.gemm2, **INVARIANT_DECODE_4BIT))
+    return cfg, source
+
+
+def _invariant_tile(g: GemmConfig, weight_format: str) -> GemmConfig:
+    """``g`` as the mode runs it (16-bit activations): NVFP4 weight tiles of 64 rows or more."""
+    if weight_format == "nvfp4":
+        # NVFP4 weight tiles (the MMA's M side) of fewer than 64 rows run on mma.sync, whose products round
+        # otherwise than wgmma's (H100: 32-row tiles changed bits, 64 and 128 did not:
+        # benchmarks/results/archive/ab_invariant_nvfp4_tile_bits_h100_2026-12-06.md); MXFP4 kept its bits at 16-64
+        g = replace(g, block_n=max(g.block_n, WGMMA_MIN_ROWS))
+    return replace(g, slots=None, packed=None)
+
+
+def _invariant_pinned_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int,
+                             n1: int, k1: int, weight_format: str):
+    """Dense and FP8 weights: one K step per GEMM for the shape class (its prefill configuration's), no half tails;
+    FP8 products on 64-row wgmma tiles. (Dense tiles would keep their bits as 4-bit ones do by the MMA chain's
+    order; they were not measured with other K steps or half tails, and meet the mode's targets from T = 4.)"""
     bk1, bk2, steps_source = _reduction_steps(keys, shape, num_experts, n1, k1, weight_format)
     cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
     if cfg.mode != "aligned":
-        tokens = max(num_tokens, _first_aligned_tokens(weight_format))
-        default_mode = cfg.mode
-        cfg = heuristic(tokens, num_experts, top_k, n1, k1, weight_format)
-        source = f"the heuristic's aligned tiles at T={tokens} (the default's {default_mode!r} mode sums in another order)"
-        if cfg.mode != "aligned":  # no aligned regime of the heuristic at this few rows per expert
-            cfg = ExpertsConfig(16, GemmConfig(block_n=64, block_k=bk1, num_warps=4, num_stages=4),
-                                GemmConfig(block_n=64, block_k=bk2, num_warps=4, num_stages=4))
-            source = "16-row aligned tiles"
-    g1, g2 = _with_block_k(cfg.gemm1, bk1, weight_format, 2), _with_block_k(cfg.gemm2, bk2, weight_format, 1)
+        cfg, source = _invariant_decode_tiles(num_tokens, num_experts, top_k, n1, k1, weight_format, cfg.mode, bk1)
+    g1, g2 = _with_block_k(cfg.gemm1, bk1, weight_format), _with_block_k(cfg.gemm2, bk2, weight_format)
     block_m, why = cfg.block_m, ""
     if weight_format in FP8_DOT_FORMATS:
         block_m = max(block_m, WGMMA_MIN_ROWS)

@@ -429,7 +429,9 @@ DECODE_TERMS_MAXNREG: int | None = _triton.registers_for(programs_per_sm=3, num_
 DECODE_TERMS_MAXNREG_RANK = 32
 # Where W2's shrink of h gets its blocks added: False, by the last GEMV1 program of each pair's group (a release
 # fence and an arrival atomic per program, then a dependent chain at GEMV1's end); True, by every GEMV2 program
-# after its K loop (no counters; each program reads its token's blocks from L2)
+# after its K loop (no counters; each program reads its token's blocks from L2). GEMV2's sums were slower on an
+# H100: qwen3-30b-a3b T=1 with one rank-16 adapter +24% against +21%
+# (benchmarks/results/archive/ab_decode_w2_sums_h100_2026-12-07.md); both forms stay tested.
 DECODE_W2_SUMS_IN_GEMV2 = False
 
 
