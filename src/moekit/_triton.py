@@ -98,7 +98,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
 REGISTERS_PER_SM = 65536  # 32-bit registers of an SM's file (sm_80 to sm_90)
 REGISTER_GRANULE = 8  # a thread's registers are allocated in multiples of this
 
@@ -112,6 +111,7 @@ def registers_for(programs_per_sm: int, num_warps: int) -> int:
     return min(255, per_thread)
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
 NUM_COUNTERS = 4096
 
 

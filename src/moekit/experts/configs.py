@@ -382,6 +382,7 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
 # W8A8 lost invariance where T reached 64-row tiles), so those formats run 64-row tiles on whole warpgroups at
 # every T, without half tails, one K step per shape class, and GEMM2 columns within one 128-row weight block (one
 # scale per tile, which the kernel multiplies in another order than per-column scales).
+INVARIANT_MAX_STAGES = 6  # a dense K step shorter than the tuned one gets more stages (same bytes in flight)
 FP8_DOT_FORMATS = ("fp8", "w4a8")
 WGMMA_MIN_ROWS = 64
 
@@ -414,12 +415,12 @@ def _reduction_steps(keys: tuple[str, ...], shape: str, num_experts: int, n1: in
 
 def _with_block_k(g: GemmConfig, block_k: int, weight_format: str) -> GemmConfig:
     """``g`` running K steps of ``block_k``, without half tails: dense tiles with stages scaled so that the bytes in
-    flight stay those of ``g`` (up to 6); FP8 tiles (the kernels' own 128-deep steps) with GEMM2 columns within one
-    128-row weight block."""
+    flight stay those of ``g`` (up to INVARIANT_MAX_STAGES); FP8 tiles (the kernels' own 128-deep steps) with GEMM2
+    columns within one 128-row weight block."""
     if weight_format in FP8_DOT_FORMATS:
         stages, block_n = (g.num_stages if g.block_k == block_k else min(g.num_stages, 4)), min(g.block_n, FP8_BLOCK_K)
     else:
-        stages, block_n = max(2, min(6, g.num_stages * g.block_k // block_k)), g.block_n
+        stages, block_n = max(2, min(INVARIANT_MAX_STAGES, g.num_stages * g.block_k // block_k)), g.block_n
     return replace(g, block_k=block_k, num_stages=stages, block_n=block_n, half_tails=False, slots=None, packed=None)
 
 
