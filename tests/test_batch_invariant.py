@@ -123,8 +123,11 @@ def test_invariant_4_bit_tiles_keep_the_defaults_aligned_configs_but_nvfp4_is_wi
         default = C._choose((key,), shape, T, E, s.top_k, N, K, "nvfp4", True)[0]
         got = C._invariant_choose((key,), shape, T, E, s.top_k, N, K, "nvfp4")[0]
         assert got.block_m == default.block_m and got.gemm1 == C._invariant_tile(default.gemm1, "nvfp4"), T
-    got = C._invariant_choose((key,), shape, 1, E, s.top_k, N, K, "nvfp4")[0]  # the default's CUDA cores: not kept
-    assert got.mode == "aligned" and got.gemm1.block_k == C.INVARIANT_DECODE_4BIT["block_k"]
+    for fmt in ("nvfp4", "mxfp4"):  # the default's CUDA cores: not kept; each format's measured decode steps
+        got = C._invariant_choose((f"no-gpu|{fmt}",), shape, 1, E, s.top_k, N, K, fmt)[0]
+        steps = C.INVARIANT_DECODE_4BIT[fmt]
+        assert got.mode == "aligned" and (got.gemm1.block_k, got.gemm2.num_stages) == (
+            steps["block_k"], steps["num_stages"]), fmt
 
 
 def test_the_switch_changes_the_cached_decisions_at_the_next_call():

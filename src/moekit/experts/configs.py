@@ -424,10 +424,13 @@ def _with_block_k(g: GemmConfig, block_k: int, weight_format: str) -> GemmConfig
     return replace(g, block_k=block_k, num_stages=stages, block_n=block_n, half_tails=False, slots=None, packed=None)
 
 
-INVARIANT_DECODE_4BIT = dict(block_k=128, num_stages=3)
-"""4-bit tiles at decode sizes (where the default runs the CUDA-core kernels): 128-deep K steps on 3 stages. On an
-H100 at T=1, against 64-deep steps on 6 stages, the same bits: qwen3-30b-a3b NVFP4 46.2 -> 35.1 us, gpt-oss-120b
-MXFP4 72.5 -> 72.4 (benchmarks/results/archive/ab_invariant_tiling_h100_2026-12-07.md)."""
+INVARIANT_DECODE_4BIT = {"nvfp4": dict(block_k=128, num_stages=3), "mxfp4": dict(block_k=64, num_stages=6)}
+"""4-bit tiles at decode sizes (where the default runs the CUDA-core kernels), per format. NVFP4: 128-deep K steps
+on 3 stages; on an H100 at T=1, against 64-deep steps on 6 stages, the same bits and 46.2 -> 35.1 us
+(qwen3-30b-a3b, benchmarks/results/archive/ab_invariant_tiling_h100_2026-12-07.md), and in the bench after it
+T=4 / 16 at 1.21x / 0.99x the default against 1.47x / 1.27x (archive/invariant_4bit_h100_2026-12-07.md). MXFP4:
+64-deep steps on 6 stages; 128-deep ones were even at T=1 (72.5 -> 72.4 us, gpt-oss-120b) and slower at T=4 / 16
+in the bench (166.0 / 477.2 us against 159.6 / 447.1; two H100s, the default's times within 2%)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -457,8 +460,8 @@ def _invariant_decode_tiles(num_tokens: int, num_experts: int, top_k: int, n1: i
                             GemmConfig(block_n=64, block_k=bk, num_warps=4, num_stages=4))
         source = "16-row aligned tiles"
     if weight_format in FOUR_BIT_FORMATS:
-        cfg = replace(cfg, gemm1=replace(cfg.gemm1, **INVARIANT_DECODE_4BIT),
-                      gemm2=replace(cfg.gemm2, **INVARIANT_DECODE_4BIT))
+        steps = INVARIANT_DECODE_4BIT[weight_format]
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, **steps), gemm2=replace(cfg.gemm2, **steps))
     return cfg, source
 
 
