@@ -146,19 +146,13 @@ def test_gemv1_with_terms_is_capped_only_where_its_uncapped_build_took_more(monk
     assert all(launch["LORA_W13"] for launch in launcher.launches)
 
 
-W2_SUMS = pytest.mark.parametrize("w2_sums", [False, True], ids=["w2_summed_in_gemv1", "w2_summed_in_gemv2"])
-
-
-@W2_SUMS
 @pytest.mark.parametrize("contiguous", [True, False], ids=["terms_in_the_gemvs", "separate_kernels"])
 @pytest.mark.parametrize("which", [("w13", "w2"), ("w13",), ("w2",)])
-def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which, w2_sums):
+def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which):
     """At decode the adapters' terms run inside GEMV1 / GEMV2 (one shrink launch of their own at most) when the
-    stacks are contiguous and their tiles fit; other stacks take the separate shrink/expand kernels. W2's shrink
-    gets its blocks of h's columns added by GEMV1's last program of each pair or by GEMV2 (both forms)."""
+    stacks are contiguous and their tiles fit; other stacks take the separate shrink/expand kernels."""
     from moekit.experts import lora as expert_lora
 
-    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
     fused = []
     real = expert_lora.decode_terms
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
@@ -178,13 +172,11 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
 
 
-@W2_SUMS
-def test_w2_decode_shrink_summed_over_several_chunks(monkeypatch, w2_sums):
-    # k=8 slots of rank 32: GEMV2 adds GEMV1's 24 blocks (I=96 in 4-column blocks) in chunks of 16, the second
-    # partial; the tests above reach one chunk only
+def test_w2_decode_shrink_summed_over_many_blocks(monkeypatch):
+    # k=8 slots of rank 32: each pair's last GEMV1 program adds 24 blocks (I=96 in 4-column blocks, their tile
+    # padded to 32); the tests above reach a few blocks only
     from moekit.experts import lora as expert_lora
 
-    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
     fused = []
     real = expert_lora.decode_terms
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
@@ -197,9 +189,7 @@ def test_w2_decode_shrink_summed_over_several_chunks(monkeypatch, w2_sums):
     config = ExpertsConfig(16, GemmConfig(4, 32, slots=2), GemmConfig(16, 32), mode="gemv")
     got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=config, lora=lora, lora_ids=lids,
                         out=_poisoned((T, H), torch.float32))
-    assert fused[0] is not None
-    if w2_sums:
-        assert fused[0].gemv2_constants["LORA_W2_CHUNK"] == 16 and fused[0].gemv2_args[-1] == 24
+    assert fused[0] is not None and fused[0].gemv2_args[-1] == 24
     ref = reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids)
     check_close("W2's shrink over 24 blocks", got, ref, _tol(torch.float32))
 
@@ -240,15 +230,12 @@ def test_a_configs_register_cap_leaves_the_gemvs_that_run_decode_terms(monkeypat
     ("mxfp4", ("w13", "w2"), False, 1),  # one token, its adapter id -1 (none): the terms must add nothing
     ("nvfp4", ("w13", "w2"), False, 9),  # past a power of two of tokens
 ])
-@W2_SUMS
-def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped, T, w2_sums):
+def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped, T):
     """GEMV1 on the rows kernel (4-bit weights, 16-bit x: one pair per program) takes the adapters' terms as the
     other GEMV1 does: W13's after its K loop, W2's shrink per block of h's columns, summed by the pair's last
-    program or by GEMV2. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
+    program. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
     from moekit.experts import lora as expert_lora
     from moekit.experts import triton_backend as tb
-
-    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
 
     fused, rows = [], []
     real = expert_lora.decode_terms
@@ -829,8 +816,7 @@ def test_gpu_quantized_bases(fmt, act_quant, layout, T):
 @pytest.mark.parametrize("name,fmt", [("qwen3-30b-a3b", None), ("gpt-oss-120b", None), ("gpt-oss-120b", "mxfp4"),
                                       ("qwen3-30b-a3b", "nvfp4")])
 @pytest.mark.parametrize("T", [1, 4])
-@W2_SUMS
-def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt, T, w2_sums):
+def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt, T):
     """The H200 table's decode configs forced on any GPU (elsewhere T=1 may take the per-pair tensor cores): the
     adapters' terms inside GEMV1/GEMV2, their shrink as GEMV1's programmatic parent, eager and in a CUDA graph."""
     import json
@@ -838,9 +824,7 @@ def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt
 
     import moekit.experts
     from moekit import presets
-    from moekit.experts import lora as expert_lora
 
-    monkeypatch.setattr(expert_lora, "DECODE_W2_SUMS_IN_GEMV2", w2_sums)
     spec = presets.get(name)
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
     table = json.loads(Path(moekit.experts.__file__).with_name("tuned_configs.json").read_text())

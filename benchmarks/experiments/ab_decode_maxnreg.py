@@ -1,5 +1,7 @@
-"""Register caps on the decode GEMVs (GPU; issue 30's LoRA terms and LIMITS' open lead on gpt-oss's bf16 GEMV1), and
-where W2's LoRA shrink gets its blocks added (GEMV1's last program per pair, or GEMV2).
+"""Register caps on the decode GEMVs (GPU; issue 30's LoRA terms and LIMITS' open lead on gpt-oss's bf16 GEMV1).
+(Its variant with W2's LoRA shrink blocks added by GEMV2 instead of GEMV1's last program per pair ran once, slower:
+benchmarks/results/archive/ab_decode_w2_sums_h100_2026-12-07.md; that kernel path has left the tree, its commit
+is in results/archive/INDEX.md's Prototypes section.)
 
 GEMV1 with both LoRA terms inside takes 204 registers at qwen3-30b-a3b's T=1 config (2 programs of 4 warps per SM
 instead of 3), and gpt-oss-120b's bf16 GEMV1 takes 211 with or without adapters (sm_90 compiles, 2026-12-07). A
@@ -22,17 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = {  # label: (cap of GEMV1 with both LoRA terms, cap of every GEMV1 launch without them, W2's shrink
-    # blocks added by GEMV2 instead of GEMV1's last program of each pair: lora.DECODE_W2_SUMS_IN_GEMV2)
-    "no cap": (None, None, False),
-    "terms 168": (168, None, False),
-    "GEMV1 168": (168, 168, False),
-    "terms 168, W2 sums in GEMV2": (168, None, True),
+VARIANTS = {  # label: (cap of GEMV1 with both LoRA terms, cap of every GEMV1 launch without them)
+    "no cap": (None, None),
+    "terms 168": (168, None),
+    "GEMV1 168": (168, 168),
 }
 
 
-def worker(preset: str, tokens: int, adapters: int, terms_cap: int | None, gemv1_cap: int | None,
-           w2_sums: bool = False) -> dict:
+def worker(preset: str, tokens: int, adapters: int, terms_cap: int | None, gemv1_cap: int | None) -> dict:
     import torch
 
     from moekit import presets
@@ -42,7 +41,6 @@ def worker(preset: str, tokens: int, adapters: int, terms_cap: int | None, gemv1
     from moekit.tools.bench.experts import Layer, _gen, reseed, routes
 
     expert_lora.DECODE_TERMS_MAXNREG = terms_cap  # (applied where GEMV1's uncapped build takes more)
-    expert_lora.DECODE_W2_SUMS_IN_GEMV2 = w2_sums
     triton_backend._register_cap = lambda cfg: {}  # the table's own caps (GemmConfig.maxnreg) off: the variant decides
     if gemv1_cap:
         real = triton_backend._gemv1_constants

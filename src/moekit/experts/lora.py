@@ -427,12 +427,6 @@ DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program 
 # DECODE_TERMS_MAXNREG_RANK (padded) the terms' tiles need registers of their own: no cap.
 DECODE_TERMS_MAXNREG: int | None = _triton.registers_for(programs_per_sm=3, num_warps=4)  # 168
 DECODE_TERMS_MAXNREG_RANK = 32
-# Where W2's shrink of h gets its blocks added: False, by the last GEMV1 program of each pair's group (a release
-# fence and an arrival atomic per program, then a dependent chain at GEMV1's end); True, by every GEMV2 program
-# after its K loop (no counters; each program reads its token's blocks from L2). GEMV2's sums were slower on an
-# H100: qwen3-30b-a3b T=1 with one rank-16 adapter +24% against +21%
-# (benchmarks/results/archive/ab_decode_w2_sums_h100_2026-12-07.md); both forms stay tested.
-DECODE_W2_SUMS_IN_GEMV2 = False
 
 
 @dataclass(frozen=True)
@@ -451,15 +445,15 @@ class DecodeTerms:
 def decode_terms_fit(r1: int, r2: int, inter: int, gemv1_block_n: int, gemv1_slots: int, gemv2_block_n: int,
                      top_k: int, num_tokens: int) -> bool:
     """Whether :func:`decode_terms` can run adapters of ranks ``r1`` (w13) and ``r2`` (w2, 0: none) inside the GEMVs
-    of a call: their tiles fit a program's registers and, where GEMV1's last programs add W2's shrink
-    (DECODE_W2_SUMS_IN_GEMV2 off), GEMV1's program groups its arrival counters."""
+    of a call: their tiles fit a program's registers and, with W2's shrink (added by the last GEMV1 program of
+    each pair's group), GEMV1's program groups its arrival counters."""
     r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
     blocks_pad = _triton.next_pow2(_triton.cdiv(inter, gemv1_block_n))
     groups = num_tokens * _triton.cdiv(top_k, gemv1_slots)
     tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
              gemv1_slots * max(gemv1_block_n, blocks_pad) * r2_pad if r2 else 0,
              _triton.next_pow2(top_k) * gemv2_block_n * r2_pad if r2 else 0]
-    return max(tiles) <= DECODE_TILE and not (r2 and not DECODE_W2_SUMS_IN_GEMV2 and groups > _triton.NUM_COUNTERS)
+    return max(tiles) <= DECODE_TILE and not (r2 and groups > _triton.NUM_COUNTERS)
 
 
 _FORCED: dict = {}  # paths the verification gate's case takes as its call does (forced_paths)
@@ -506,22 +500,19 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
     if r1:
         parts1, splits, launch_shrink = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows,
                                                      launch_dependents=pdl)
-    if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program, unless GEMV2 adds
-        # the blocks itself)
+    if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program)
         parts2 = torch.empty(rows.ids.numel(), blocks + 1, r2_pad, dtype=torch.float32, device=x.device)
-        counters = x if DECODE_W2_SUMS_IN_GEMV2 else _triton.counters(x.device)
+        counters = _triton.counters(x.device)
     b13 = lora.w13_b if r1 else x
     a2, b2 = (lora.w2_a, lora.w2_b) if r2 else (x, x)
     n = lora.num_adapters
-    sums = bool(r2) and DECODE_W2_SUMS_IN_GEMV2
     return DecodeTerms(
         (parts1, b13, a2, parts2, counters, lora.scaling, lora_ids, n, r1, r2),
         dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
-             LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence and not sums, LORA_W2_SUMS=sums,
+             LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence,
              **({"launch_pdl": True} if pdl and r1 else {})),
         (parts2, b2, lora_ids, lora.scaling, n, r2, blocks),
-        dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad, LORA_W2_SUMS=sums,
-             LORA_W2_CHUNK=max(1, min(blocks_pad, DECODE_TILE // (k_pad * r2_pad)))),
+        dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad),
         launch_shrink,
         DECODE_TERMS_MAXNREG if r1 and r2 and max(r1_pad, r2_pad) <= DECODE_TERMS_MAXNREG_RANK else None,
     )

@@ -94,7 +94,6 @@ def gemv1_rows_kernel(
     LORA_W13: tl.constexpr = False, LORA_W2: tl.constexpr = False, LORA_WAIT: tl.constexpr = False,
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
     LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
-    LORA_W2_SUMS: tl.constexpr = False,  # W2's shrink left in blocks, for GEMV2 to add
     W4_PAIRS: tl.constexpr = False,  # codes in the "pairs" byte layout (formats/fp4.py)
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
@@ -147,7 +146,7 @@ def gemv1_rows_kernel(
         if LORA_W2:  # on h as stored, as GEMV2 reads it
             w2_decode_parts(lora_a2, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, adapter, lora_live, pair1,
                             act.to(tl.float32)[None, :], offs_n, pair, tl.program_id(0) % num_n, num_n,
-                            LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE, LORA_W2_SUMS)
+                            LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE)
     # Every program waits, those of other ranks' pairs too: this grid then ends after the shrink's (whose buffers
     # the launches after it may reuse)
     if LORA_WAIT:

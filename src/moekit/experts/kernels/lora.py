@@ -315,9 +315,9 @@ def lora_expand_kernel(
 # (experts/lora.py, decode_terms) only W13's shrink runs as a kernel of its own, launched right before GEMV1, which
 # starts as its programmatic dependent and waits for it after its own K loop. GEMV1 adds W13's term to its sums
 # (w13_decode_terms), then writes each pair's shrink of W2 over its block of h columns, and the last program of
-# the pair's group adds the blocks in block order (w2_decode_parts), or GEMV2 adds them after its K loop
-# (experts/lora.py DECODE_W2_SUMS_IN_GEMV2: w2_decode_summed); GEMV2 adds W2's term to its slots' weighted sum
-# (w2_decode_term). The adapter stacks are contiguous there, so their strides follow from the shapes.
+# the pair's group adds the blocks in block order (w2_decode_parts; GEMV2 adding them after its K loop instead
+# measured slower: benchmarks/results/archive/ab_decode_w2_sums_h100_2026-12-07.md); GEMV2 adds W2's term to its
+# slots' weighted sum (w2_decode_term). The adapter stacks are contiguous there, so their strides follow from the shapes.
 
 
 @triton.jit
@@ -363,19 +363,17 @@ def w2_decode_cols(a_ptr, adapter, live, e64, offs_n, ok, num_local, inter, R, R
 
 @triton.jit
 def w2_decode_parts(a_cols, parts_ptr, cnt_ptr, scaling_ptr, adapter, live, pair, h, offs_n, group, block,
-                    num_blocks, R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, FENCE: tl.constexpr,
-                    SUMS_IN_GEMV2: tl.constexpr = False):
+                    num_blocks, R_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, FENCE: tl.constexpr):
     """W2's shrink of the pairs ``pair`` [SLOTS] (of one GEMV1 program group: the same pairs, every block of h's
     columns) on ``h`` [SLOTS, BLOCK_N] (fp32 of the values as stored) with A2's columns ``a_cols``
     (w2_decode_cols): each program writes its block's sums into parts [pairs, num_blocks + 1, R_PAD]; the group's
     last program to arrive (counter ``group``) adds the blocks in block order, scales them, and writes the pair's
-    shrink at block index num_blocks, for GEMV2. Live pairs only (GEMV2 reads only those). ``SUMS_IN_GEMV2``: the
-    blocks' sums only; GEMV2 adds them (w2_decode_summed)."""
+    shrink at block index num_blocks, for GEMV2. Live pairs only (GEMV2 reads only those)."""
     offs_r = tl.arange(0, R_PAD)
     part = tl.sum(a_cols.to(tl.float32) * h[:, None, :], axis=2)
     rows = pair.to(tl.int64)[:, None] * (num_blocks + 1)
     tl.store(parts_ptr + (rows + block) * R_PAD + offs_r[None, :], part, mask=live[:, None])
-    if not SUMS_IN_GEMV2 and tl.max(live.to(tl.int32), axis=0) > 0:  # the same for every program of the group
+    if tl.max(live.to(tl.int32), axis=0) > 0:  # the same for every program of the group
         if FENCE:
             _gpu_release_fence(offs_n)
         tl.debug_barrier()
@@ -415,26 +413,8 @@ def w2_decode_stored(parts_ptr, pair, ok, num_blocks, R_PAD: tl.constexpr):
 
 
 @triton.jit
-def w2_decode_summed(parts_ptr, scaling_ptr, adapter, pair, ok, num_blocks, R_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """The slots' shrinks [K_PAD, R_PAD] from GEMV1's blocks (w2_decode_parts with SUMS_IN_GEMV2): chunks of CHUNK
-    blocks in block order, each chunk's sum a tree (so the bits differ from the last-program form's where there is
-    more than one chunk; either form is the same bits on every run), then scaled."""
-    offs_r = tl.arange(0, R_PAD)
-    offs_b = tl.arange(0, CHUNK)
-    rows = pair.to(tl.int64)[:, None, None] * (num_blocks + 1)
-    s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
-    for b0 in range(0, num_blocks, CHUNK):
-        blocks = b0 + offs_b
-        s += tl.sum(tl.load(parts_ptr + (rows + blocks[None, :, None]) * R_PAD + offs_r[None, None, :],
-                            mask=ok[:, None, None] & (blocks < num_blocks)[None, :, None], other=0.0), axis=1)
-    return s * tl.load(scaling_ptr + tl.where(ok, adapter, 0), mask=ok, other=0.0)[:, None]
-
-
-@triton.jit
 def w2_decode_term(s, b_rows, pair, ok, weights_ptr):
-    """A token's W2 term [BLOCK_N] in fp32: its slots' scaled shrinks ``s`` [K_PAD, R_PAD] (w2_decode_stored or
-    w2_decode_summed) times B2's rows ``b_rows`` (w2_decode_rows), times the router weights, summed over the
+    """A token's W2 term [BLOCK_N] in fp32: its slots' scaled shrinks ``s`` [K_PAD, R_PAD] (w2_decode_stored) times B2's rows ``b_rows`` (w2_decode_rows), times the router weights, summed over the
     slots."""
     per_slot = tl.sum(b_rows.to(tl.float32) * s[:, None, :], axis=2) * tl.load(weights_ptr + pair, mask=ok,
                                                                                other=0.0)[:, None]

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .lora import (w2_decode_cols, w2_decode_parts, w2_decode_rows, w2_decode_stored, w2_decode_summed,
+from .lora import (w2_decode_cols, w2_decode_parts, w2_decode_rows, w2_decode_stored,
                    w2_decode_term, w13_decode_rows, w13_decode_terms)
 from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert, _slot_operands
 
@@ -411,7 +411,6 @@ def gemv1_act_kernel(
     LORA_WAIT: tl.constexpr = False,  # launched as the W13 shrink's programmatic dependent: wait before its partials
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
     LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
-    LORA_W2_SUMS: tl.constexpr = False,  # W2's shrink left in blocks, for GEMV2 to add
     W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
@@ -490,7 +489,7 @@ def gemv1_act_kernel(
         if LORA_W2:  # on h as stored, as GEMV2 reads it
             w2_decode_parts(lora_a2, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, adapter, lora_live, pair,
                             act.to(tl.float32), offs_n, tl.program_id(0) // num_n, tl.program_id(0) % num_n, num_n,
-                            LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE, LORA_W2_SUMS)
+                            LORA_R2_PAD, LORA_BLOCKS_PAD, LORA_FENCE)
     # Every program waits, those without a live pair too: this grid then ends after the shrink's, whose buffers the
     # launches after it may reuse (a second wait returns at once)
     if LORA_WAIT:
@@ -602,8 +601,7 @@ def gemv2_tokens_kernel(
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
-    # decode LoRA (kernels/lora.py): W2's shrinks [T*k, lora_blocks + 1, R2_PAD] fp32 from GEMV1 (LORA_W2_SUMS: its
-    # blocks' sums), B2 [adapters, E, H, r2] (contiguous), adapter ids int32 [T], scaling fp32 [adapters]
+    # decode LoRA (kernels/lora.py): W2's shrinks [T*k, lora_blocks + 1, R2_PAD] fp32 from GEMV1, B2 [adapters, E, H, r2] (contiguous), adapter ids int32 [T], scaling fp32 [adapters]
     lora_parts2_ptr, lora_b2_ptr, lora_ids_ptr, lora_scaling_ptr, lora_adapters, lora_r2, lora_blocks,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
@@ -614,8 +612,6 @@ def gemv2_tokens_kernel(
     XBLOCK: tl.constexpr = 1024,  # ROW_SCALED: h values per step of a row's largest-|h| scan
     LORA_W2: tl.constexpr = False,  # W2's term added to the token's weighted sum (kernels/lora.py, decode terms)
     LORA_R2_PAD: tl.constexpr = 16, LORA_K_PAD: tl.constexpr = 1,
-    LORA_W2_SUMS: tl.constexpr = False,  # GEMV1 left W2's shrink in blocks: add them here (w2_decode_summed)
-    LORA_W2_CHUNK: tl.constexpr = 1,  # blocks per step of that sum
     W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     num_n = tl.cdiv(N, BLOCK_N)
@@ -671,10 +667,6 @@ def gemv2_tokens_kernel(
         lora_b2, lora_pair, lora_ok, lora_adapter = w2_decode_rows(
             lora_b2_ptr, lora_ids_ptr, ids_ptr, expert_map_ptr, t, top_k, num_global, num_local, lora_adapters,
             offs_n, n_ok, N, lora_r2, HAS_MAP, LORA_R2_PAD, LORA_K_PAD)
-        if LORA_W2_SUMS:
-            lora_s = w2_decode_summed(lora_parts2_ptr, lora_scaling_ptr, lora_adapter, lora_pair, lora_ok,
-                                      lora_blocks, LORA_R2_PAD, LORA_W2_CHUNK)
-        else:
-            lora_s = w2_decode_stored(lora_parts2_ptr, lora_pair, lora_ok, lora_blocks, LORA_R2_PAD)
+        lora_s = w2_decode_stored(lora_parts2_ptr, lora_pair, lora_ok, lora_blocks, LORA_R2_PAD)
         total += w2_decode_term(lora_s, lora_b2, lora_pair, lora_ok, weights_ptr)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
