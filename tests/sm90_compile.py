@@ -378,6 +378,11 @@ def lora_variants():
                 lambda x=x, ids=ids, w13=w13, w2=w2, dense=dense, cfg=cfg, s=spec, b13=b13, b2=b2: fused_experts(
                     x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13, w2_bias=b2,
                     backend="triton", config=cfg, lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
+            # W13's shrink computed by GEMV1's programs (experts/lora.py DECODE_W13_SHRINK_BY_GEMV1)
+            yield f"lora {name} T={T} decode terms in the GEMVs, shrink by GEMV1", _shrink_by_gemv1(
+                lambda x=x, ids=ids, w13=w13, w2=w2, dense=dense, cfg=cfg, s=spec, b13=b13, b2=b2: fused_experts(
+                    x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, w13_bias=b13, w2_bias=b2,
+                    backend="triton", config=cfg, lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32)))
         # GEMV1's register cap with both terms (experts/lora.py DECODE_TERMS_MAXNREG) up to its padded rank, and the
         # ranks on either side of that limit (gpt-oss-120b's 180 column blocks take the separate kernels from r=32)
         for r in (8, 32, 64):
@@ -399,6 +404,10 @@ def lora_variants():
                 lambda x=x, ids=ids, q13=q13, q2=q2, dense=dense, s=spec: fused_experts(
                     x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=rows,
                     lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
+            yield f"lora {name} T={T} mxfp4 decode terms in the rows GEMV1, shrink by GEMV1", _shrink_by_gemv1(
+                lambda x=x, ids=ids, q13=q13, q2=q2, dense=dense, s=spec: fused_experts(
+                    x, q13, q2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=rows,
+                    lora=dense, lora_ids=torch.zeros(x.shape[0], dtype=torch.int32)))
         xb = torch.empty(E, 64, H, dtype=torch.bfloat16)
         yield f"lora batched {name} M=64", lambda xb=xb, w13=w13, w2=w2, ad=ad, s=spec: batched_experts(
             xb, torch.zeros(xb.shape[0], dtype=torch.int32), w13, w2, activation=s.activation, backend="triton",
@@ -432,6 +441,19 @@ def lora_variants():
         yield f"lora fp8 block {spec.name} T={T}", lambda x=x, ids=ids, q13=grow(one13), q2=grow(one2), ad=lora(E, H, I): \
             fused_experts(x, q13, q2, torch.zeros(ids.shape), ids, act_quant="fp8_group", backend="triton", lora=ad,
                           lora_ids=torch.zeros(x.shape[0], dtype=torch.int32))
+
+
+def _shrink_by_gemv1(thunk):
+    """``thunk`` run with W13's decode shrink computed by GEMV1's programs (experts/lora.py)."""
+    def run():
+        from moekit.experts import lora as expert_lora
+
+        saved, expert_lora.DECODE_W13_SHRINK_BY_GEMV1 = expert_lora.DECODE_W13_SHRINK_BY_GEMV1, True
+        try:
+            return thunk()
+        finally:
+            expert_lora.DECODE_W13_SHRINK_BY_GEMV1 = saved
+    return run
 
 
 def _expand_quantized(mod, one, num_experts):

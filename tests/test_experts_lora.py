@@ -146,13 +146,20 @@ def test_gemv1_with_terms_is_capped_only_where_its_uncapped_build_took_more(monk
     assert all(launch["LORA_W13"] for launch in launcher.launches)
 
 
+SHRINK_BY_GEMV1 = pytest.mark.parametrize("shrink_by_gemv1", [False, True],
+                                         ids=["w13_shrink_launched", "w13_shrink_by_gemv1"])
+
+
+@SHRINK_BY_GEMV1
 @pytest.mark.parametrize("contiguous", [True, False], ids=["terms_in_the_gemvs", "separate_kernels"])
 @pytest.mark.parametrize("which", [("w13", "w2"), ("w13",), ("w2",)])
-def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which):
-    """At decode the adapters' terms run inside GEMV1 / GEMV2 (one shrink launch of their own at most) when the
-    stacks are contiguous and their tiles fit; other stacks take the separate shrink/expand kernels."""
+def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, contiguous, which, shrink_by_gemv1):
+    """At decode the adapters' terms run inside GEMV1 / GEMV2 (one shrink launch of their own at most, or none
+    where GEMV1's programs compute W13's shrink) when the stacks are contiguous and their tiles fit; other stacks
+    take the separate shrink/expand kernels."""
     from moekit.experts import lora as expert_lora
 
+    monkeypatch.setattr(expert_lora, "DECODE_W13_SHRINK_BY_GEMV1", shrink_by_gemv1)
     fused = []
     real = expert_lora.decode_terms
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
@@ -168,8 +175,38 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
     got = fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", backend="triton", config=GEMV, lora=lora,
                         lora_ids=lids, out=_poisoned((T, H), torch.float32))
     assert [t is not None for t in fused] == [contiguous]
+    if contiguous:
+        assert fused[0].gemv1_constants["LORA_SHRINK"] == (shrink_by_gemv1 and "w13" in which)
     ref = reference.fused_experts(x, w13, w2, tw, tid, activation="swiglu_oai", lora=lora, lora_ids=lids)
     check_close(f"{'+'.join(which)} decode terms", got, ref, _tol(torch.float32))
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_w13_shrink_by_gemv1_with_more_splits_than_programs_per_group(monkeypatch, slots):
+    # H=600 with rank 32: 3 K splits of 256 (one slot) or 5 of 128 (two slots), and I=24 in 16-column blocks gives
+    # each group 2 programs, so a ticket takes 2 or 3 splits; k=3 with 2 slots leaves each token's second group one
+    # pair and a dead slot. Called twice: the group's last program zeroes the counters for the next call.
+    from moekit import _triton
+    from moekit.experts import lora as expert_lora
+
+    monkeypatch.setattr(expert_lora, "DECODE_W13_SHRINK_BY_GEMV1", True)
+    fused = []
+    real = expert_lora.decode_terms
+    monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
+    T, E, H, I, k, n, r = 3, 5, 600, 24, 3, 2, 32
+    w13, w2 = _weights(E, H, I, torch.float32)
+    lora = _lora(n, E, H, I, r, torch.float32)
+    x = torch.randn(T, H)
+    tw, tid = _routes(T, E, k)
+    lids = torch.tensor([1, -1, 0], dtype=torch.int32)
+    config = ExpertsConfig(16, GemmConfig(16, 64, slots=slots), GemmConfig(16, 32), mode="gemv")
+    ref = reference.fused_experts(x, w13, w2, tw, tid, lora=lora, lora_ids=lids)
+    for call in range(2):
+        got = fused_experts(x, w13, w2, tw, tid, backend="triton", config=config, lora=lora, lora_ids=lids,
+                            out=_poisoned((T, H), torch.float32))
+        assert fused[-1].gemv1_constants["LORA_SHRINK"] and fused[-1].gemv1_constants["LORA_SPLITS"] == 2 * slots + 1
+        check_close(f"call {call}", got, ref, _tol(torch.float32))
+        assert not _triton.counters(x.device).any()
 
 
 def test_w2_decode_shrink_summed_over_many_blocks(monkeypatch):
@@ -230,13 +267,15 @@ def test_a_configs_register_cap_leaves_the_gemvs_that_run_decode_terms(monkeypat
     ("mxfp4", ("w13", "w2"), False, 1),  # one token, its adapter id -1 (none): the terms must add nothing
     ("nvfp4", ("w13", "w2"), False, 9),  # past a power of two of tokens
 ])
-def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped, T):
+@SHRINK_BY_GEMV1
+def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mapped, T, shrink_by_gemv1):
     """GEMV1 on the rows kernel (4-bit weights, 16-bit x: one pair per program) takes the adapters' terms as the
     other GEMV1 does: W13's after its K loop, W2's shrink per block of h's columns, summed by the pair's last
     program. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
     from moekit.experts import lora as expert_lora
     from moekit.experts import triton_backend as tb
 
+    monkeypatch.setattr(expert_lora, "DECODE_W13_SHRINK_BY_GEMV1", shrink_by_gemv1)
     fused, rows = [], []
     real = expert_lora.decode_terms
     monkeypatch.setattr(expert_lora, "decode_terms", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
@@ -816,7 +855,8 @@ def test_gpu_quantized_bases(fmt, act_quant, layout, T):
 @pytest.mark.parametrize("name,fmt", [("qwen3-30b-a3b", None), ("gpt-oss-120b", None), ("gpt-oss-120b", "mxfp4"),
                                       ("qwen3-30b-a3b", "nvfp4")])
 @pytest.mark.parametrize("T", [1, 4])
-def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt, T):
+@SHRINK_BY_GEMV1
+def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt, T, shrink_by_gemv1):
     """The H200 table's decode configs forced on any GPU (elsewhere T=1 may take the per-pair tensor cores): the
     adapters' terms inside GEMV1/GEMV2, their shrink as GEMV1's programmatic parent, eager and in a CUDA graph."""
     import json
@@ -824,7 +864,9 @@ def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt
 
     import moekit.experts
     from moekit import presets
+    from moekit.experts import lora as expert_lora
 
+    monkeypatch.setattr(expert_lora, "DECODE_W13_SHRINK_BY_GEMV1", shrink_by_gemv1)
     spec = presets.get(name)
     E, H, I, k = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k
     table = json.loads(Path(moekit.experts.__file__).with_name("tuned_configs.json").read_text())

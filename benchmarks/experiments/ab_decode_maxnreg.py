@@ -1,4 +1,6 @@
-"""Register caps on the decode GEMVs (GPU; issue 30's LoRA terms and LIMITS' open lead on gpt-oss's bf16 GEMV1).
+"""Register caps on the decode GEMVs (GPU; issue 30's LoRA terms and LIMITS' open lead on gpt-oss's bf16 GEMV1), and
+where W13's LoRA shrink runs at decode: a kernel of its own before GEMV1, or GEMV1's own programs
+(``lora.DECODE_W13_SHRINK_BY_GEMV1``, variant "terms 168, shrink by GEMV1").
 (Its variant with W2's LoRA shrink blocks added by GEMV2 instead of GEMV1's last program per pair ran once, slower:
 benchmarks/results/archive/ab_decode_w2_sums_h100_2026-12-07.md; that kernel path has left the tree, its commit
 is in results/archive/INDEX.md's Prototypes section.)
@@ -24,14 +26,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = {  # label: (cap of GEMV1 with both LoRA terms, cap of every GEMV1 launch without them)
-    "no cap": (None, None),
-    "terms 168": (168, None),
-    "GEMV1 168": (168, 168),
+VARIANTS = {  # label: (cap of GEMV1 with both LoRA terms, cap of every GEMV1 launch without them, W13's shrink
+    # computed by GEMV1's programs)
+    "no cap": (None, None, False),
+    "terms 168": (168, None, False),
+    "GEMV1 168": (168, 168, False),
+    "terms 168, shrink by GEMV1": (168, None, True),
 }
 
 
-def worker(preset: str, tokens: int, adapters: int, terms_cap: int | None, gemv1_cap: int | None) -> dict:
+def worker(preset: str, tokens: int, adapters: int, terms_cap: int | None, gemv1_cap: int | None,
+           shrink_by_gemv1: bool = False) -> dict:
     import torch
 
     from moekit import presets
@@ -41,6 +46,7 @@ def worker(preset: str, tokens: int, adapters: int, terms_cap: int | None, gemv1
     from moekit.tools.bench.experts import Layer, _gen, reseed, routes
 
     expert_lora.DECODE_TERMS_MAXNREG = terms_cap  # (applied where GEMV1's uncapped build takes more)
+    expert_lora.DECODE_W13_SHRINK_BY_GEMV1 = shrink_by_gemv1
     triton_backend._register_cap = lambda cfg: {}  # the table's own caps (GemmConfig.maxnreg) off: the variant decides
     if gemv1_cap:
         real = triton_backend._gemv1_constants

@@ -42,7 +42,7 @@ from moekit.tools.bench.experts import routes  # noqa: E402
 from moekit.tools.bench.timing import graph_time_us  # noqa: E402
 from moekit.tools.tune import random_weights  # noqa: E402
 
-CASES = {"gpt-oss-120b": ("mxfp4", "dense"), "qwen3-30b-a3b": ("nvfp4", "dense")}
+CASES = {"gpt-oss-120b": ("mxfp4", "dense"), "qwen3-30b-a3b": ("nvfp4", "dense"), "mixtral-8x7b": ("dense",)}
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -427,6 +427,12 @@ DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program 
 # DECODE_TERMS_MAXNREG_RANK (padded) the terms' tiles need registers of their own: no cap.
 DECODE_TERMS_MAXNREG: int | None = _triton.registers_for(programs_per_sm=3, num_warps=4)  # 168
 DECODE_TERMS_MAXNREG_RANK = 32
+# W13's shrink at decode: False, a kernel of its own launched right before GEMV1 (GEMV1 its programmatic dependent,
+# waiting for it after its K loop); True, computed by GEMV1's own programs, its K splits taken by the first programs
+# of each pair's group to start (kernels/lora.py w13_decode_shrink: no launch, three counters per group). Not yet
+# measured on a GPU (benchmarks/experiments/ab_decode_maxnreg.py, its "shrink by GEMV1" variant): off until
+# it is.
+DECODE_W13_SHRINK_BY_GEMV1 = False
 
 
 @dataclass(frozen=True)
@@ -445,15 +451,17 @@ class DecodeTerms:
 def decode_terms_fit(r1: int, r2: int, inter: int, gemv1_block_n: int, gemv1_slots: int, gemv2_block_n: int,
                      top_k: int, num_tokens: int) -> bool:
     """Whether :func:`decode_terms` can run adapters of ranks ``r1`` (w13) and ``r2`` (w2, 0: none) inside the GEMVs
-    of a call: their tiles fit a program's registers and, with W2's shrink (added by the last GEMV1 program of
-    each pair's group), GEMV1's program groups its arrival counters."""
+    of a call: their tiles fit a program's registers and GEMV1's program groups the arrival counters (one per group
+    for W2's shrink, added by the group's last program; three more with DECODE_W13_SHRINK_BY_GEMV1)."""
     r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
     blocks_pad = _triton.next_pow2(_triton.cdiv(inter, gemv1_block_n))
     groups = num_tokens * _triton.cdiv(top_k, gemv1_slots)
     tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
              gemv1_slots * max(gemv1_block_n, blocks_pad) * r2_pad if r2 else 0,
              _triton.next_pow2(top_k) * gemv2_block_n * r2_pad if r2 else 0]
-    return max(tiles) <= DECODE_TILE and not (r2 and groups > _triton.NUM_COUNTERS)
+    shrink = bool(r1) and DECODE_W13_SHRINK_BY_GEMV1
+    counters = (groups if r2 or shrink else 0) + (3 * groups if shrink else 0)  # W2's first, then the shrink's
+    return max(tiles) <= DECODE_TILE and counters <= _triton.NUM_COUNTERS
 
 
 _FORCED: dict = {}  # paths the verification gate's case takes as its call does (forced_paths)
@@ -496,8 +504,18 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
             r1, r2, inter, gemv1_block_n, gemv1_slots, gemv2_block_n, top_k, rows.ids.numel() // top_k):
         return None
     parts1 = parts2 = counters = x
-    splits, launch_shrink = 1, _nothing
-    if r1:
+    splits, launch_shrink, shrink_args, shrink_block_k = 1, _nothing, (x, 0, 0, x, 0, 0), 128
+    in_gemv1 = bool(r1) and DECODE_W13_SHRINK_BY_GEMV1
+    if in_gemv1:  # GEMV1's programs compute it: [slots, R_PAD, block_k] products per step
+        shrink_block_k = max(16, min(128, DECODE_TILE // (gemv1_slots * r1_pad)))
+        per_split, splits = _pair_splits(x.shape[1], shrink_block_k)
+        parts1 = torch.empty(rows.ids.numel(), splits, r1_pad, dtype=torch.float32, device=x.device)
+        # the first programs of each group to start compute the splits; the interpreter runs the programs one
+        # after another, so there the first computes them all (a later one would never start while it waits)
+        leaders = 1 if _triton.interpreting() else min(splits, blocks)
+        shrink_args = (x, x.stride(0), x.stride(1), lora.w13_a, per_split, leaders)
+        counters = _triton.counters(x.device)
+    elif r1:
         parts1, splits, launch_shrink = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows,
                                                      launch_dependents=pdl)
     if r2:  # each pair's blocks, then its whole shrink (written by its group's last GEMV1 program)
@@ -506,11 +524,12 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
     b13 = lora.w13_b if r1 else x
     a2, b2 = (lora.w2_a, lora.w2_b) if r2 else (x, x)
     n = lora.num_adapters
+    wait = pdl and r1 > 0 and not in_gemv1
     return DecodeTerms(
-        (parts1, b13, a2, parts2, counters, lora.scaling, lora_ids, n, r1, r2),
-        dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=pdl and r1 > 0, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
-             LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence,
-             **({"launch_pdl": True} if pdl and r1 else {})),
+        (parts1, b13, a2, parts2, counters, lora.scaling, lora_ids, n, r1, r2, *shrink_args),
+        dict(LORA_W13=r1 > 0, LORA_W2=r2 > 0, LORA_WAIT=wait, LORA_SPLITS=splits, LORA_R1_PAD=r1_pad,
+             LORA_R2_PAD=r2_pad, LORA_BLOCKS_PAD=blocks_pad, LORA_FENCE=fence, LORA_SHRINK=in_gemv1,
+             LORA_SHRINK_BLOCK_K=shrink_block_k, **({"launch_pdl": True} if wait else {})),
         (parts2, b2, lora_ids, lora.scaling, n, r2, blocks),
         dict(LORA_W2=r2 > 0, LORA_R2_PAD=r2_pad, LORA_K_PAD=k_pad),
         launch_shrink,

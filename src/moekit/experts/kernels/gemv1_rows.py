@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .lora import w2_decode_cols, w2_decode_parts, w13_decode_rows, w13_decode_terms
+from .lora import (w2_decode_cols, w2_decode_parts, w13_decode_leave, w13_decode_rows, w13_decode_shrink,
+                   w13_decode_terms, w13_decode_wait)
 from .moe_gemm import MXFP4, NVFP4, _activate, _pair_expert
 from .moe_gemv import _load_row_chunk, _opaque, _row_exponent, _row_scaled_sums
 
@@ -83,7 +84,8 @@ def gemv1_rows_kernel(
     top_k, num_global, num_local, I, K, gate_step, up_offset,
     # decode LoRA: as moe_gemv.gemv1_act_kernel's (one pair per program: its program groups are its pairs)
     lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, lora_ids_ptr,
-    lora_adapters, lora_r1, lora_r2,
+    lora_adapters, lora_r1, lora_r2, lora_x_ptr, lora_stride_xm, lora_stride_xk, lora_a13_ptr, lora_k_per_split,
+    lora_leaders,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns of h per program: 2 * BLOCK_N rows of w13
     BLOCK_K: tl.constexpr,  # codes per chunk, whole scale groups
@@ -94,12 +96,14 @@ def gemv1_rows_kernel(
     LORA_W13: tl.constexpr = False, LORA_W2: tl.constexpr = False, LORA_WAIT: tl.constexpr = False,
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
     LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
+    LORA_SHRINK: tl.constexpr = False, LORA_SHRINK_BLOCK_K: tl.constexpr = 128,
     W4_PAIRS: tl.constexpr = False,  # codes in the "pairs" byte layout (formats/fp4.py)
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
     pair = tl.program_id(0) // num_n
+    shrink_idx = tl.num_programs(0) // num_n + 3 * pair  # after W2's counters
     e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
     if e >= 0:  # pairs of another rank: their rows are never read (GEMM2 skips them too)
         e64 = e.to(tl.int64)
@@ -125,6 +129,13 @@ def gemv1_rows_kernel(
         if LORA_W2:
             lora_a2 = w2_decode_cols(lora_a2_ptr, adapter, lora_live, e64, offs_n, ok1, num_local, I, lora_r2,
                                      LORA_R2_PAD)
+        if LORA_SHRINK:
+            lora_shrinks = tl.max(lora_live.to(tl.int32), axis=0) > 0
+            if lora_shrinks:
+                w13_decode_shrink(lora_x_ptr + (pair // top_k).to(tl.int64) * lora_stride_xm, lora_stride_xk,
+                                  lora_a13_ptr, adapter, lora_live, e64, pair1, lora_parts_ptr, lora_cnt_ptr,
+                                  shrink_idx, lora_leaders, num_local, K, lora_r1, lora_k_per_split, offs_n,
+                                  LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
         x_scale, x_factor = _row_exponent(x_row, stride_xk, K, XBLOCK)
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         y = _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows,
@@ -137,8 +148,14 @@ def gemv1_rows_kernel(
         if LORA_W13:
             if LORA_WAIT:  # the shrink's partials: written by the grid this one was launched after
                 gdc_wait()
+            if LORA_SHRINK:
+                if lora_shrinks:
+                    w13_decode_wait(lora_cnt_ptr, shrink_idx, LORA_SPLITS)
             gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair1,
                                                   lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
+            if LORA_SHRINK:
+                if lora_shrinks:
+                    w13_decode_leave(lora_cnt_ptr, shrink_idx, num_n)
             gate += tl.sum(gate_term, axis=0)
             up += tl.sum(up_term, axis=0)
         act = _activate(gate, up, ACTIVATION).to(h_ptr.dtype.element_ty)

@@ -313,11 +313,13 @@ def lora_expand_kernel(
 # ------------------------------------------------------------------- the decode modes' terms inside the GEMVs
 # At a few tokens each extra launch costs as much as the adapters' arithmetic: with the decode terms
 # (experts/lora.py, decode_terms) only W13's shrink runs as a kernel of its own, launched right before GEMV1, which
-# starts as its programmatic dependent and waits for it after its own K loop. GEMV1 adds W13's term to its sums
-# (w13_decode_terms), then writes each pair's shrink of W2 over its block of h columns, and the last program of
-# the pair's group adds the blocks in block order (w2_decode_parts; GEMV2 adding them after its K loop instead
+# starts as its programmatic dependent and waits for it after its own K loop (or GEMV1's first programs of each
+# group compute it: w13_decode_shrink, experts/lora.py DECODE_W13_SHRINK_BY_GEMV1). GEMV1 adds W13's term to its
+# sums (w13_decode_terms), then writes each pair's shrink of W2 over its block of h columns, and the last program
+# of the pair's group adds the blocks in block order (w2_decode_parts; GEMV2 adding them after its K loop instead
 # measured slower: benchmarks/results/archive/ab_decode_w2_sums_h100_2026-12-07.md); GEMV2 adds W2's term to its
-# slots' weighted sum (w2_decode_term). The adapter stacks are contiguous there, so their strides follow from the shapes.
+# slots' weighted sum (w2_decode_term). The adapter stacks are contiguous there: their strides follow from the
+# shapes.
 
 
 @triton.jit
@@ -348,6 +350,63 @@ def w13_decode_terms(parts_ptr, scaling_ptr, adapter, live, pair, bg, bu, SPLITS
         s += tl.load(parts_ptr + rows + i * R_PAD, mask=live[:, None], other=0.0)
     s *= tl.load(scaling_ptr + tl.where(live, adapter, 0), mask=live, other=0.0)[:, None]
     return (tl.sum(bg.to(tl.float32) * s[:, None, :], axis=2), tl.sum(bu.to(tl.float32) * s[:, None, :], axis=2))
+
+
+@triton.jit
+def w13_decode_shrink(x_row, stride_xk, a_ptr, adapter, live, e64, pair, parts_ptr, cnt_ptr, idx, leaders, num_local,
+                      K, R, k_per_split, like, SPLITS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                      FENCE: tl.constexpr):
+    """W13's shrink of the pairs ``pair`` [SLOTS] (``live``: expert and adapter valid) on x's row, its K splits shared
+    by the first ``leaders`` programs of one GEMV1 program group (the same pairs, every block of h's columns) to
+    start: the program takes ticket i (counter ``idx``) and, where i < leaders, computes splits i, i + leaders, ...
+    into parts [pairs, SPLITS, R_PAD] (the layout lora_shrink_kernel writes), then adds their number to counter
+    idx + 1. Tickets go to programs in the order they start and a leader computes its splits before anything else
+    it does, so a program waiting for them (w13_decode_wait) waits only for programs that run, whatever order the
+    GPU starts them in (Triton's interpreter runs one program after another: one leader there). A13: contiguous
+    [adapters, E, R, K]."""
+    ticket = tl.atomic_add(cnt_ptr + idx, 1, sem="relaxed", scope="gpu")
+    offs_r = tl.arange(0, R_PAD)
+    a64 = tl.where(live, adapter, 0).to(tl.int64)
+    base = a_ptr + ((a64 * num_local + e64) * R) * K  # [SLOTS]: A13[a, e]
+    m = live[:, None, None] & (offs_r < R)[None, :, None]
+    rows = pair.to(tl.int64)[:, None] * SPLITS
+    written = 0
+    for split in range(tl.where(ticket < leaders, ticket, SPLITS), SPLITS, leaders):
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_hi
+            v = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(base[:, None, None] + offs_r[None, :, None] * K + offs_k[None, None, :],
+                        mask=m & k_ok[None, None, :], other=0.0).to(tl.float32)
+            s += tl.sum(w * v[None, None, :], axis=2)
+        tl.store(parts_ptr + (rows + split) * R_PAD + offs_r[None, :], s, mask=live[:, None])
+        written += 1
+    if written > 0:
+        if FENCE:
+            _gpu_release_fence(like)
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + idx + 1, written, sem="release", scope="gpu")
+
+
+@triton.jit
+def w13_decode_wait(cnt_ptr, idx, SPLITS: tl.constexpr):
+    """Until every split of the group's W13 shrink is written (w13_decode_shrink's counter idx + 1)."""
+    while tl.atomic_add(cnt_ptr + idx + 1, 0, sem="acquire", scope="gpu") < SPLITS:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def w13_decode_leave(cnt_ptr, idx, num_n):
+    """The group's last program to pass its wait zeroes the shrink's three counters for the next launch: every
+    program of the group has taken its ticket and read the splits by then."""
+    if tl.atomic_add(cnt_ptr + idx + 2, 1, sem="acq_rel", scope="gpu") == num_n - 1:
+        tl.atomic_xchg(cnt_ptr + idx, 0)
+        tl.atomic_xchg(cnt_ptr + idx + 1, 0)
+        tl.atomic_xchg(cnt_ptr + idx + 2, 0)
 
 
 @triton.jit

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .lora import (w2_decode_cols, w2_decode_parts, w2_decode_rows, w2_decode_stored,
-                   w2_decode_term, w13_decode_rows, w13_decode_terms)
+from .lora import (w2_decode_cols, w2_decode_parts, w2_decode_rows, w2_decode_stored, w2_decode_term,
+                   w13_decode_leave, w13_decode_rows, w13_decode_shrink, w13_decode_terms, w13_decode_wait)
 from .moe_gemm import DENSE, MXFP4, NVFP4, _activate, _e4m3_values, _e8m0_values, _pair_expert, _slot_operands
 
 FP16_E2M1_UNIT = tl.constexpr(16384.0)  # E2M1 bits placed in an fp16 read 2^-14 of their value
@@ -397,9 +397,12 @@ def gemv1_act_kernel(
     gate_step, up_offset,  # gate of column n is w13 row n * gate_step, up is that + up_offset
     # decode LoRA (kernels/lora.py): W13's shrink partials [T*k, LORA_SPLITS, R1_PAD] fp32, B13 [adapters, E, 2I,
     # r1], A2 [adapters, E, r2, I] (contiguous), W2's shrinks out [T*k, I blocks + 1, R2_PAD] fp32, arrival
-    # counters (one per program group), scaling fp32 [adapters], adapter ids int32 [T]
+    # counters (W2: one per program group; LORA_SHRINK: three per group after those), scaling fp32 [adapters],
+    # adapter ids int32 [T]; LORA_SHRINK: x [T, H] as given, A13 [adapters, E, r1, H] (contiguous), K per split,
+    # programs per group that compute splits
     lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, lora_ids_ptr,
-    lora_adapters, lora_r1, lora_r2,
+    lora_adapters, lora_r1, lora_r2, lora_x_ptr, lora_stride_xm, lora_stride_xk, lora_a13_ptr, lora_k_per_split,
+    lora_leaders,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
@@ -411,12 +414,15 @@ def gemv1_act_kernel(
     LORA_WAIT: tl.constexpr = False,  # launched as the W13 shrink's programmatic dependent: wait before its partials
     LORA_SPLITS: tl.constexpr = 1, LORA_R1_PAD: tl.constexpr = 16, LORA_R2_PAD: tl.constexpr = 16,
     LORA_BLOCKS_PAD: tl.constexpr = 1, LORA_FENCE: tl.constexpr = False,
+    LORA_SHRINK: tl.constexpr = False,  # W13's shrink computed by this grid's programs (kernels/lora.py)
+    LORA_SHRINK_BLOCK_K: tl.constexpr = 128,
     W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
     groups = tl.cdiv(top_k, SLOTS)
+    shrink_idx = tl.num_programs(0) // num_n + 3 * (tl.program_id(0) // num_n)  # after W2's counters
     t = tl.program_id(0) // num_n // groups
     j = (tl.program_id(0) // num_n % groups) * SLOTS + tl.arange(0, SLOTS)
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -444,6 +450,13 @@ def gemv1_act_kernel(
         if LORA_W2:
             lora_a2 = w2_decode_cols(lora_a2_ptr, adapter, lora_live, e64, offs_n, ok, num_local, I, lora_r2,
                                      LORA_R2_PAD)
+        if LORA_SHRINK:  # the same for every program of the group
+            lora_shrinks = tl.max(lora_live.to(tl.int32), axis=0) > 0
+            if lora_shrinks:
+                w13_decode_shrink(lora_x_ptr + t.to(tl.int64) * lora_stride_xm, lora_stride_xk, lora_a13_ptr, adapter,
+                                  lora_live, e64, pair, lora_parts_ptr, lora_cnt_ptr, shrink_idx, lora_leaders,
+                                  num_local, K, lora_r1, lora_k_per_split, offs_n, LORA_SPLITS, LORA_R1_PAD,
+                                  LORA_SHRINK_BLOCK_K, LORA_FENCE)
         ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
         acc_gate = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
         acc_up = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
@@ -480,8 +493,14 @@ def gemv1_act_kernel(
         if LORA_W13:
             if LORA_WAIT:  # the shrink's partials: written by the grid this one was launched after
                 gdc_wait()
+            if LORA_SHRINK:
+                if lora_shrinks:
+                    w13_decode_wait(lora_cnt_ptr, shrink_idx, LORA_SPLITS)
             gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair,
                                                   lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
+            if LORA_SHRINK:
+                if lora_shrinks:
+                    w13_decode_leave(lora_cnt_ptr, shrink_idx, num_n)
             gate += gate_term
             up += up_term
         act = _activate(gate, up, ACTIVATION).to(h_ptr.dtype.element_ty)
