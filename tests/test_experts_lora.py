@@ -184,8 +184,10 @@ def test_decode_terms_inside_the_gemvs_and_in_kernels_of_their_own(monkeypatch, 
 @pytest.mark.parametrize("slots", [1, 2])
 def test_w13_shrink_by_gemv1_with_more_splits_than_programs_per_group(monkeypatch, slots):
     # H=600 with rank 32: 3 K splits of 256 (one slot) or 5 of 128 (two slots), and I=24 in 16-column blocks gives
-    # each group 2 programs, so a ticket takes 2 or 3 splits; k=3 with 2 slots leaves each token's second group one
-    # pair and a dead slot. Called twice: the group's last program zeroes the counters for the next call.
+    # each group 2 programs: more splits than programs, so one program claims several (in the interpreter, which
+    # runs the programs one after another, the first claims one as it starts and the rest before its wait; the
+    # second finds none left). k=3 with 2 slots leaves each token's second group one pair and a dead slot. Called
+    # twice: the group's last program zeroes the counters for the next call.
     from moekit import _triton
     from moekit.experts import lora as expert_lora
 
@@ -206,6 +208,33 @@ def test_w13_shrink_by_gemv1_with_more_splits_than_programs_per_group(monkeypatc
                             out=_poisoned((T, H), torch.float32))
         assert fused[-1].gemv1_constants["LORA_SHRINK"] and fused[-1].gemv1_constants["LORA_SPLITS"] == 2 * slots + 1
         check_close(f"call {call}", got, ref, _tol(torch.float32))
+        assert not _triton.counters(x.device).any()
+
+
+def test_w13_shrink_by_the_rows_gemv1_with_more_splits_than_programs_per_group(monkeypatch):
+    # the rows GEMV1 (4-bit weights, 16-bit x, one pair per group): H=640 with rank 32 gives 3 K splits of 256 and
+    # I=32 in 16-column blocks 2 programs per pair; adapter -1 on the second token; called twice (counters zeroed)
+    from moekit import _triton
+    from moekit.experts import lora as expert_lora
+    from moekit.experts import triton_backend as tb
+
+    monkeypatch.setattr(expert_lora, "DECODE_W13_SHRINK_BY_GEMV1", True)
+    T, E, H, I, k, n, r, dtype = 3, 5, 640, 32, 3, 2, 32, torch.float16
+    w13, w2 = _weights(E, H, I, torch.float32)
+    q13, q2 = quantize_experts(w13, "mxfp4"), quantize_experts(w2, "mxfp4")
+    lora = _lora(n, E, H, I, r, dtype)
+    x = torch.randn(T, H).to(dtype)
+    tw, tid = _routes(T, E, k)
+    lids = torch.tensor([1, -1, 0], dtype=torch.int32)
+    config = ExpertsConfig(16, GemmConfig(16, 64, 4, 3, row_scaled=True), GemmConfig(16, 32), mode="gemv")
+    ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, lora=lora, lora_ids=lids)
+    for call in range(2):
+        rows = []
+        with _recording(tb.gemv1_rows_kernel, rows):
+            got = fused_experts(x, q13, q2, tw, tid, backend="triton", config=config, lora=lora, lora_ids=lids,
+                                out=_poisoned((T, H), dtype))
+        assert rows and rows[-1]["LORA_SHRINK"] and rows[-1]["LORA_SPLITS"] == 3
+        check_close(f"call {call}", got, ref, _tol(dtype))
         assert not _triton.counters(x.device).any()
 
 
@@ -272,6 +301,7 @@ def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mappe
     """GEMV1 on the rows kernel (4-bit weights, 16-bit x: one pair per program) takes the adapters' terms as the
     other GEMV1 does: W13's after its K loop, W2's shrink per block of h's columns, summed by the pair's last
     program. I = 96: twelve 8-column blocks (their sum's tile padded to 16)."""
+    from moekit import _triton
     from moekit.experts import lora as expert_lora
     from moekit.experts import triton_backend as tb
 
@@ -299,9 +329,11 @@ def test_decode_terms_inside_the_row_scaled_gemv1(monkeypatch, fmt, which, mappe
                             lora_ids=lids, out=_poisoned((T, H), dtype), expert_map=emap)
     assert [t is not None for t in fused] == [True]
     assert rows and rows[-1].get("LORA_W13", False) == ("w13" in which)  # the rows kernel, with the terms
+    assert rows[-1].get("LORA_SHRINK", False) == (shrink_by_gemv1 and "w13" in which)
     ref = reference.fused_experts(x, dequantize(q13), dequantize(q2), tw, tid, activation="swiglu_oai", lora=lora,
                                   lora_ids=lids, expert_map=emap)
     check_close(f"{fmt} {'+'.join(which)} terms in the rows GEMV1", got, ref, _tol(dtype))
+    assert not _triton.counters(x.device).any()  # zero again for the next call
 
 
 def test_the_w13_shrink_is_the_launch_right_before_gemv1(monkeypatch):
@@ -858,7 +890,8 @@ def test_gpu_quantized_bases(fmt, act_quant, layout, T):
 @SHRINK_BY_GEMV1
 def test_gpu_decode_terms_in_the_gemvs_eager_and_replayed(monkeypatch, name, fmt, T, shrink_by_gemv1):
     """The H200 table's decode configs forced on any GPU (elsewhere T=1 may take the per-pair tensor cores): the
-    adapters' terms inside GEMV1/GEMV2, their shrink as GEMV1's programmatic parent, eager and in a CUDA graph."""
+    adapters' terms inside GEMV1/GEMV2, W13's shrink as GEMV1's programmatic parent or computed by GEMV1's own
+    programs, eager and in a CUDA graph."""
     import json
     from pathlib import Path
 

@@ -428,10 +428,10 @@ DECODE_TILE = 4096  # fp32 elements of a decode term's largest tile per program 
 DECODE_TERMS_MAXNREG: int | None = _triton.registers_for(programs_per_sm=3, num_warps=4)  # 168
 DECODE_TERMS_MAXNREG_RANK = 32
 # W13's shrink at decode: False, a kernel of its own launched right before GEMV1 (GEMV1 its programmatic dependent,
-# waiting for it after its K loop); True, computed by GEMV1's own programs, its K splits taken by the first programs
-# of each pair's group to start (kernels/lora.py w13_decode_shrink: no launch, three counters per group). Not yet
-# measured on a GPU (benchmarks/experiments/ab_decode_maxnreg.py, its "shrink by GEMV1" variant): off until
-# it is.
+# waiting for it after its K loop); True, computed by GEMV1's own programs, its K splits claimed by the programs of
+# each pair's group (kernels/lora.py w13_decode_shrink: no launch, three counters per group; where they do not fit,
+# the launch). Not yet measured on a GPU (benchmarks/experiments/ab_decode_maxnreg.py, its "shrink by GEMV1"
+# variant): off until it is.
 DECODE_W13_SHRINK_BY_GEMV1 = False
 
 
@@ -451,17 +451,21 @@ class DecodeTerms:
 def decode_terms_fit(r1: int, r2: int, inter: int, gemv1_block_n: int, gemv1_slots: int, gemv2_block_n: int,
                      top_k: int, num_tokens: int) -> bool:
     """Whether :func:`decode_terms` can run adapters of ranks ``r1`` (w13) and ``r2`` (w2, 0: none) inside the GEMVs
-    of a call: their tiles fit a program's registers and GEMV1's program groups the arrival counters (one per group
-    for W2's shrink, added by the group's last program; three more with DECODE_W13_SHRINK_BY_GEMV1)."""
+    of a call: their tiles fit a program's registers and, with W2's shrink (added by the last GEMV1 program of
+    each pair's group), GEMV1's program groups its arrival counters."""
     r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
     blocks_pad = _triton.next_pow2(_triton.cdiv(inter, gemv1_block_n))
     groups = num_tokens * _triton.cdiv(top_k, gemv1_slots)
     tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
              gemv1_slots * max(gemv1_block_n, blocks_pad) * r2_pad if r2 else 0,
              _triton.next_pow2(top_k) * gemv2_block_n * r2_pad if r2 else 0]
-    shrink = bool(r1) and DECODE_W13_SHRINK_BY_GEMV1
-    counters = (groups if r2 or shrink else 0) + (3 * groups if shrink else 0)  # W2's first, then the shrink's
-    return max(tiles) <= DECODE_TILE and counters <= _triton.NUM_COUNTERS
+    return max(tiles) <= DECODE_TILE and not (r2 and groups > _triton.NUM_COUNTERS)
+
+
+def _w13_shrink_in_gemv1(r1: int, groups: int) -> bool:
+    """Whether GEMV1's programs compute W13's shrink (DECODE_W13_SHRINK_BY_GEMV1): three counters per program group
+    after W2's one."""
+    return bool(r1) and DECODE_W13_SHRINK_BY_GEMV1 and 4 * groups <= _triton.NUM_COUNTERS
 
 
 _FORCED: dict = {}  # paths the verification gate's case takes as its call does (forced_paths)
@@ -485,11 +489,12 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
                  gemv2_block_n: int, pdl: bool, fence: bool) -> DecodeTerms | None:
     """Run the adapters of a decode call (GEMV1 + GEMV2 on x [T, H] in its dtype) inside the two GEMVs: what the
     GEMV launches add, W13's shrink (when the adapters touch w13) among it, for GEMV1 to launch right before itself
-    (as the shrink's programmatic dependent GEMV1 reads, until it waits, only what earlier launches wrote). None
-    where the terms' tiles would not fit a program's registers, a stack is not contiguous or GEMV1's program groups
-    outnumber the arrival counters (decode_terms_fit): the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's
-    programmatic dependent (its K loop overlaps the shrink; a link of its own, whatever the config says of GEMV2's);
-    ``fence``: the kernels are built for the GPU (the counters' memory fence is PTX)."""
+    (as the shrink's programmatic dependent GEMV1 reads, until it waits, only what earlier launches wrote), or
+    computed by GEMV1's own programs (DECODE_W13_SHRINK_BY_GEMV1: no launch). None where the terms' tiles would not
+    fit a program's registers, a stack is not contiguous or GEMV1's program groups outnumber the arrival counters
+    (decode_terms_fit): the separate kernels serve that call. ``pdl``: GEMV1 may start as the shrink's programmatic
+    dependent (its K loop overlaps the shrink; a link of its own, whatever the config says of GEMV2's); ``fence``:
+    the kernels are built for the GPU (the counters' memory fence is PTX)."""
     stacks = [t for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b) if t is not None]
     if not all(t.is_contiguous() for t in stacks):
         return None
@@ -504,16 +509,13 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
             r1, r2, inter, gemv1_block_n, gemv1_slots, gemv2_block_n, top_k, rows.ids.numel() // top_k):
         return None
     parts1 = parts2 = counters = x
-    splits, launch_shrink, shrink_args, shrink_block_k = 1, _nothing, (x, 0, 0, x, 0, 0), 128
-    in_gemv1 = bool(r1) and DECODE_W13_SHRINK_BY_GEMV1
+    splits, launch_shrink, shrink_args, shrink_block_k = 1, _nothing, (x, 0, 0, x, 0), 128
+    in_gemv1 = _w13_shrink_in_gemv1(r1, rows.ids.numel() // top_k * _triton.cdiv(top_k, gemv1_slots))
     if in_gemv1:  # GEMV1's programs compute it: [slots, R_PAD, block_k] products per step
         shrink_block_k = max(16, min(128, DECODE_TILE // (gemv1_slots * r1_pad)))
         per_split, splits = _pair_splits(x.shape[1], shrink_block_k)
         parts1 = torch.empty(rows.ids.numel(), splits, r1_pad, dtype=torch.float32, device=x.device)
-        # the first programs of each group to start compute the splits; the interpreter runs the programs one
-        # after another, so there the first computes them all (a later one would never start while it waits)
-        leaders = 1 if _triton.interpreting() else min(splits, blocks)
-        shrink_args = (x, x.stride(0), x.stride(1), lora.w13_a, per_split, leaders)
+        shrink_args = (x, x.stride(0), x.stride(1), lora.w13_a, per_split)
         counters = _triton.counters(x.device)
     elif r1:
         parts1, splits, launch_shrink = _pair_shrink(1, x, None, lora.w13_a, lora, lora_ids, rows,

@@ -665,7 +665,7 @@ def _row_scaled(cfg: GemmConfig, w: WeightOperand, dtype: torch.dtype) -> bool:
 
 def _no_gemv1_terms(x) -> tuple:
     """GEMV1's decode-term arguments when it has none (the pruned loads still type their pointers)."""
-    return (x, x, x, x, x, x, x, 0, 0, 0, x, 0, 0, x, 0, 0)
+    return (x, x, x, x, x, x, x, 0, 0, 0, x, 0, 0, x, 0)
 
 
 def _gemv1_rows_args(x_args, w_args, b13, x, h, delta, ids, expert_map, top_k, num_global, num_local, inter, hidden,

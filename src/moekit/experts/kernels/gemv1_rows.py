@@ -85,7 +85,6 @@ def gemv1_rows_kernel(
     # decode LoRA: as moe_gemv.gemv1_act_kernel's (one pair per program: its program groups are its pairs)
     lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, lora_ids_ptr,
     lora_adapters, lora_r1, lora_r2, lora_x_ptr, lora_stride_xm, lora_stride_xk, lora_a13_ptr, lora_k_per_split,
-    lora_leaders,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns of h per program: 2 * BLOCK_N rows of w13
     BLOCK_K: tl.constexpr,  # codes per chunk, whole scale groups
@@ -99,6 +98,7 @@ def gemv1_rows_kernel(
     LORA_SHRINK: tl.constexpr = False, LORA_SHRINK_BLOCK_K: tl.constexpr = 128,
     W4_PAIRS: tl.constexpr = False,  # codes in the "pairs" byte layout (formats/fp4.py)
 ):
+    tl.static_assert(LORA_W13 or not LORA_SHRINK)
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
@@ -134,8 +134,8 @@ def gemv1_rows_kernel(
             if lora_shrinks:
                 w13_decode_shrink(lora_x_ptr + (pair // top_k).to(tl.int64) * lora_stride_xm, lora_stride_xk,
                                   lora_a13_ptr, adapter, lora_live, e64, pair1, lora_parts_ptr, lora_cnt_ptr,
-                                  shrink_idx, lora_leaders, num_local, K, lora_r1, lora_k_per_split, offs_n,
-                                  LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
+                                  shrink_idx, tl.program_id(0) % num_n, num_local, K, lora_r1, lora_k_per_split,
+                                  offs_n, LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
         x_scale, x_factor = _row_exponent(x_row, stride_xk, K, XBLOCK)
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         y = _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows,
@@ -150,7 +150,10 @@ def gemv1_rows_kernel(
                 gdc_wait()
             if LORA_SHRINK:
                 if lora_shrinks:
-                    w13_decode_wait(lora_cnt_ptr, shrink_idx, LORA_SPLITS)
+                    w13_decode_wait(lora_x_ptr + (pair // top_k).to(tl.int64) * lora_stride_xm, lora_stride_xk,
+                                    lora_a13_ptr, adapter, lora_live, e64, pair1, lora_parts_ptr, lora_cnt_ptr,
+                                    shrink_idx, num_local, K, lora_r1, lora_k_per_split, offs_n, LORA_SPLITS,
+                                    LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
             gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair1,
                                                   lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
             if LORA_SHRINK:

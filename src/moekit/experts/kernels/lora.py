@@ -352,57 +352,77 @@ def w13_decode_terms(parts_ptr, scaling_ptr, adapter, live, pair, bg, bu, SPLITS
     return (tl.sum(bg.to(tl.float32) * s[:, None, :], axis=2), tl.sum(bu.to(tl.float32) * s[:, None, :], axis=2))
 
 
+# W13's shrink computed by GEMV1's own programs (experts/lora.py DECODE_W13_SHRINK_BY_GEMV1): its K splits are work
+# items that the programs of a group (the same pairs, every block of h's columns) claim from a counter, each computed
+# by the program that claimed it before that program waits for anything. A program claims one item as it starts
+# (the group's first SPLITS column blocks only), and before waiting for the rest it claims and computes every item
+# still unclaimed; so a waiter waits only for items that a running program holds, whatever order the GPU starts
+# programs in and however few of them run at once (Triton's interpreter runs them one after another). Three
+# counters per group from ``idx``: claims, splits written, programs done.
 @triton.jit
-def w13_decode_shrink(x_row, stride_xk, a_ptr, adapter, live, e64, pair, parts_ptr, cnt_ptr, idx, leaders, num_local,
+def _w13_shrink_split(x_row, stride_xk, a_ptr, adapter, live, e64, pair, parts_ptr, cnt_ptr, idx, split, num_local, K,
+                      R, k_per_split, like, SPLITS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                      FENCE: tl.constexpr):
+    """Split ``split`` of the pairs' shrinks [SLOTS, R_PAD] (A13[a, e] x over its K terms) into parts [pairs,
+    SPLITS, R_PAD] (the layout lora_shrink_kernel writes), then counted as written (release). A13: contiguous
+    [adapters, E, R, K]."""
+    offs_r = tl.arange(0, R_PAD)
+    base = a_ptr + ((tl.where(live, adapter, 0).to(tl.int64) * num_local + e64) * R) * K  # [SLOTS]: A13[a, e]
+    m = live[:, None, None] & (offs_r < R)[None, :, None]
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
+        v = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(base[:, None, None] + offs_r[None, :, None] * K + offs_k[None, None, :],
+                    mask=m & k_ok[None, None, :], other=0.0).to(tl.float32)
+        s += tl.sum(w * v[None, None, :], axis=2)
+    tl.store(parts_ptr + (pair.to(tl.int64)[:, None] * SPLITS + split) * R_PAD + offs_r[None, :], s,
+             mask=live[:, None])
+    if FENCE:
+        _gpu_release_fence(like)
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + idx + 1, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def w13_decode_shrink(x_row, stride_xk, a_ptr, adapter, live, e64, pair, parts_ptr, cnt_ptr, idx, block, num_local,
                       K, R, k_per_split, like, SPLITS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
                       FENCE: tl.constexpr):
-    """W13's shrink of the pairs ``pair`` [SLOTS] (``live``: expert and adapter valid) on x's row, its K splits shared
-    by the first ``leaders`` programs of one GEMV1 program group (the same pairs, every block of h's columns) to
-    start: the program takes ticket i (counter ``idx``) and, where i < leaders, computes splits i, i + leaders, ...
-    into parts [pairs, SPLITS, R_PAD] (the layout lora_shrink_kernel writes), then adds their number to counter
-    idx + 1. Tickets go to programs in the order they start and a leader computes its splits before anything else
-    it does, so a program waiting for them (w13_decode_wait) waits only for programs that run, whatever order the
-    GPU starts them in (Triton's interpreter runs one program after another: one leader there). A13: contiguous
-    [adapters, E, R, K]."""
-    ticket = tl.atomic_add(cnt_ptr + idx, 1, sem="relaxed", scope="gpu")
-    offs_r = tl.arange(0, R_PAD)
-    a64 = tl.where(live, adapter, 0).to(tl.int64)
-    base = a_ptr + ((a64 * num_local + e64) * R) * K  # [SLOTS]: A13[a, e]
-    m = live[:, None, None] & (offs_r < R)[None, :, None]
-    rows = pair.to(tl.int64)[:, None] * SPLITS
-    written = 0
-    for split in range(tl.where(ticket < leaders, ticket, SPLITS), SPLITS, leaders):
-        k_lo = split * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        s = tl.zeros([pair.shape[0], R_PAD], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_hi
-            v = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(base[:, None, None] + offs_r[None, :, None] * K + offs_k[None, None, :],
-                        mask=m & k_ok[None, None, :], other=0.0).to(tl.float32)
-            s += tl.sum(w * v[None, None, :], axis=2)
-        tl.store(parts_ptr + (rows + split) * R_PAD + offs_r[None, :], s, mask=live[:, None])
-        written += 1
-    if written > 0:
-        if FENCE:
-            _gpu_release_fence(like)
-        tl.debug_barrier()
-        tl.atomic_add(cnt_ptr + idx + 1, written, sem="release", scope="gpu")
+    """At a GEMV1 program's start (column block ``block`` of its group): one split claimed and computed, by the
+    group's first SPLITS blocks (the others' claims would find none left once those start)."""
+    if block < SPLITS:
+        split = tl.atomic_add(cnt_ptr + idx, 1, sem="relaxed", scope="gpu")
+        if split < SPLITS:
+            _w13_shrink_split(x_row, stride_xk, a_ptr, adapter, live, e64, pair, parts_ptr, cnt_ptr, idx, split,
+                              num_local, K, R, k_per_split, like, SPLITS, R_PAD, BLOCK_K, FENCE)
 
 
 @triton.jit
-def w13_decode_wait(cnt_ptr, idx, SPLITS: tl.constexpr):
-    """Until every split of the group's W13 shrink is written (w13_decode_shrink's counter idx + 1)."""
-    while tl.atomic_add(cnt_ptr + idx + 1, 0, sem="acquire", scope="gpu") < SPLITS:
-        pass
+def w13_decode_wait(x_row, stride_xk, a_ptr, adapter, live, e64, pair, parts_ptr, cnt_ptr, idx, num_local, K, R,
+                    k_per_split, like, SPLITS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                    FENCE: tl.constexpr):
+    """Until every split of the group's shrink is written (acquire): the splits still unclaimed are claimed and
+    computed here first, so the wait is only for splits that running programs hold."""
+    written = tl.atomic_add(cnt_ptr + idx + 1, 0, sem="acquire", scope="gpu")
+    claiming = written < SPLITS
+    while written < SPLITS:
+        if claiming:
+            split = tl.atomic_add(cnt_ptr + idx, 1, sem="relaxed", scope="gpu")
+            claiming = split < SPLITS
+            if claiming:
+                _w13_shrink_split(x_row, stride_xk, a_ptr, adapter, live, e64, pair, parts_ptr, cnt_ptr, idx, split,
+                                  num_local, K, R, k_per_split, like, SPLITS, R_PAD, BLOCK_K, FENCE)
+        written = tl.atomic_add(cnt_ptr + idx + 1, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
 @triton.jit
 def w13_decode_leave(cnt_ptr, idx, num_n):
-    """The group's last program to pass its wait zeroes the shrink's three counters for the next launch: every
-    program of the group has taken its ticket and read the splits by then."""
+    """The group's last program to pass its wait zeroes the three counters for the next launch: every program of
+    the group has made its claims and read the splits by then."""
     if tl.atomic_add(cnt_ptr + idx + 2, 1, sem="acq_rel", scope="gpu") == num_n - 1:
         tl.atomic_xchg(cnt_ptr + idx, 0)
         tl.atomic_xchg(cnt_ptr + idx + 1, 0)

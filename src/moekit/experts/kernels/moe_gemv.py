@@ -398,11 +398,9 @@ def gemv1_act_kernel(
     # decode LoRA (kernels/lora.py): W13's shrink partials [T*k, LORA_SPLITS, R1_PAD] fp32, B13 [adapters, E, 2I,
     # r1], A2 [adapters, E, r2, I] (contiguous), W2's shrinks out [T*k, I blocks + 1, R2_PAD] fp32, arrival
     # counters (W2: one per program group; LORA_SHRINK: three per group after those), scaling fp32 [adapters],
-    # adapter ids int32 [T]; LORA_SHRINK: x [T, H] as given, A13 [adapters, E, r1, H] (contiguous), K per split,
-    # programs per group that compute splits
+    # adapter ids int32 [T]; LORA_SHRINK: x [T, H] as given, A13 [adapters, E, r1, H] (contiguous), K per split
     lora_parts_ptr, lora_b_ptr, lora_a2_ptr, lora_parts2_ptr, lora_cnt_ptr, lora_scaling_ptr, lora_ids_ptr,
     lora_adapters, lora_r1, lora_r2, lora_x_ptr, lora_stride_xm, lora_stride_xk, lora_a13_ptr, lora_k_per_split,
-    lora_leaders,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ACTIVATION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,  # GEMM2 is launched as this grid's programmatic dependent
@@ -418,6 +416,7 @@ def gemv1_act_kernel(
     LORA_SHRINK_BLOCK_K: tl.constexpr = 128,
     W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
 ):
+    tl.static_assert(LORA_W13 or not LORA_SHRINK)
     if PDL:  # every program has started: GEMM2's may start too (they wait for this grid before reading h)
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
@@ -454,9 +453,9 @@ def gemv1_act_kernel(
             lora_shrinks = tl.max(lora_live.to(tl.int32), axis=0) > 0
             if lora_shrinks:
                 w13_decode_shrink(lora_x_ptr + t.to(tl.int64) * lora_stride_xm, lora_stride_xk, lora_a13_ptr, adapter,
-                                  lora_live, e64, pair, lora_parts_ptr, lora_cnt_ptr, shrink_idx, lora_leaders,
-                                  num_local, K, lora_r1, lora_k_per_split, offs_n, LORA_SPLITS, LORA_R1_PAD,
-                                  LORA_SHRINK_BLOCK_K, LORA_FENCE)
+                                  lora_live, e64, pair, lora_parts_ptr, lora_cnt_ptr, shrink_idx,
+                                  tl.program_id(0) % num_n, num_local, K, lora_r1, lora_k_per_split, offs_n,
+                                  LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
         ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
         acc_gate = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
         acc_up = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
@@ -495,7 +494,10 @@ def gemv1_act_kernel(
                 gdc_wait()
             if LORA_SHRINK:
                 if lora_shrinks:
-                    w13_decode_wait(lora_cnt_ptr, shrink_idx, LORA_SPLITS)
+                    w13_decode_wait(lora_x_ptr + t.to(tl.int64) * lora_stride_xm, lora_stride_xk, lora_a13_ptr,
+                                    adapter, lora_live, e64, pair, lora_parts_ptr, lora_cnt_ptr, shrink_idx, num_local,
+                                    K, lora_r1, lora_k_per_split, offs_n, LORA_SPLITS, LORA_R1_PAD,
+                                    LORA_SHRINK_BLOCK_K, LORA_FENCE)
             gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair,
                                                   lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
             if LORA_SHRINK:
