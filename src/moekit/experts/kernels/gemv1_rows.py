@@ -103,7 +103,6 @@ def gemv1_rows_kernel(
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
     pair = tl.program_id(0) // num_n
-    shrink_idx = tl.num_programs(0) // num_n + 3 * pair  # after W2's counters
     e = _pair_expert(ids_ptr, expert_map_ptr, pair, num_global, num_local, HAS_MAP)
     if e >= 0:  # pairs of another rank: their rows are never read (GEMM2 skips them too)
         e64 = e.to(tl.int64)
@@ -131,11 +130,13 @@ def gemv1_rows_kernel(
                                      LORA_R2_PAD)
         if LORA_SHRINK:
             lora_shrinks = tl.max(lora_live.to(tl.int32), axis=0) > 0
+            lora_x_row = lora_x_ptr + (pair // top_k).to(tl.int64) * lora_stride_xm
+            shrink_idx = tl.num_programs(0) // num_n + 3 * pair  # after W2's counters
             if lora_shrinks:
-                w13_decode_shrink(lora_x_ptr + (pair // top_k).to(tl.int64) * lora_stride_xm, lora_stride_xk,
-                                  lora_a13_ptr, adapter, lora_live, e64, pair1, lora_parts_ptr, lora_cnt_ptr,
-                                  shrink_idx, tl.program_id(0) % num_n, num_local, K, lora_r1, lora_k_per_split,
-                                  offs_n, LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
+                w13_decode_shrink(lora_x_row, lora_stride_xk, lora_a13_ptr, adapter, lora_live, e64, pair1,
+                                  lora_parts_ptr, lora_cnt_ptr, shrink_idx, tl.program_id(0) % num_n, num_local, K,
+                                  lora_r1, lora_k_per_split, offs_n, LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K,
+                                  LORA_FENCE)
         x_scale, x_factor = _row_exponent(x_row, stride_xk, K, XBLOCK)
         GROUP: tl.constexpr = 32 if FORMAT == MXFP4 else 16
         y = _stream_rows(w_ptr, s_ptr, gs_ptr, bias_ptr + e64 * stride_be, stride_bn, e64, w_rows, s_rows, rows,
@@ -150,10 +151,9 @@ def gemv1_rows_kernel(
                 gdc_wait()
             if LORA_SHRINK:
                 if lora_shrinks:
-                    w13_decode_wait(lora_x_ptr + (pair // top_k).to(tl.int64) * lora_stride_xm, lora_stride_xk,
-                                    lora_a13_ptr, adapter, lora_live, e64, pair1, lora_parts_ptr, lora_cnt_ptr,
-                                    shrink_idx, num_local, K, lora_r1, lora_k_per_split, offs_n, LORA_SPLITS,
-                                    LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
+                    w13_decode_wait(lora_x_row, lora_stride_xk, lora_a13_ptr, adapter, lora_live, e64, pair1,
+                                    lora_parts_ptr, lora_cnt_ptr, shrink_idx, num_local, K, lora_r1, lora_k_per_split,
+                                    offs_n, LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
             gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair1,
                                                   lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
             if LORA_SHRINK:

@@ -421,7 +421,6 @@ def gemv1_act_kernel(
         gdc_launch_dependents()
     num_n = tl.cdiv(I, BLOCK_N)
     groups = tl.cdiv(top_k, SLOTS)
-    shrink_idx = tl.num_programs(0) // num_n + 3 * (tl.program_id(0) // num_n)  # after W2's counters
     t = tl.program_id(0) // num_n // groups
     j = (tl.program_id(0) // num_n % groups) * SLOTS + tl.arange(0, SLOTS)
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -451,11 +450,13 @@ def gemv1_act_kernel(
                                      LORA_R2_PAD)
         if LORA_SHRINK:  # the same for every program of the group
             lora_shrinks = tl.max(lora_live.to(tl.int32), axis=0) > 0
+            lora_x_row = lora_x_ptr + t.to(tl.int64) * lora_stride_xm
+            shrink_idx = tl.num_programs(0) // num_n + 3 * (tl.program_id(0) // num_n)  # after W2's counters
             if lora_shrinks:
-                w13_decode_shrink(lora_x_ptr + t.to(tl.int64) * lora_stride_xm, lora_stride_xk, lora_a13_ptr, adapter,
-                                  lora_live, e64, pair, lora_parts_ptr, lora_cnt_ptr, shrink_idx,
-                                  tl.program_id(0) % num_n, num_local, K, lora_r1, lora_k_per_split, offs_n,
-                                  LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
+                w13_decode_shrink(lora_x_row, lora_stride_xk, lora_a13_ptr, adapter, lora_live, e64, pair,
+                                  lora_parts_ptr, lora_cnt_ptr, shrink_idx, tl.program_id(0) % num_n, num_local, K,
+                                  lora_r1, lora_k_per_split, offs_n, LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K,
+                                  LORA_FENCE)
         ACC_K: tl.constexpr = BLOCK_K if FORMAT == DENSE else BLOCK_K // (32 if FORMAT == MXFP4 else 16)
         acc_gate = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
         acc_up = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
@@ -494,10 +495,9 @@ def gemv1_act_kernel(
                 gdc_wait()
             if LORA_SHRINK:
                 if lora_shrinks:
-                    w13_decode_wait(lora_x_ptr + t.to(tl.int64) * lora_stride_xm, lora_stride_xk, lora_a13_ptr,
-                                    adapter, lora_live, e64, pair, lora_parts_ptr, lora_cnt_ptr, shrink_idx, num_local,
-                                    K, lora_r1, lora_k_per_split, offs_n, LORA_SPLITS, LORA_R1_PAD,
-                                    LORA_SHRINK_BLOCK_K, LORA_FENCE)
+                    w13_decode_wait(lora_x_row, lora_stride_xk, lora_a13_ptr, adapter, lora_live, e64, pair,
+                                    lora_parts_ptr, lora_cnt_ptr, shrink_idx, num_local, K, lora_r1, lora_k_per_split,
+                                    offs_n, LORA_SPLITS, LORA_R1_PAD, LORA_SHRINK_BLOCK_K, LORA_FENCE)
             gate_term, up_term = w13_decode_terms(lora_parts_ptr, lora_scaling_ptr, adapter, lora_live, pair,
                                                   lora_bg, lora_bu, LORA_SPLITS, LORA_R1_PAD)
             if LORA_SHRINK:
@@ -622,7 +622,8 @@ def gemv2_tokens_kernel(
     weights_ptr, ids_ptr, expert_map_ptr,  # float32 / int32 [T*k], int32 [num_global] (HAS_MAP)
     out_ptr, stride_ot,  # out [T, H]
     top_k, num_global, num_local, N, K,
-    # decode LoRA (kernels/lora.py): W2's shrinks [T*k, lora_blocks + 1, R2_PAD] fp32 from GEMV1, B2 [adapters, E, H, r2] (contiguous), adapter ids int32 [T], scaling fp32 [adapters]
+    # decode LoRA (kernels/lora.py): W2's shrinks [T*k, lora_blocks + 1, R2_PAD] fp32 from GEMV1, B2 [adapters, E,
+    # H, r2] (contiguous), adapter ids int32 [T], scaling fp32 [adapters]
     lora_parts2_ptr, lora_b2_ptr, lora_ids_ptr, lora_scaling_ptr, lora_adapters, lora_r2, lora_blocks,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES_ASM: tl.constexpr = False,
