@@ -455,11 +455,17 @@ def decode_terms_fit(r1: int, r2: int, inter: int, gemv1_block_n: int, gemv1_slo
     each pair's group), GEMV1's program groups its arrival counters."""
     r1_pad, r2_pad = _r_pad(max(r1, 1)), _r_pad(max(r2, 1))
     blocks_pad = _triton.next_pow2(_triton.cdiv(inter, gemv1_block_n))
-    groups = num_tokens * _triton.cdiv(top_k, gemv1_slots)
+    groups = _gemv1_groups(num_tokens, top_k, gemv1_slots)
     tiles = [gemv1_slots * gemv1_block_n * r1_pad if r1 else 0,
              gemv1_slots * max(gemv1_block_n, blocks_pad) * r2_pad if r2 else 0,
              _triton.next_pow2(top_k) * gemv2_block_n * r2_pad if r2 else 0]
     return max(tiles) <= DECODE_TILE and not (r2 and groups > _triton.NUM_COUNTERS)
+
+
+def _gemv1_groups(num_tokens: int, top_k: int, gemv1_slots: int) -> int:
+    """GEMV1's program groups: one per token and run of ``gemv1_slots`` of its pairs (each group's arrival
+    counters)."""
+    return num_tokens * _triton.cdiv(top_k, gemv1_slots)
 
 
 def _w13_shrink_in_gemv1(r1: int, groups: int) -> bool:
@@ -510,7 +516,7 @@ def decode_terms(x, lora: ExpertsLoRA, lora_ids, rows: Rows, inter: int, gemv1_b
         return None
     parts1 = parts2 = counters = x
     splits, launch_shrink, shrink_args, shrink_block_k = 1, _nothing, (x, 0, 0, x, 0), 128
-    in_gemv1 = _w13_shrink_in_gemv1(r1, rows.ids.numel() // top_k * _triton.cdiv(top_k, gemv1_slots))
+    in_gemv1 = _w13_shrink_in_gemv1(r1, _gemv1_groups(rows.ids.numel() // top_k, top_k, gemv1_slots))
     if in_gemv1:  # GEMV1's programs compute it: [slots, R_PAD, block_k] products per step
         shrink_block_k = max(16, min(128, DECODE_TILE // (gemv1_slots * r1_pad)))
         per_split, splits = _pair_splits(x.shape[1], shrink_block_k)
