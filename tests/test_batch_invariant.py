@@ -95,12 +95,20 @@ def test_invariant_configs_fix_the_reduction_order_of_a_shape_class_at_every_tok
     for T in TOKENS:
         for top_k in (1, 2, 8):  # batched calls ask with k=1 at T = E * M
             cfg, why = C._invariant_choose((key,), shape, T, E, top_k, N, K, family)
-            assert cfg.mode == "aligned" and not cfg.pdl and not cfg.split_slots, why
+            # the per-pair mode (dense weights where the default runs a decode mode) gives the aligned mode's bits
+            assert cfg.mode == "aligned" or (family == "dense" and cfg.mode == "per_pair"), why
+            assert not cfg.pdl and (cfg.mode == "per_pair" or not cfg.split_slots), why
+            per_pair = cfg.mode == "per_pair"
+            cfg, why = C._invariant_choose((key,), shape, T, E, top_k, N, K, family, False)  # adapters, batched
+            assert cfg.mode == "aligned", why
             if family in FOUR_BIT_FORMATS:  # a step's K terms are one MMA chain: K steps and half tails follow T
                 assert cfg.gemm1.block_k >= 64 and cfg.gemm2.block_k >= 64, why
             else:
                 assert not cfg.gemm1.half_tails and not cfg.gemm2.half_tails
                 steps.add((C._effective_block_k(cfg.gemm1, family, 2), C._effective_block_k(cfg.gemm2, family, 1)))
+                if per_pair:  # its K steps too
+                    pp = C._invariant_choose((key,), shape, T, E, top_k, N, K, family)[0]
+                    steps.add((C._effective_block_k(pp.gemm1, family, 2), C._effective_block_k(pp.gemm2, family, 1)))
             if family in ("fp8", "w4a8"):  # one weight scale per GEMM2 tile at every T (W_TILE_SCALE)
                 assert C.FP8_BLOCK_K % cfg.gemm2.block_n == 0
                 # and one tensor-core instruction (wgmma: 64 rows on whole warpgroups), whose FP8 sums round
@@ -133,11 +141,12 @@ def test_invariant_4_bit_tiles_keep_the_defaults_aligned_configs_but_nvfp4_is_wi
 def test_the_switch_changes_the_cached_decisions_at_the_next_call():
     dev = torch.device("cpu")
     moekit.set_batch_invariant(False)
-    assert C.choose(1, 128, 8, 1536, 2048, dev, torch.float16)[0].mode != "aligned"
+    default = C.choose(1, 128, 8, 1536, 2048, dev, torch.float16)[0]
+    assert default.mode != "aligned"
     assert tiers.kernel_config(1, 2880, 128, 0, False).block_t < 16  # the fp32 GEMV
     _on()
     cfg, why = C.choose(1, 128, 8, 1536, 2048, dev, torch.float16)
-    assert cfg.mode == "aligned" and "batch-invariant" in why
+    assert cfg != default and "batch-invariant" in why  # the per-pair mode on the shape class's K steps
     small, large = tiers.kernel_config(1, 2880, 128, 0, False), tiers.kernel_config(4096, 2880, 128, 0, False)
     # the same K splits at every T: split programs at one token, folded into the tiles' programs at many
     assert (small.splits, small.k_per_split, small.fold_splits) == (tiers.invariant_splits(2880)[0], 512, False)
@@ -246,6 +255,27 @@ def test_dense_expert_kernels_are_batch_invariant(spec):
     assert all(r.ok for r in rows), [r.detail for r in rows if not r.ok]
 
 
+@pytest.mark.parametrize("split", [True, False])  # GEMM2 per pair + the combine, or per token rounding each slot
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_the_per_pair_mode_gives_the_aligned_modes_bits_for_dense_weights(T, split):
+    # configs.INVARIANT_PER_PAIR: the mode serves dense decode sizes without alignment; a pair's GEMM rows are the
+    # aligned row block's and its slot is rounded as the combine's input. Biases, an expert map (a pair of another
+    # rank) and an invalid id: the pairs that add nothing.
+    E, H, I, k = 5, 48, 40, 3
+    w13, w2 = (torch.randn(E, 2 * I, H) * H ** -0.5).half(), (torch.randn(E, H, I) * I ** -0.5).half()
+    b13, b2 = torch.randn(E, 2 * I).half(), torch.randn(E, H).half()
+    x, tw = torch.randn(T, H).half(), torch.rand(T, k)
+    ids = torch.stack([torch.randperm(E + 2)[:k] for _ in range(T)]).int()
+    ids[0, 0] = -1
+    emap = torch.tensor([0, 1, -1, 2, 3, 4, -1], dtype=torch.int32)  # 7 global experts, 5 here
+    tile1, tile2 = GemmConfig(32, 16, 4, 2), GemmConfig(16, 16, 4, 2)
+    runs = {mode: fused_experts(x, w13, w2, tw, ids, activation="swiglu_oai", w13_bias=b13, w2_bias=b2,
+                                expert_map=emap, config=cfg, backend="triton")
+            for mode, cfg in (("aligned", ExpertsConfig(16, tile1, tile2)),
+                              ("per_pair", ExpertsConfig(16, tile1, tile2, mode="per_pair", split_slots=split)))}
+    assert torch.equal(runs["aligned"].view(torch.int16), runs["per_pair"].view(torch.int16))
+
+
 @pytest.mark.parametrize("weights, act_quant", invariance_checks.FORMATS[1:])
 def test_low_bit_expert_kernels_are_batch_invariant(weights, act_quant):
     _on()
@@ -346,18 +376,26 @@ def test_router_split_programs_and_folded_splits_give_the_same_bits(monkeypatch,
 
 
 def test_an_explicit_config_the_mode_cannot_keep_invariant_is_refused():
-    # an explicit config is the caller's order of sums: the decode modes sum a token's slots otherwise than the
-    # aligned mode's combine, and FP8 products in a half block run on mma.sync
+    # an explicit config is the caller's order of sums: the CUDA-core mode sums a token's K terms across lanes, the
+    # per-pair mode keeps the aligned mode's sums only for dense weights without adapters, and FP8 products in a
+    # half block run on mma.sync
     from moekit.formats import quantize_experts
 
     _on()
-    E, H, I, T, k = 4, 128, 128, 3, 2
+    E, H, I, T, k, r = 4, 128, 128, 3, 2, 4
     w13, w2 = torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
     x, tw, ids = torch.randn(T, H), torch.rand(T, k), torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
     tile = GemmConfig(block_n=32, block_k=64)
-    for mode in ("per_pair", "gemv"):
-        with pytest.raises(ValueError, match=f"config with mode '{mode}' is not batch-invariant"):
-            fused_experts(x, w13, w2, tw, ids, config=ExpertsConfig(16, tile, tile, mode=mode))
+    per_pair = ExpertsConfig(16, tile, tile, mode="per_pair")
+    with pytest.raises(ValueError, match="config with mode 'gemv' is not batch-invariant"):
+        fused_experts(x, w13, w2, tw, ids, config=ExpertsConfig(16, tile, tile, mode="gemv"))
+    fused_experts(x, w13, w2, tw, ids, config=per_pair)  # dense, no adapters: the aligned mode's bits
+    lora = moekit.ExpertsLoRA(torch.randn(1, E, r, H) * 0.1, torch.randn(1, E, 2 * I, r) * 0.1, None, None, [1.0])
+    with pytest.raises(ValueError, match="config with mode 'per_pair' is not batch-invariant"):
+        fused_experts(x, w13, w2, tw, ids, config=per_pair, lora=lora, lora_ids=torch.zeros(T, dtype=torch.int32))
+    m13, m2 = quantize_experts(w13, "mxfp4"), quantize_experts(w2, "mxfp4")
+    with pytest.raises(ValueError, match="config with mode 'per_pair' is not batch-invariant"):
+        fused_experts(x.bfloat16(), m13, m2, tw, ids, config=per_pair)
     half = dataclasses.replace(tile, half_tails=True)
     q13, q2 = quantize_experts(w13, "fp8_block"), quantize_experts(w2, "fp8_block")
     with pytest.raises(ValueError, match="half_tails on FP8 products is not batch-invariant"):
@@ -373,10 +411,10 @@ _INVARIANT_CHOOSE = C._invariant_choose
 
 
 def _mode_changes_with_t(key, shape, num_tokens, *args):
-    """The default mode's fault: decode sizes served without alignment (GEMM2 sums a token's slots in fp32
-    registers; the aligned mode rounds each slot's output first)."""
+    """The default mode's fault: decode sizes served on the CUDA cores (each K chunk's products summed across
+    lanes, not as the tensor-core tiles' chain)."""
     cfg, why = _INVARIANT_CHOOSE(key, shape, num_tokens, *args)
-    return (dataclasses.replace(cfg, mode="per_pair") if num_tokens <= 8 else cfg), why
+    return (dataclasses.replace(cfg, mode="gemv") if num_tokens <= 8 else cfg), why
 
 
 def test_a_config_that_changes_with_t_is_caught_by_the_invariance_check(monkeypatch):
@@ -395,7 +433,7 @@ def test_the_gate_disables_a_backend_that_is_not_batch_invariant():
 
     def planted(out, x, w13, w2, tw, ids, activation, b13, b2, emap, config=None, act_quant=None, **lora):
         tile = GemmConfig(block_n=32, block_k=64)
-        cfg = ExpertsConfig(16, tile, tile, mode="per_pair" if x.shape[0] <= 8 else "aligned")
+        cfg = ExpertsConfig(16, tile, tile, mode="gemv" if x.shape[0] <= 8 else "aligned")
         triton_backend.fused_experts_into(out, x, w13, w2, tw, ids, activation, b13, b2, emap, cfg, act_quant)
 
     def rejects(call, explicit):
@@ -449,7 +487,10 @@ def test_explain_says_whether_the_mode_is_on(capsys):
     assert "batch-invariant mode: on" in out and "matmuls of 16 rows at every T" in out
     assert not _invariant.enabled()                              # the command's mode ends with the command
     cfg, why = C.invariant_choice(1, 128, 8, 1536, 2048, torch.device("cpu"), torch.bfloat16)
-    assert cfg.mode == "aligned" and "K steps 64 (GEMM1) and 64 (GEMM2)" in why
+    assert cfg.mode == "per_pair" and "K steps 64 (GEMM1) and 64 (GEMM2)" in why  # dense decode: two launches
+    for other in ({"lora": True}, {"batched": True}):  # their terms / format: the aligned mode
+        assert C.invariant_choice(1, 128, 8, 1536, 2048, torch.device("cpu"), torch.bfloat16, **other)[0].mode == \
+            "aligned", other
 
 
 def test_verify_runs_the_invariance_checks_in_the_mode(tmp_path, monkeypatch):

@@ -87,6 +87,8 @@ _TILE = GemmConfig(block_n=16, block_k=32, group_m=1)
     (ExpertsConfig(64, GemmConfig(32, 64, group_m=4), _TILE), "64-row blocks, one K block wider than H"),
     (ExpertsConfig(128, _TILE, GemmConfig(64, 32, group_m=8)), "prefill row block"),
     (ExpertsConfig(16, _TILE, GemmConfig(16, 16), mode="per_pair"), "per-pair decode mode, K in several blocks"),
+    (ExpertsConfig(16, _TILE, GemmConfig(16, 16), mode="per_pair", split_slots=True),
+     "per-pair mode, GEMM2 per pair into the aligned mode's buffer, the slots summed by the combine"),
     (ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(32, 16), mode="gemv"),
      "CUDA-core decode kernels, K in several chunks, partial last N tile"),
     (ExpertsConfig(16, GemmConfig(16, 32, slots=2), GemmConfig(32, 16, slots=2), mode="gemv"),
@@ -191,6 +193,7 @@ def _check_expert_map_and_invalid_ids(T, cfg: ExpertsConfig, why: str):
     (True, None, False),
     (True, 4, False),  # every slot in one step
     (True, None, True),  # GEMM2 per pair, then the combine: skipped pairs must write zeros there
+    (False, None, True),  # the same on the tensor cores (gemm2_kernel's per-pair rows)
 ])
 @pytest.mark.parametrize("T", [1, 2, 5])
 def test_per_pair_mode_with_expert_map_and_invalid_ids(T, gemv, slots, split):

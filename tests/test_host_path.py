@@ -327,6 +327,7 @@ def _same_launches(planned: list, full: list, given: tuple) -> None:
     ("gemv", "mxfp4", True),      # and h before GEMV2 (its loop per slot)
     ("rows", "nvfp4", None),      # GEMV1 on the row-scaled kernel (GemmConfig.row_scaled: x scaled inside it)
     ("per_pair", "dense", None),  # the tensor-core GEMMs per pair (CallPlan)
+    ("per_pair-split", "dense", None),  # GEMM2 per pair into the aligned mode's buffer, then the combine
     ("per_pair", "nvfp4", None),  # 4-bit: scales and global scales among the arguments
     ("aligned", "dense", None),   # align, GEMM1, GEMM2, combine (CallPlan): four launches, five buffers
     ("aligned", "mxfp4", None),   # 4-bit, no global scale
@@ -364,7 +365,8 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
                "per_pair": ["gemm1_act_kernel", "gemm2_tokens_kernel"],
                "aligned": ["align_kernel", "gemm1_act_kernel", "gemm2_kernel", "combine_kernel"]}[mode]
     if split:
-        kernels = [kernels[0], "gemv2_rows_kernel" if mode == "rows" else kernels[1], "combine_kernel"]
+        kernels = [kernels[0], {"rows": "gemv2_rows_kernel", "per_pair": "gemm2_kernel"}.get(mode, kernels[1]),
+                   "combine_kernel"]
     if weights != "dense" and mode == "gemv":
         kernels.insert(0, "scaled_fp16_kernel")
     if gemm2_packed:

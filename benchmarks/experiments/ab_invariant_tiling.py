@@ -11,8 +11,8 @@ the mode could run the default mode's own aligned configs. Per preset, format an
 - ``bkN``: the same with another K step (stages scaled to the same bytes in flight);
 - ``default``: the default mode's config at that T, where it is aligned;
 - at T <= 16, no half tails (16-row blocks have none) but K steps up to 256, ``per_pair`` (dense weights: the
-  per-pair tensor-core mode on the mode's tiles, two launches, no alignment; time only) and ``default`` whatever its
-  mode (time only);
+  per-pair tensor-core mode on the mode's tiles, two launches, no alignment; ab_invariant_per_pair.py compares its
+  forms) and ``default`` whatever its mode (time only);
 
 each timed (CUDA-graph replay over two layers) and checked bitwise: a probe token's output row in the T-token call
 against the same token alone (T=1, the mode's own config), and the whole output against the ``invariant`` row's.
@@ -70,8 +70,7 @@ def variants(spec, fmt: str, T: int, k_steps) -> list[tuple[str, object]]:
     if T > 16:
         out.append(("+half", _with(inv, half_tails=True)))
     out += [(f"bk{bk}", _k_step(inv, bk)) for bk in k_steps if bk != inv.gemm1.block_k and (bk <= 128 or T <= 16)]
-    if T <= 16 and fmt == "dense":  # the per-pair tensor-core mode's time on the mode's tiles (its GEMM2 sums the
-        # slots in fp32, not rounded per slot as the combine: bits not expected)
+    if T <= 16 and fmt == "dense" and inv.mode == "aligned":  # the per-pair tensor-core mode on the mode's tiles
         out.append(("per_pair", replace(inv, mode="per_pair")))
     if default.mode == "aligned" or T <= 16:  # (at decode the default's time whatever its mode)
         out.append(("default", default))

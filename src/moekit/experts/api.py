@@ -29,18 +29,21 @@ BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 weight_format = format_of  # the name this module has always exported
 
 
-def _check_config(config, fp8_products: bool = False) -> None:
+def _check_config(config, fp8_products: bool = False, per_pair_kept: bool = False) -> None:
     """An explicit config is an ExpertsConfig; in batch-invariant mode, one whose order of sums the mode can keep
-    (``fp8_products``: the call multiplies FP8 codes, W8A8 or W4A8)."""
+    (``fp8_products``: the call multiplies FP8 codes, W8A8 or W4A8; ``per_pair_kept``: the per-pair mode gives the
+    aligned mode's bits, dense weights without adapters in the standard format, configs.INVARIANT_PER_PAIR)."""
     if config is None:
         return
     if not isinstance(config, ExpertsConfig):
         raise TypeError(f"config must be a moekit.experts.ExpertsConfig or None, got {type(config).__name__}")
     if not _invariant.enabled():
         return
-    if config.mode != "aligned":  # (the mode's own configs: experts/configs.py _invariant_choose)
-        raise ValueError(_invariant.refusal(f"config with mode {config.mode!r}", "the decode modes sum a token's "
-                                            "slots inside GEMM2, and the CUDA-core one also across lanes"))
+    if config.mode != "aligned" and not (config.mode == "per_pair" and per_pair_kept):
+        # (the mode's own configs: experts/configs.py _invariant_choose)
+        raise ValueError(_invariant.refusal(
+            f"config with mode {config.mode!r}", "the CUDA-core mode sums a token's K terms across lanes, and the "
+            "per-pair mode's tiles keep the aligned mode's sums only for dense weights without adapters"))
     if fp8_products and (config.gemm1.half_tails or config.gemm2.half_tails):
         raise ValueError(_invariant.refusal("config with half_tails on FP8 products", "a half block runs on "
                                             "mma.sync, whose FP8 sums round otherwise than wgmma's"))
@@ -183,13 +186,15 @@ def check_act_quant(act_quant, hidden: int | None = None, inter: int | None = No
         raise ValueError(f"act_quant='nvfp4' needs H and I multiples of 16 (NVFP4 blocks), got H={hidden}, I={inter}")
 
 
-def _options_and_out(x, w13, w2, act_quant, config, out, **other_inputs) -> torch.Tensor:
+def _options_and_out(x, w13, w2, act_quant, config, out, per_pair_kept: bool = False, **other_inputs) -> torch.Tensor:
     """The checks both formats share past the weights (act_quant against H and I, config, the ``out=`` contract),
     then the output: ``out`` itself, or a new tensor of x's shape, dtype and device. ``out`` must be contiguous
-    and must not alias x, the weights or ``other_inputs``."""
+    and must not alias x, the weights or ``other_inputs``. ``per_pair_kept``: a standard-format call without
+    adapters (:func:`_check_config`)."""
     check_act_quant(act_quant, x.shape[-1], w2.shape[2])
     fmt = format_of(w13)
-    _check_config(config, fmt == "fp8" or (fmt == "mxfp4" and act_quant == "fp8_group"))
+    _check_config(config, fmt == "fp8" or (fmt == "mxfp4" and act_quant == "fp8_group"),
+                  per_pair_kept and fmt == "dense")
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     check_out("out", out, tuple(x.shape), x.dtype, x.device,
@@ -300,7 +305,7 @@ def fused_experts(
             _check_map_values(expert_map, E, topk_ids)
             expert_map = expert_map.contiguous()  # (the kernels index it with unit stride)
         check_lora(lora, lora_ids, x, E, w2.shape[2], H, batched=False)
-        out = _options_and_out(x, w13, w2, act_quant, config, out, **_read_by_fused(
+        out = _options_and_out(x, w13, w2, act_quant, config, out, lora is None, **_read_by_fused(
             topk_weights, topk_ids, w13_bias, w2_bias, expert_map, lora_ids, lora))
         chosen = choose_backend(x, w13, backend, act_quant, op="fused", activation=activation, lora=lora,
                                 w2=w2, top_k=topk_ids.shape[1], biases=(w13_bias, w2_bias),

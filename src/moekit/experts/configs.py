@@ -126,7 +126,8 @@ class ExpertsConfig:
     - "aligned": pairs sorted by expert into BLOCK_M-row blocks (the alignment kernel), tensor-core GEMMs, the
       k slots summed by the combine kernel (four launches);
     - "per_pair": the decode mode without alignment: GEMM1 per (token, slot) pair on 16-row tensor-core tiles,
-      GEMM2 per token over its slots (block_m unused); two launches, an expert picked by several tokens is read
+      GEMM2 per token over its slots, each slot's output rounded to the output dtype and the slots added in order
+      as the combine kernel adds them (block_m unused); two launches, an expert picked by several tokens is read
       once per pick;
     - "gemv": "per_pair" on the CUDA cores (kernels/moe_gemv.py): one activation row per program instead of a
       16-row tile; block_k is then the K chunk per step."""
@@ -135,9 +136,10 @@ class ExpertsConfig:
     programs start while GEMM1's last ones run, load their first weights, and wait for GEMM1's grid before
     reading its output."""
     split_slots: bool = False
-    """"gemv" only: GEMM2 runs one program per (pair, BLOCK_N columns) instead of per token, each slot's weighted
-    output into an fp32 [T*k, H] buffer that the combine kernel sums in slot order: k times GEMM2's programs and
-    a serial loop over one slot's K instead of all k, for one more launch."""
+    """"gemv" and "per_pair": GEMM2 runs one program per (pair, BLOCK_N columns) instead of per token, each slot's
+    weighted output into a [T*k, H] buffer (fp32 for "gemv", the output dtype for "per_pair": the aligned mode's
+    GEMM2 and buffer) that the combine kernel sums in slot order: k times GEMM2's programs and a serial loop over
+    one slot's K instead of all k, for one more launch."""
 
     def __post_init__(self) -> None:
         _check_pow2("ExpertsConfig.block_m", self.block_m)
@@ -148,9 +150,11 @@ class ExpertsConfig:
                 raise TypeError(f"ExpertsConfig.{name} must be a GemmConfig, got {type(getattr(self, name)).__name__}")
         if self.mode not in MODES:
             raise ValueError(f"ExpertsConfig.mode: expected one of {MODES}, got {self.mode!r}")
-        for name in ("pdl", "split_slots"):
-            if getattr(self, name) and self.mode != "gemv":
-                raise ValueError(f"ExpertsConfig.{name} applies to mode 'gemv' only, got mode {self.mode!r}")
+        if self.pdl and self.mode != "gemv":
+            raise ValueError(f"ExpertsConfig.pdl applies to mode 'gemv' only, got mode {self.mode!r}")
+        if self.split_slots and self.mode == "aligned":
+            raise ValueError("ExpertsConfig.split_slots applies to modes 'gemv' and 'per_pair' only, got mode "
+                             "'aligned'")
         # each GemmConfig switch belongs to the kernels of some modes: set under another, it is refused, not ignored
         for gemm in ("gemm1", "gemm2"):
             g = getattr(self, gemm)
@@ -360,15 +364,17 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
     (:mod:`moekit._invariant`) :func:`invariant_choice`'s."""
     keys, shape = serving_keys(device, dtype, weight_format), shape_key(num_experts, n1, k1)
     if _invariant.enabled():
-        return _invariant_choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+        return _invariant_choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format,
+                                 not (lora or batched))
     rows = not (lora or batched) and dtype in (torch.bfloat16, torch.float16)
     return _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, rows)
 
 
 # Batch-invariant configurations. A token's bits depend on the order in which each GEMM adds its K terms and on
 # how the k slots are combined. The aligned mode fixes the second (each slot's weighted output rounded to x's
-# dtype, then the slots summed in order) at every T, while the decode modes sum slots inside GEMM2, and "gemv"
-# also sums each K chunk across the CUDA cores' lanes: so only "aligned" serves, at every T. Inside it, with 16-bit
+# dtype, then the slots summed in order) at every T, and so does "per_pair" (INVARIANT_PER_PAIR below), while
+# "gemv" sums each K chunk across the CUDA cores' lanes: so "aligned" serves, "per_pair" where it keeps the aligned
+# mode's products. Inside the aligned mode, with 16-bit
 # activations, a GEMM adds its K terms as one chain of MMA instructions on one accumulator (tl.dot(a, w, acc)),
 # whatever the K step, the tile's rows or columns: so for 4-bit weights the default mode's aligned configs serve as
 # they are, half tails included (on an H100, 2026-12-07: 128- against 64-deep steps, half tails and the default's
@@ -383,6 +389,19 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
 # every T, without half tails, one K step per shape class, and GEMM2 columns within one 128-row weight block (one
 # scale per tile, which the kernel multiplies in another order than per-column scales).
 INVARIANT_MAX_STAGES = 6  # a dense K step shorter than the tuned one gets more stages (same bytes in flight)
+# Dense weights at the sizes where the default runs a decode mode (T <= 2 in the heuristic): the per-pair mode, two
+# launches where the aligned mode takes four (alignment, GEMM1, GEMM2, combine). A pair's GEMM1 row and GEMM2 slot
+# are the same 16-row tensor-core products with the same K steps as in an aligned row block, and its GEMM2 rounds
+# each slot's weighted output to the output dtype before adding the slots in order in fp32, as the aligned mode's
+# per-pair buffer and combine kernel do: the same bits. Not for adapters (their terms run other kernels in that
+# mode), the batched format, 4-bit weights (their aligned GEMMs take the weights as the MMA's A operand, the per-pair
+# GEMM2 as B) or FP8 products (64-row wgmma tiles at every T).
+INVARIANT_PER_PAIR = True
+# Its GEMM2: per pair into the aligned mode's buffer, then the combine kernel (True: three launches, one program per
+# pair and column tile, as the aligned GEMM2 runs at these sizes), or per token over its slots (False: two launches,
+# T x H / BLOCK_N programs, each streaming its k experts' tiles one after another). Not yet timed against each
+# other or against the aligned mode's four launches (benchmarks/experiments/ab_invariant_per_pair.py).
+INVARIANT_PER_PAIR_SPLIT_SLOTS = True
 FP8_DOT_FORMATS = ("fp8", "w4a8")
 WGMMA_MIN_ROWS = 64
 
@@ -435,9 +454,11 @@ in the bench (166.0 / 477.2 us against 159.6 / 447.1; two H100s, the default's t
 
 @functools.lru_cache(maxsize=4096)
 def _invariant_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int, n1: int,
-                      k1: int, weight_format: str):
+                      k1: int, weight_format: str, per_pair: bool = True):
+    """``per_pair``: the call may take the per-pair mode (a standard-format call without adapters)."""
     if weight_format not in FOUR_BIT_FORMATS:
-        return _invariant_pinned_choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format)
+        return _invariant_pinned_choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format,
+                                        per_pair)
     cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
     if cfg.mode != "aligned":
         cfg, source = _invariant_decode_tiles(num_tokens, num_experts, top_k, n1, k1, weight_format, cfg.mode)
@@ -476,12 +497,25 @@ def _invariant_tile(g: GemmConfig, weight_format: str) -> GemmConfig:
 
 
 def _invariant_pinned_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_experts: int, top_k: int,
-                             n1: int, k1: int, weight_format: str):
+                             n1: int, k1: int, weight_format: str, per_pair: bool = True):
     """Dense and FP8 weights: one K step per GEMM for the shape class (its prefill configuration's), no half tails;
     FP8 products on 64-row wgmma tiles. (Dense tiles would keep their bits as 4-bit ones do by the MMA chain's
-    order; they were not measured with other K steps or half tails, and meet the mode's targets from T = 4.)"""
+    order; they were not measured with other K steps or half tails, and meet the mode's targets from T = 4.)
+    Dense weights where the default runs a decode mode: the per-pair mode (``per_pair``, INVARIANT_PER_PAIR)."""
     bk1, bk2, steps_source = _reduction_steps(keys, shape, num_experts, n1, k1, weight_format)
     cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
+    if cfg.mode != "aligned" and per_pair and INVARIANT_PER_PAIR and weight_format == "dense":
+        if cfg.mode != "per_pair":  # the CUDA-core GEMVs (which sum in another order): the heuristic's tiles
+            source = f"the heuristic's per-pair tiles (the default runs mode {cfg.mode!r})"
+            cfg = heuristic(min(num_tokens, PER_PAIR_MAX_TOKENS), num_experts, top_k, n1, k1, weight_format)
+        g1, g2 = _with_block_k(cfg.gemm1, bk1, weight_format), _with_block_k(cfg.gemm2, bk2, weight_format)
+        split = INVARIANT_PER_PAIR_SPLIT_SLOTS
+        gemm2 = ("GEMM2 per pair and the combine kernel, as the aligned mode's" if split else
+                 "GEMM2 per token rounding each slot as the aligned mode's combine adds it")
+        return ExpertsConfig(16, g1, g2, mode="per_pair", split_slots=split), (
+            f"batch-invariant: per-pair mode (no alignment: GEMM1 per pair on 16-row tensor-core tiles, {gemm2}), "
+            f"K steps {bk1} (GEMM1) and {bk2} (GEMM2) at every T for {shape} (from {steps_source}); tiles from "
+            f"{source}")
     if cfg.mode != "aligned":
         cfg, source = _invariant_decode_tiles(num_tokens, num_experts, top_k, n1, k1, weight_format, cfg.mode, bk1)
     g1, g2 = _with_block_k(cfg.gemm1, bk1, weight_format), _with_block_k(cfg.gemm2, bk2, weight_format)
@@ -502,7 +536,8 @@ def _whole_warpgroups(g: GemmConfig) -> int:
 
 
 def invariant_choice(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, device: torch.device,
-                     dtype: torch.dtype, weight_format: str = "dense") -> tuple[ExpertsConfig, str]:
+                     dtype: torch.dtype, weight_format: str = "dense", lora: bool = False,
+                     batched: bool = False) -> tuple[ExpertsConfig, str]:
     """(config, why) that batch-invariant mode runs, whether or not the mode is on (for explain and tests)."""
     return _invariant_choose(serving_keys(device, dtype, weight_format), shape_key(num_experts, n1, k1), num_tokens,
-                             num_experts, top_k, n1, k1, weight_format)
+                             num_experts, top_k, n1, k1, weight_format, not (lora or batched))

@@ -422,20 +422,19 @@ def gemm2(*args, **kwargs):
 
 
 def gemm2_launch(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, num_m_blocks, cfg: GemmConfig, block_m,
-                 num_pairs, rows_per_expert, h_scales=None, delta=None, delta_wait=False) -> tuple:
-    """GEMM2's (grid, arguments, constants). Aligned or batched rows (``rows``; per-pair decode runs gemm2_tokens).
-    ``delta`` (y's layout): added to the sums before the router weight (LoRA on w2, experts/lora.py w2_delta);
-    ``delta_wait``: as :func:`gemm1`'s."""
-    if rows.mode == ROWS_PER_PAIR:
-        raise ValueError("gemm2: per-pair rows run gemm2_tokens")
+                 num_pairs, rows_per_expert, h_scales=None, delta=None, delta_wait=False, num_global=0) -> tuple:
+    """GEMM2's (grid, arguments, constants). Aligned, batched or per-pair rows (``rows``; per pair: each pair's
+    weighted output into y's row, zeros for a pair of no local expert, for the combine kernel; ``num_global``, the
+    ids' range). ``delta`` (y's layout): added to the sums before the router weight (LoRA on w2, experts/lora.py
+    w2_delta); ``delta_wait``: as :func:`gemm1`'s."""
     cfg = w.config(cfg)
     hidden, inter = w.shape[1], w.shape[2]
     grid = (num_m_blocks * _triton.cdiv(hidden, cfg.block_n),)
     w_desc, tma = _weight_descriptor(w, cfg)
     d, sd0, sd1, sd2, *scales = w.args()
-    constants = _gemm2_constants(b2 is not None, rows.mode, h.dtype, w.format_id, w.format, w.blocked, cfg, block_m,
-                                 inter, _tile_scale(w, cfg.block_n), tma, _w4_words(w, h.dtype), delta is not None,
-                                 delta_wait, w.pairs)
+    constants = _gemm2_constants(b2 is not None, rows.mode, rows.expert_map is not None, h.dtype, w.format_id,
+                                 w.format, w.blocked, cfg, block_m, inter, _tile_scale(w, cfg.block_n), tma,
+                                 _w4_words(w, h.dtype), delta is not None, delta_wait, w.pairs)
     return grid, (
         h, h.stride(0), *_scale_args(h_scales, h),
         d, sd0, sd1, sd2, w_desc, *scales,
@@ -443,18 +442,19 @@ def gemm2_launch(h, w: WeightOperand, b2, weights, y, y_strides, rows: RowMap, n
         weights,
         y, *y_strides,
         delta if delta is not None else y,
-        *rows.pointers(per_pair=False),
-        num_pairs, rows_per_expert, num_m_blocks,
+        *rows.pointers(),
+        num_pairs, rows_per_expert, num_m_blocks, num_global, w.shape[0],
         hidden, inter,
     ), constants
 
 
 @functools.lru_cache(maxsize=4096)  # (see _gemm1_constants)
-def _gemm2_constants(has_bias: bool, rows_mode: int, dtype: torch.dtype, format_id: int, weight_format: str,
-                     blocked: bool, cfg: GemmConfig, block_m: int, inter: int, tile_scale: bool, tma: bool, words: bool,
-                     has_delta: bool, delta_wait: bool, pairs: bool = False) -> Constants:
+def _gemm2_constants(has_bias: bool, rows_mode: int, has_map: bool, dtype: torch.dtype, format_id: int,
+                     weight_format: str, blocked: bool, cfg: GemmConfig, block_m: int, inter: int, tile_scale: bool,
+                     tma: bool, words: bool, has_delta: bool, delta_wait: bool, pairs: bool = False) -> Constants:
     return Constants(
-        HAS_BIAS=has_bias, ROWS=rows_mode, DOT_PRECISION=_precision(dtype), FORMAT=format_id, HAS_DELTA=has_delta,
+        HAS_BIAS=has_bias, ROWS=rows_mode, HAS_MAP=has_map, DOT_PRECISION=_precision(dtype), FORMAT=format_id,
+        HAS_DELTA=has_delta,
         **_delta_wait(delta_wait), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_BLOCKED=blocked, HALVES_ASM=_PTX, W_TILE_SCALE=tile_scale, EVEN_K=inter % cfg.block_k == 0, W_TMA=tma,
         HALF_TAILS=_half_tails(cfg, rows_mode, block_m), SCALES_AHEAD=_scales_ahead(cfg, weight_format),
@@ -1011,8 +1011,17 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
             third = _combine(y, ids, out, top_k, prepare=plan and second is not None)
             return (DecodePlan(first, second, config, pdl, activation, third, rows2)
                     if plan and first and second and third else None)
-        gemm1(x, w13, w13_bias, h, RowMap.per_pair(ids, expert_map), activation, num_pairs, config.gemm1,
-               PER_PAIR_BLOCK_M, num_pairs, top_k, 0, num_global, xs, hs, delta=delta)
+        pair_rows = RowMap.per_pair(ids, expert_map)
+        gemm1(x, w13, w13_bias, h, pair_rows, activation, num_pairs, config.gemm1, PER_PAIR_BLOCK_M, num_pairs,
+              top_k, 0, num_global, xs, hs, delta=delta)
+        if config.split_slots:  # each pair's weighted output, then the slots summed in order (the aligned mode's)
+            y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
+            gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), pair_rows, num_pairs, config.gemm2, PER_PAIR_BLOCK_M,
+                  num_pairs, 0, hs, num_global=num_global)
+            if lora is not None:
+                expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights)
+            _combine(y, ids, out, top_k)
+            return
         gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
         if lora is not None:
             expert_lora.w2_add(h, hs, lora, lora_ids, pairs, out, weights, per_token=True)
@@ -1165,11 +1174,13 @@ class CallSources(NamedTuple):
 
     @classmethod
     def of(cls, out, x, w13: WeightOperand, w2: WeightOperand, b13, b2, topk_weights, topk_ids, expert_map,
-           block_m: int | None) -> "CallSources":
-        """``block_m``: the aligned path's row block, None per pair."""
+           block_m: int | None, split_slots: bool = False) -> "CallSources":
+        """``block_m``: the aligned path's row block, None per pair; ``split_slots``: per pair, GEMM2's output per
+        pair (y) for the combine kernel."""
         ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1).contiguous()
         num_pairs, inter = ids.numel(), w13.shape[1] // 2
-        aligned = (None,) * 4
+        aligned = (None,) * 3 + (torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
+                                 if split_slots else None,)
         rows = num_pairs
         if block_m is not None:
             blocks = num_row_blocks(num_pairs, w13.shape[0], block_m)
@@ -1188,12 +1199,19 @@ class CallSources(NamedTuple):
         x_paired = self.x if _k_paired(w13, self.x.dtype) else None
         if self.pair_expert is None:
             num_global = self.expert_map.shape[0] if self.expert_map is not None else w13.shape[0]
-            return ((gemm1_act_kernel, gemm1_launch(
-                        self.x, w13, self.b13, self.h, RowMap.per_pair(self.ids, self.expert_map), activation,
-                        num_pairs, config.gemm1, PER_PAIR_BLOCK_M, num_pairs, top_k, 0, num_global, x_paired=x_paired)),
-                    (gemm2_tokens_kernel, gemm2_tokens_launch(self.h, w2, self.b2, self.weights, self.ids,
-                                                              self.expert_map, num_global, self.out, top_k,
-                                                              config.gemm2)))
+            pair_rows = RowMap.per_pair(self.ids, self.expert_map)
+            first = (gemm1_act_kernel, gemm1_launch(self.x, w13, self.b13, self.h, pair_rows, activation, num_pairs,
+                                                    config.gemm1, PER_PAIR_BLOCK_M, num_pairs, top_k, 0, num_global,
+                                                    x_paired=x_paired))
+            if self.y is not None:  # split slots: GEMM2 per pair, then the combine
+                return (first,
+                        (gemm2_kernel, gemm2_launch(self.h, w2, self.b2, self.weights, self.y, (0, self.y.stride(0)),
+                                                    pair_rows, num_pairs, config.gemm2, PER_PAIR_BLOCK_M, num_pairs, 0,
+                                                    num_global=num_global)),
+                        (combine_kernel, _combine_launch(self.y, self.ids, self.out, top_k)))
+            return (first, (gemm2_tokens_kernel, gemm2_tokens_launch(self.h, w2, self.b2, self.weights, self.ids,
+                                                                     self.expert_map, num_global, self.out, top_k,
+                                                                     config.gemm2)))
         bm, blocks = config.block_m, self.block_expert.shape[0]
         rows = RowMap.aligned(self.block_expert, self.sorted_pairs)
         return ((align_kernel, align_launch(self.ids, self.expert_map, self.pair_expert, self.sorted_pairs,
@@ -1252,25 +1270,27 @@ class CallPlan(_SourcedPlan):
     prepared, its arguments rebuilt from the call's :class:`CallSources`. ``__call__`` returns False, having launched
     nothing, where the first launch's binding does not hold or the 4-bit words' layout changed."""
 
-    __slots__ = ("_block_m",)
+    __slots__ = ("_block_m", "_split_slots")
 
-    def __init__(self, steps: tuple, words: tuple, block_m: int | None):
+    def __init__(self, steps: tuple, words: tuple, block_m: int | None, split_slots: bool = False):
         super().__init__(steps, words)
-        self._block_m = block_m
+        self._block_m, self._split_slots = block_m, split_slots
 
     @classmethod
     def first_call(cls, out, x, w13: WeightOperand, w2: WeightOperand, topk_weights, topk_ids, b13, b2, expert_map,
                    activation: str, config: ExpertsConfig) -> "CallPlan | None":
         """Launch the call in full; return its plan, or None where a launch cannot be prepared or rebuilt."""
         block_m = None if config.per_pair else config.block_m
-        sources = CallSources.of(out, x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, block_m)
+        split = config.per_pair and config.split_slots
+        sources = CallSources.of(out, x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, block_m, split)
         made = cls._launch(sources.launches(w13, w2, activation, config, topk_ids.shape[1]), sources, w13, w2, x.dtype)
-        return None if made is None else cls(*made, block_m)
+        return None if made is None else cls(*made, block_m, split)
 
     def __call__(self, out, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map) -> bool:
         w13, w2 = WeightOperand.of(w13), WeightOperand.of(w2)
         return self._serve(w13, w2, x.dtype, lambda: CallSources.of(out, x, w13, w2, w13_bias, w2_bias, topk_weights,
-                                                                   topk_ids, expert_map, self._block_m))
+                                                                   topk_ids, expert_map, self._block_m,
+                                                                   self._split_slots))
 
 
 class BatchedSources(NamedTuple):

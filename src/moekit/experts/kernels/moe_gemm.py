@@ -789,7 +789,8 @@ def _gemm2_rows(
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
     delta_ptr,  # HAS_DELTA: LoRA on w2 (kernels/lora.py), y's layout: added to the sums before the router weight
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
-    num_pairs, rows_per_expert, num_m_blocks,
+    ids_ptr, expert_map_ptr,  # PER_PAIR: int32 expert per pair [num_pairs]; global -> local [num_global] (HAS_MAP)
+    num_pairs, rows_per_expert, num_m_blocks, num_global, num_local,
     N, K,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -800,11 +801,16 @@ def _gemm2_rows(
     HAS_DELTA: tl.constexpr = False,
     DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent: wait before reading it
     W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
+    HAS_MAP: tl.constexpr = False,
 ):
     """gemm2_kernel's work on the first ROWS_M rows of row block pid_m."""
-    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
-                                          expert_tokens_ptr, expert_tokens_ptr, num_pairs, rows_per_expert, 0, 0,
-                                          ROWS, False, BLOCK_M, ROWS_M)
+    e, h_rows, pair, row_ok = _block_rows(pid_m, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, ids_ptr,
+                                          expert_map_ptr, num_pairs, rows_per_expert, num_global, num_local,
+                                          ROWS, HAS_MAP, BLOCK_M, ROWS_M)
+    if ROWS == PER_PAIR and e < 0:  # a pair of no local expert adds zeros: its row is written all the same
+        offs_z = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + offs_z, tl.zeros([BLOCK_N], y_ptr.dtype.element_ty),
+                 mask=offs_z < N)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -875,7 +881,8 @@ def gemm2_kernel(
     y_ptr, stride_ye, stride_ym,  # standard: per-pair outputs [num_pairs, H]; batched: out [E, M, H]
     delta_ptr,  # HAS_DELTA: LoRA on w2, y's layout: added to the sums before the router weight
     block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr,
-    num_pairs, rows_per_expert, num_m_blocks,
+    ids_ptr, expert_map_ptr,  # PER_PAIR: int32 expert per pair [num_pairs]; global -> local [num_global] (HAS_MAP)
+    num_pairs, rows_per_expert, num_m_blocks, num_global, num_local,
     N, K,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -887,6 +894,7 @@ def gemm2_kernel(
     HAS_DELTA: tl.constexpr = False,  # LoRA on w2: delta rows added before the router weight
     DELTA_WAIT: tl.constexpr = False,  # launched as the delta kernel's programmatic dependent
     W4_PAIRS: tl.constexpr = False,  # 4-bit codes in the "pairs" byte layout (formats/fp4.py)
+    HAS_MAP: tl.constexpr = False,  # PER_PAIR rows: expert_map given
 ):
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     # half tail blocks: as in gemm1_act_kernel
@@ -895,18 +903,18 @@ def gemm2_kernel(
         _gemm2_rows(BLOCK_M // 2, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
-                    stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
-                    rows_per_expert, num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS,
-                    HAS_DELTA, DELTA_WAIT, W4_PAIRS)
+                    stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, ids_ptr,
+                    expert_map_ptr, num_pairs, rows_per_expert, num_m_blocks, num_global, num_local, N, K, HAS_BIAS,
+                    ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM,
+                    W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS, HAS_DELTA, DELTA_WAIT, W4_PAIRS, HAS_MAP)
     else:
         _gemm2_rows(BLOCK_M, pid_m, pid_n,
                     h_ptr, stride_hm, hs_ptr, stride_hs, w_ptr, stride_we, stride_wn, stride_wk, w_desc, s_ptr,
                     stride_se, stride_sn, gs_ptr, bias_ptr, stride_be, stride_bn, weights_ptr, y_ptr, stride_ye,
-                    stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, num_pairs,
-                    rows_per_expert, num_m_blocks, N, K, HAS_BIAS, ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM, W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS,
-                    HAS_DELTA, DELTA_WAIT, W4_PAIRS)
+                    stride_ym, delta_ptr, block_expert_ptr, sorted_pairs_ptr, expert_tokens_ptr, ids_ptr,
+                    expert_map_ptr, num_pairs, rows_per_expert, num_m_blocks, num_global, num_local, N, K, HAS_BIAS,
+                    ROWS, DOT_PRECISION, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_BLOCKED, HALVES_ASM,
+                    W_TILE_SCALE, EVEN_K, W_TMA, SCALES_AHEAD, W4_WORDS, HAS_DELTA, DELTA_WAIT, W4_PAIRS, HAS_MAP)
     if DELTA_WAIT:  # every program (see gemm1_act_kernel)
         gdc_wait()
 
@@ -929,7 +937,10 @@ def gemm2_tokens_kernel(
 ):
     """Decode GEMM2 per token: its k slots in order, each a weighted expert product, summed in
     registers and written once (no per-slot buffer, no combine launch). Row 0 of each tile is the
-    pair; the other rows pad the tensor-core shape."""
+    pair; the other rows pad the tensor-core shape. Each slot's weighted product is rounded to out's
+    dtype before the fp32 sum, as the aligned mode's per-pair buffer is before combine_kernel adds it:
+    with 16-bit weights the two modes give the same bits (batch-invariant mode serves this one at
+    decode sizes)."""
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -964,7 +975,7 @@ def gemm2_tokens_kernel(
                 y *= _w4a8_row_scale(r_w)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
-            total += tl.load(weights_ptr + pair) * y
+            total += (y * tl.load(weights_ptr + pair)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
