@@ -652,6 +652,25 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k, l
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_four_bit_per_pair_gemm2_per_pair_gives_the_aligned_modes_bits(fmt):
+    # the per-pair mode with split slots runs the aligned mode's GEMM kernels on one pair per 16-row block: the same
+    # products in the same order as an aligned block's row, the same per-pair buffer and combine. Prime E, k = 3,
+    # H = 160 ends mid-chunk, an expert map with a pair of another rank
+    E, H, I, T, k = 7, 160, 96, 3, 3
+    w13, w2, b13, b2 = _weights(E, H, I, torch.float16, True)
+    q13, q2, d13, d2 = _quantized(fmt, w13, w2, "packed")
+    x, (tw, tid) = torch.randn(T, H).half(), _routes(T, E + 1, k)
+    emap = torch.tensor([0, 1, 2, -1, 3, 4, 5, 6], dtype=torch.int32)
+    tiles = GemmConfig(64, 32), GemmConfig(64, 32)
+    outs = [fused_experts(x, q13, q2, tw, tid, w13_bias=b13, w2_bias=b2, expert_map=emap, backend="triton",
+                          config=cfg)
+            for cfg in (ExpertsConfig(16, *tiles), ExpertsConfig(16, *tiles, mode="per_pair", split_slots=True))]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    check_close("per pair, split slots", outs[1], reference.fused_experts(
+        x, d13, d2, tw, tid, w13_bias=b13, w2_bias=b2, expert_map=emap), TOL[torch.float16])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("packed,packed2,split,why", [
     (None, None, False, "16-bit activations: fp16x2 products on the prepared activations (the default)"),
     (False, None, False, "fp32 products on the same activations"),
@@ -776,6 +795,9 @@ def test_row_scaled_is_refused_outside_the_gemv_mode():
 _GPU_4BIT_CONFIGS = {
     "heuristic": None,
     "tensor-core per pair": ExpertsConfig(16, GemmConfig(32, 64), GemmConfig(32, 64), mode="per_pair"),
+    # the aligned mode's GEMM2 per pair: word-decoded tiles read h in paired_k's order, which GEMM1 must write
+    "tensor-core per pair, GEMM2 per pair": ExpertsConfig(16, GemmConfig(64, 64), GemmConfig(64, 64),
+                                                          mode="per_pair", split_slots=True),
     "CUDA-core per pair": ExpertsConfig(16, GemmConfig(16, 512), GemmConfig(32, 256), mode="gemv"),
     "CUDA-core, fp32 products": ExpertsConfig(16, GemmConfig(16, 512, packed=False), GemmConfig(32, 256),
                                               mode="gemv"),

@@ -328,6 +328,7 @@ def _same_launches(planned: list, full: list, given: tuple) -> None:
     ("rows", "nvfp4", None),      # GEMV1 on the row-scaled kernel (GemmConfig.row_scaled: x scaled inside it)
     ("per_pair", "dense", None),  # the tensor-core GEMMs per pair (CallPlan)
     ("per_pair-split", "dense", None),  # GEMM2 per pair into the aligned mode's buffer, then the combine
+    ("per_pair-split-words", "mxfp4", None),  # and GEMM1 writing h in paired order for the word-decoded GEMM2
     ("per_pair", "nvfp4", None),  # 4-bit: scales and global scales among the arguments
     ("aligned", "dense", None),   # align, GEMM1, GEMM2, combine (CallPlan): four launches, five buffers
     ("aligned", "mxfp4", None),   # 4-bit, no global scale
@@ -347,7 +348,7 @@ def test_a_repeated_decode_call_runs_its_plan_with_the_full_paths_launch_argumen
     from moekit.formats import quantize_experts, to_parts
 
     log, served = recording_decode
-    words, split = mode.endswith("-words"), mode.endswith("-split")
+    words, split = "-words" in mode, "-split" in mode
     if words:  # bf16 on a GPU only: the decision as the GPU makes it, the kernels recorded
         monkeypatch.setattr(tb, "_w4_words", lambda w, dtype: w.format in ("mxfp4", "nvfp4") and tb._on_words(w.data))
     mode = mode.removesuffix("-words").removesuffix("-split")

@@ -1012,14 +1012,16 @@ def fused_experts_into(out, x, w13, w2, topk_weights, topk_ids, activation, w13_
             return (DecodePlan(first, second, config, pdl, activation, third, rows2)
                     if plan and first and second and third else None)
         pair_rows = RowMap.per_pair(ids, expert_map)
+        # GEMM2 per pair is the aligned mode's kernel: word-decoded 4-bit tiles read h in paired_k's order
+        h_paired = config.split_slots and _k_paired(w2, h.dtype)
         gemm1(x, w13, w13_bias, h, pair_rows, activation, num_pairs, config.gemm1, PER_PAIR_BLOCK_M, num_pairs,
-              top_k, 0, num_global, xs, hs, delta=delta)
+              top_k, 0, num_global, xs, hs, h_paired=h_paired, delta=delta)
         if config.split_slots:  # each pair's weighted output, then the slots summed in order (the aligned mode's)
             y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
             gemm2(h, w2, w2_bias, weights, y, (0, y.stride(0)), pair_rows, num_pairs, config.gemm2, PER_PAIR_BLOCK_M,
                   num_pairs, 0, hs, num_global=num_global)
             if lora is not None:
-                expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights)
+                expert_lora.w2_add(h, hs, lora, lora_ids, pairs, y, weights, h_paired=h_paired)
             _combine(y, ids, out, top_k)
             return
         gemm2_tokens(h, w2, w2_bias, weights, ids, expert_map, num_global, out, top_k, config.gemm2, hs)
@@ -1200,9 +1202,10 @@ class CallSources(NamedTuple):
         if self.pair_expert is None:
             num_global = self.expert_map.shape[0] if self.expert_map is not None else w13.shape[0]
             pair_rows = RowMap.per_pair(self.ids, self.expert_map)
+            h_paired = self.y is not None and _k_paired(w2, self.h.dtype)  # (as fused_experts_into)
             first = (gemm1_act_kernel, gemm1_launch(self.x, w13, self.b13, self.h, pair_rows, activation, num_pairs,
                                                     config.gemm1, PER_PAIR_BLOCK_M, num_pairs, top_k, 0, num_global,
-                                                    x_paired=x_paired))
+                                                    h_paired=h_paired, x_paired=x_paired))
             if self.y is not None:  # split slots: GEMM2 per pair, then the combine
                 return (first,
                         (gemm2_kernel, gemm2_launch(self.h, w2, self.b2, self.weights, self.y, (0, self.y.stride(0)),
