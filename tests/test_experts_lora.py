@@ -22,12 +22,13 @@ AUTO = None
 ALIGNED_32 = ExpertsConfig(32, GemmConfig(32, 32), GemmConfig(32, 32))
 ALIGNED_64 = ExpertsConfig(64, GemmConfig(32, 32), GemmConfig(32, 32))
 PER_PAIR = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="per_pair")
+PER_PAIR_SPLIT = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="per_pair", split_slots=True)
 GEMV = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv")
 GEMV_SPLIT = ExpertsConfig(16, GemmConfig(16, 32), GemmConfig(16, 32), mode="gemv", split_slots=True)
 # 4-bit weights, 16-bit activations: GEMM1 on the rows kernel, GEMM2 row-scaled (others read it as GEMV)
 GEMV_ROWS = ExpertsConfig(16, GemmConfig(16, 32, row_scaled=True), GemmConfig(16, 32, row_scaled=True), mode="gemv")
-MODES = {"auto": AUTO, "aligned": ALIGNED_32, "per_pair": PER_PAIR, "gemv": GEMV, "gemv_split": GEMV_SPLIT,
-         "gemv_rows": GEMV_ROWS}
+MODES = {"auto": AUTO, "aligned": ALIGNED_32, "per_pair": PER_PAIR, "per_pair_split": PER_PAIR_SPLIT, "gemv": GEMV,
+         "gemv_split": GEMV_SPLIT, "gemv_rows": GEMV_ROWS}
 CPU_DTYPES = [torch.float32, torch.float16]
 FP32_REORDERED = Tolerance(1e-5, 1e-6)  # the same fp32 products summed in another order
 
@@ -78,6 +79,8 @@ FUSED_CASES = [
     (7, 5, 40, 24, 3, "swiglu_oai", 4, 16, "gemv_split", "CUDA-core decode, slots split then combined"),
     (9, 11, 48, 24, 2, "silu_and_mul", 4, 16, "aligned", "a partial row block, four adapters"),
     (9, 5, 33, 17, 3, "swiglu_oai", 2, 3, "per_pair", "per-pair tensor-core GEMMs"),
+    (5, 7, 33, 17, 3, "swiglu_oai", 2, 4, "per_pair_split", "per-pair GEMM2 into the aligned mode's buffer, w2's term "
+     "added there, then the combine"),
     (3, 5, 300, 24, 3, "silu_and_mul", 2, 130, "gemv", "rank past 128 at decode: slots expanded a chunk at a "
      "time, K split over ten shrink programs"),
 ]
@@ -371,7 +374,7 @@ def test_rank_past_64_runs_in_sub_blocks_of_the_aligned_rows():
                 _tol(torch.float32))
 
 
-@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "gemv_split"])
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "per_pair_split", "gemv", "gemv_split"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_expert_map_selects_the_local_adapters(backend, mode):
     if backend == "torch" and mode != "aligned":
@@ -504,7 +507,7 @@ def test_adapters_on_one_matrix_only(which, mode):
                 _tol(torch.float32))
 
 
-@pytest.mark.parametrize("mode", ["aligned", "per_pair", "gemv", "gemv_split"])
+@pytest.mark.parametrize("mode", ["aligned", "per_pair", "per_pair_split", "gemv", "gemv_split"])
 def test_tokens_without_an_adapter_get_the_base_result_bit_for_bit(mode):
     T, E, H, I, k = 9, 5, 33, 17, 3
     w13, w2 = _weights(E, H, I, torch.float16)
