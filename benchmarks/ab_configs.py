@@ -14,7 +14,7 @@ products on activation rows scaled inside the kernel, GEMM1 on kernels/gemv1_row
 ``bkN`` / ``wN`` (pipeline stages, block_n, block_k, warps), ``packed`` /
 ``unpacked`` (the CUDA-core 4-bit GEMM1's fp16x2 products on or off), ``ahead`` / ``atuse`` (GemmConfig.scales_ahead
 of the tensor-core 4-bit GEMMs), ``split`` (ExpertsConfig.split_slots:
-the CUDA-core GEMM2 per pair, then the combine), e.g. ``table+half+stages3``; ``g1.OPT`` / ``g2.OPT`` sets an
+GEMM2 per pair, then the combine, in the "gemv" and "per_pair" modes), e.g. ``table+half+stages3``; ``g1.OPT`` / ``g2.OPT`` sets an
 option in one GEMM only, e.g. ``table+g2.stages3``. ``table@N`` is the table's config for N tokens (its bucket's
 entry, or the heuristic where the bucket has none), timed at the run's T: e.g. a neighbouring bucket's entry
 where T's own bucket has none; options follow as above (``table@16+half``). ``FILE.json@N`` is the entry for

@@ -260,13 +260,13 @@ def test_dense_expert_kernels_are_batch_invariant(spec):
 def test_the_per_pair_mode_gives_the_aligned_modes_bits_for_dense_weights(T, split):
     # configs.INVARIANT_PER_PAIR: the mode serves dense decode sizes without alignment; a pair's GEMM rows are the
     # aligned row block's and its slot is rounded as the combine's input. Biases, an expert map (a pair of another
-    # rank) and an invalid id: the pairs that add nothing.
+    # rank) and invalid ids: the pairs that add nothing.
     E, H, I, k = 5, 48, 40, 3
     w13, w2 = (torch.randn(E, 2 * I, H) * H ** -0.5).half(), (torch.randn(E, H, I) * I ** -0.5).half()
     b13, b2 = torch.randn(E, 2 * I).half(), torch.randn(E, H).half()
     x, tw = torch.randn(T, H).half(), torch.rand(T, k)
     ids = torch.stack([torch.randperm(E + 2)[:k] for _ in range(T)]).int()
-    ids[0, 0] = -1
+    ids[0, 0], ids[-1, -1] = -1, E + 2  # ids out of range on both sides
     emap = torch.tensor([0, 1, -1, 2, 3, 4, -1], dtype=torch.int32)  # 7 global experts, 5 here
     tile1, tile2 = GemmConfig(32, 16, 4, 2), GemmConfig(16, 16, 4, 2)
     runs = {mode: fused_experts(x, w13, w2, tw, ids, activation="swiglu_oai", w13_bias=b13, w2_bias=b2,

@@ -558,10 +558,11 @@ def test_both_forms_of_the_w2_term(monkeypatch, share, fmt):
     check_close(f"{fmt}, w2 term {'as delta' if share else 'added'}", got[valid], ref[valid], _tol(torch.float16))
 
 
-@pytest.mark.parametrize("form", ["added", "delta"])
+@pytest.mark.parametrize("form", ["added", "delta", "added per pair"])
 def test_w2_term_reads_h_in_the_word_decoded_column_order(form):
     """On the GPU, bf16 activations before a 4-bit GEMM2 leave GEMM1's output in the word-decoded tiles' column order
-    (triton_backend.paired_k): the w2 term then reads A's columns in that order (here forced in the interpreter)."""
+    (triton_backend.paired_k): the w2 term then reads A's columns in that order (here forced in the interpreter).
+    "added per pair": the per-pair mode with GEMM2 per pair, whose shrink runs one pair per program."""
     from moekit.experts import lora as lora_host
     from moekit.experts.triton_backend import align, paired_k
 
@@ -570,6 +571,8 @@ def test_w2_term_reads_h_in_the_word_decoded_column_order(form):
     tw, tid = _routes(T, E, k)
     _, sorted_pairs, block_expert = align(tid, None, E, bm)
     rows = lora_host.Rows("aligned", block_expert.numel() * bm, k, bm, T * k, block_expert, sorted_pairs)
+    if form == "added per pair":
+        rows = lora_host.Rows("pairs", T * k, k, ids=tid.reshape(-1), num_global=E)
     h = torch.randn(rows.count, I)
     lids = _lora_ids(T, n)
     if form == "delta":

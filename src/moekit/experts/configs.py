@@ -128,7 +128,7 @@ class ExpertsConfig:
     - "per_pair": the decode mode without alignment: GEMM1 per (token, slot) pair on 16-row tensor-core tiles,
       GEMM2 per token over its slots, each slot's output rounded to the output dtype and the slots added in order
       as the combine kernel adds them (block_m unused); two launches, an expert picked by several tokens is read
-      once per pick;
+      once per pick (``split_slots``: GEMM2 per pair and the combine, three);
     - "gemv": "per_pair" on the CUDA cores (kernels/moe_gemv.py): one activation row per program instead of a
       16-row tile; block_k is then the K chunk per step."""
     pdl: bool = False
@@ -401,7 +401,7 @@ INVARIANT_PER_PAIR = True
 # pair and column tile, as the aligned GEMM2 runs at these sizes), or per token over its slots (False: two launches,
 # T x H / BLOCK_N programs, each streaming its k experts' tiles one after another). Not yet timed against each
 # other or against the aligned mode's four launches (benchmarks/experiments/ab_invariant_per_pair.py).
-INVARIANT_PER_PAIR_SPLIT_SLOTS = True
+INVARIANT_PER_PAIR_SPLIT_SLOTS = True  # (both read by the lru-cached _invariant_choose: cache_clear() after a change)
 FP8_DOT_FORMATS = ("fp8", "w4a8")
 WGMMA_MIN_ROWS = 64
 

@@ -334,7 +334,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
     scales = (v_scales, v_scales.stride(0)) if v_scales is not None else (v, 0)
     adapters = (a, *a.stride(), b, *b.stride(), lora.scaling, lora_ids)
     precision = _precision(a.dtype)
-    if rows.mode == "pairs":  # GEMM1's per-pair outputs are in natural column order
+    if rows.mode == "pairs":  # GEMM1's per-pair outputs (in paired_k's order for the per-pair word-decoded GEMM2)
         slots = rows.top_k if per_token else 1
         pairs = rows.ids.numel()
         groups = pairs // slots
@@ -342,7 +342,7 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
             return False
         emap = rows.expert_map if rows.expert_map is not None else rows.ids
         has_map = rows.expert_map is not None
-        parts, splits, shrink = _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows)
+        parts, splits, shrink = _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows, v_paired=v_paired)
         shrink()
         slots_pad = _triton.next_pow2(slots)
         chunk = max(1, min(slots_pad, EXPAND_TILE // (16 * r_pad)))  # at least 16 columns per program
@@ -389,10 +389,11 @@ def _launch(stage, v, v_scales, a, b, lora, lora_ids, out, weights, rows: Rows, 
     return True
 
 
-def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_dependents: bool = False):
+def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_dependents: bool = False,
+                 v_paired: bool = False):
     """The decode modes' shrink: (its output, fp32 partial sums [pairs, splits, R_PAD] of A[a, e] v per K split,
     splits, its launch, for the caller to make). ``launch_dependents``: the next grid (GEMV1 with decode terms) may
-    start as this one starts."""
+    start as this one starts; ``v_paired``: v's columns in paired_k's order (h for a word-decoded GEMM2)."""
     kernels = _kernels()
     r, k = a.shape[2], a.shape[3]
     r_pad = _r_pad(r)
@@ -408,7 +409,7 @@ def _pair_shrink(stage, v, v_scales, a, lora, lora_ids, rows: Rows, launch_depen
             v, v.stride(-2), v.stride(-1), *scales, a, *a.stride(), lora_ids, rows.ids, emap, parts,
             rows.top_k, rows.num_global, a.shape[1], lora.num_adapters, k, r, split_k,
             STAGE=stage, HAS_MAP=rows.expert_map is not None, HAS_SCALES=v_scales is not None, BLOCK_K=block_k,
-            R_PAD=r_pad, LAUNCH_DEPENDENTS=launch_dependents, num_warps=4)
+            R_PAD=r_pad, LAUNCH_DEPENDENTS=launch_dependents, V_PAIRED=v_paired, num_warps=4)
 
     return parts, splits, launch
 

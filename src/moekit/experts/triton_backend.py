@@ -255,12 +255,11 @@ class RowMap(NamedTuple):
     def per_pair(cls, ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> "RowMap":
         return cls(ROWS_PER_PAIR, ids=ids, expert_map=expert_map)
 
-    def pointers(self, per_pair: bool = True) -> tuple:
-        """The kernel's row pointers (block_expert, sorted_pairs, expert_tokens[, ids, expert_map]); those this
+    def pointers(self) -> tuple:
+        """The GEMM kernels' row pointers (block_expert, sorted_pairs, expert_tokens, ids, expert_map); those this
         mode does not read are one of its own int32 tensors (the pruned branches still type their loads)."""
-        tensors = self[1:] if per_pair else self[1:4]
         first = next(t for t in self[1:] if t is not None)
-        return tuple(first if t is None else t for t in tensors)
+        return tuple(first if t is None else t for t in self[1:])
 
 
 def _scale_args(scales: torch.Tensor | None, fallback: torch.Tensor):

@@ -101,7 +101,8 @@ def explain_experts(spec, num_tokens: int, device: torch.device, dtype: torch.dt
         return "fused_experts " + backends.explain(call).replace("\n", "\n  ")
     cfg, source = expert_configs.choose(num_tokens, spec.num_experts, spec.top_k, 2 * spec.intermediate_size,
                                         spec.hidden_size, device, dtype, expert_configs.config_family(fmt, act_quant))
-    mode = f"mode {cfg.mode}" + (f", BLOCK_M={cfg.block_m}" if cfg.mode == "aligned" else "")
+    mode = f"mode {cfg.mode}" + (f", BLOCK_M={cfg.block_m}" if cfg.mode == "aligned" else "") + (
+        ", GEMM2 per pair then the combine" if cfg.split_slots else "")
     codes = "" if layout == "packed" else f", {layout} codes"
     from ..experts import triton_backend  # as backends imports it: kernels built on first use
 

@@ -225,6 +225,7 @@ def lora_shrink_kernel(
     STAGE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SCALES: tl.constexpr,
     BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # GEMV1 with decode terms starts as this grid's programmatic dependent
+    V_PAIRED: tl.constexpr = False,  # W2: h's columns in _paired_columns order (GEMM1 wrote them for a 4-bit GEMM2)
 ):
     """Program (pair, K split): the shrink of one pair over k_per_split of K, on the CUDA cores. Splitting K keeps
     each program's chain of dependent loads short: at one token the pairs alone are a handful of programs."""
@@ -250,7 +251,8 @@ def lora_shrink_kernel(
             v = tl.load(v_ptr + v_row * stride_vm + offs_k * stride_vk, mask=k_ok, other=0.0).to(tl.float32)
             if HAS_SCALES:  # BLOCK_K divides 128: one group scale per step
                 v *= tl.load(vs_ptr + v_row * stride_vs + k0 // FP8_GROUP)
-            w = tl.load(a_e + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+            a_cols = _paired_columns(offs_k) if V_PAIRED else offs_k  # (a permutation inside each 8 columns)
+            w = tl.load(a_e + offs_r[:, None] * stride_ar + a_cols[None, :] * stride_ak,
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             s += tl.sum(w * v[None, :], axis=1)
     tl.store(part_ptr + (pair.to(tl.int64) * tl.num_programs(1) + split) * R_PAD + offs_r, s)
