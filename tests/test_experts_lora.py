@@ -869,7 +869,12 @@ def test_gpu_real_sizes_bf16(name, T, n):
                                                   ("fp8_block", "fp8_group", "packed"), ("mxfp4", None, "pairs"),
                                                   ("nvfp4", None, "pairs")])
 @pytest.mark.parametrize("T", [1, 256])
-def test_gpu_quantized_bases(fmt, act_quant, layout, T):
+@pytest.mark.parametrize("config", [
+    None,  # the table's or the heuristic's
+    # GEMM2 per pair on the word-decoded 4-bit tiles ("packed" codes): h and w2's LoRA term in paired_k's order
+    ExpertsConfig(16, GemmConfig(64, 64), GemmConfig(64, 64), mode="per_pair", split_slots=True),
+], ids=["chosen", "per pair, GEMM2 per pair"])
+def test_gpu_quantized_bases(fmt, act_quant, layout, T, config):
     from moekit import presets
     from moekit.formats import prepare
 
@@ -883,7 +888,8 @@ def test_gpu_quantized_bases(fmt, act_quant, layout, T):
     x = torch.randn(T, H, device="cuda").bfloat16()
     tw, tid = _routes(T, E, k, "cuda")
     lids = _lora_ids(T, 4, "cuda")
-    out = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, act_quant=act_quant, lora=lora, lora_ids=lids)
+    out = fused_experts(x, q13, q2, tw, tid, activation=spec.activation, act_quant=act_quant, lora=lora, lora_ids=lids,
+                        config=config)
     ref_fn = reference.fused_experts_w8a8 if act_quant else reference.fused_experts   # dequantizes expert by expert
     ref = ref_fn(x, q13, q2, tw, tid, activation=spec.activation, lora=lora, lora_ids=lids)
     check_close(f"{fmt} T={T}", out, ref, W8A8_TOL if act_quant else EXPERTS_TOL[torch.bfloat16])
