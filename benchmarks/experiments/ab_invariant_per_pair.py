@@ -19,16 +19,14 @@ and checks bitwise that every token's row equals its row in a 64-token call in t
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moekit import _invariant, presets  # noqa: E402
 from moekit.experts import configs as expert_configs  # noqa: E402
@@ -36,6 +34,7 @@ from moekit.experts import fused_experts  # noqa: E402
 from moekit.tools.bench.experts import routes  # noqa: E402
 from moekit.tools.bench.timing import graph_time_us  # noqa: E402
 from moekit.tools.tune import random_weights  # noqa: E402
+from _results import row_writer, run_meta  # noqa: E402
 
 PROBE_BATCH = 64  # the aligned mode's rows at this T are the reference bits
 
@@ -128,14 +127,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "ab_invariant_per_pair")
     args = p.parse_args(argv)
-    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(rows):  # after every row: a run cut short keeps what it measured
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        args.out.with_suffix(".md").write_text(markdown(meta, rows))
-    run(args, write)
+    run(args, row_writer(args.out, run_meta(), markdown))
 
 
 if __name__ == "__main__":

@@ -23,17 +23,15 @@ against the same token alone (T=1, the mode's own config), and the whole output 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moekit import _invariant, presets  # noqa: E402
 from moekit.experts import configs as expert_configs  # noqa: E402
@@ -41,6 +39,7 @@ from moekit.experts import fused_experts  # noqa: E402
 from moekit.tools.bench.experts import routes  # noqa: E402
 from moekit.tools.bench.timing import graph_time_us  # noqa: E402
 from moekit.tools.tune import random_weights  # noqa: E402
+from _results import row_writer, run_meta  # noqa: E402
 
 CASES = {"gpt-oss-120b": ("mxfp4", "dense"), "qwen3-30b-a3b": ("nvfp4", "dense"), "mixtral-8x7b": ("dense",)}
 
@@ -149,14 +148,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "ab_invariant_tiling")
     p.add_argument("--k-steps", nargs="+", type=int, default=[128, 256])
     args = p.parse_args(argv)
-    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(rows):  # after every row: a run cut short keeps what it measured
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        args.out.with_suffix(".md").write_text(markdown(meta, rows))
-    run(args, write)
+    run(args, row_writer(args.out, run_meta(), markdown))
 
 
 if __name__ == "__main__":
