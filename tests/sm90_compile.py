@@ -226,6 +226,11 @@ def expert_variants():
         yield f"rows decode, GEMM2 per pair {name} no PDL", \
             lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
                 x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
+        # the per-pair tensor-core mode with GEMM2 per pair: the aligned GEMMs' 4-bit tiles on per-pair rows
+        cfg = ExpertsConfig(16, GemmConfig(64, 64, 4, 4), GemmConfig(64, 64, 4, 4), mode="per_pair", split_slots=True)
+        yield f"per-pair tensor-core, GEMM2 per pair {name}", \
+            lambda x=x, ids=ids, w13=w13, w2=w2, s=spec, c=cfg: fused_experts(
+                x, w13, w2, torch.zeros(ids.shape), ids, activation=s.activation, backend="triton", config=c)
 
     # TMA weight boxes: the experts must be back to back (no stride 0); gpt-oss's interleaved rows take paired boxes
     for name in ("qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"):
