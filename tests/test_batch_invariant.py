@@ -276,6 +276,30 @@ def test_the_per_pair_mode_gives_the_aligned_modes_bits_for_dense_weights(T, spl
     assert torch.equal(runs["aligned"].view(torch.int16), runs["per_pair"].view(torch.int16))
 
 
+@pytest.fixture
+def per_pair_4bit(monkeypatch):
+    """configs.INVARIANT_PER_PAIR_4BIT on for the test (the lru-cached choice cleared before and after)."""
+    monkeypatch.setattr(C, "INVARIANT_PER_PAIR_4BIT", True)
+    C._invariant_choose.cache_clear()
+    yield
+    monkeypatch.undo()
+    C._invariant_choose.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", FOUR_BIT_FORMATS)
+def test_four_bit_decode_on_the_per_pair_mode_is_batch_invariant(per_pair_4bit, fmt):
+    # (off by default until a GPU times it) the aligned GEMMs' 4-bit tiles on one pair each, GEMM2 per pair and the
+    # combine: T = 1 on the per-pair mode, T = 64 and 200 aligned
+    _on()
+    s = presets.get("qwen3-30b-a3b")
+    got = C._invariant_choose((f"no-gpu|{fmt}",), C.shape_key(s.num_experts, 2 * s.intermediate_size, s.hidden_size),
+                              1, s.num_experts, s.top_k, 2 * s.intermediate_size, s.hidden_size, fmt)[0]
+    assert got.mode == "per_pair" and got.split_slots
+    rows = invariance_checks.experts_checks(TINY, torch.float16, torch.device("cpu"), "triton", LOW_BIT_SIZES,
+                                            formats=[(fmt, None)])
+    assert all(r.ok for r in rows), [r.detail for r in rows if not r.ok]
+
+
 @pytest.mark.parametrize("weights, act_quant", invariance_checks.FORMATS[1:])
 def test_low_bit_expert_kernels_are_batch_invariant(weights, act_quant):
     _on()
@@ -395,7 +419,9 @@ def test_an_explicit_config_the_mode_cannot_keep_invariant_is_refused():
         fused_experts(x, w13, w2, tw, ids, config=per_pair, lora=lora, lora_ids=torch.zeros(T, dtype=torch.int32))
     m13, m2 = quantize_experts(w13, "mxfp4"), quantize_experts(w2, "mxfp4")
     with pytest.raises(ValueError, match="config with mode 'per_pair' is not batch-invariant"):
-        fused_experts(x.bfloat16(), m13, m2, tw, ids, config=per_pair)
+        fused_experts(x.bfloat16(), m13, m2, tw, ids, config=per_pair)  # 4-bit GEMM2 per token: another product
+    fused_experts(x.half(), m13, m2, tw, ids, config=dataclasses.replace(per_pair, split_slots=True))  # the aligned
+    # GEMMs' code on per-pair rows
     half = dataclasses.replace(tile, half_tails=True)
     q13, q2 = quantize_experts(w13, "fp8_block"), quantize_experts(w2, "fp8_block")
     with pytest.raises(ValueError, match="half_tails on FP8 products is not batch-invariant"):

@@ -17,7 +17,7 @@ from .. import _invariant, gate
 from .._calls import CheckedCalls
 from .._checks import (check_disjoint, check_out, check_shape, check_tensor, may_sync, tensor_version,
                        warn_gradients_dropped)
-from ..formats import format_of, to_parts
+from ..formats import FOUR_BIT_FORMATS, format_of, to_parts
 from ..presets import ACTIVATIONS
 from . import backends
 from .backends import ExpertsCall, select_backend
@@ -32,7 +32,8 @@ weight_format = format_of  # the name this module has always exported
 def _check_config(config, fp8_products: bool = False, per_pair_kept: bool = False) -> None:
     """An explicit config is an ExpertsConfig; in batch-invariant mode, one whose order of sums the mode can keep
     (``fp8_products``: the call multiplies FP8 codes, W8A8 or W4A8; ``per_pair_kept``: the per-pair mode gives the
-    aligned mode's bits, dense weights without adapters in the standard format, configs.INVARIANT_PER_PAIR)."""
+    aligned mode's bits, for a standard-format call without adapters on dense weights, or on 4-bit weights with
+    16-bit activations and GEMM2 per pair: configs.INVARIANT_PER_PAIR)."""
     if config is None:
         return
     if not isinstance(config, ExpertsConfig):
@@ -43,7 +44,8 @@ def _check_config(config, fp8_products: bool = False, per_pair_kept: bool = Fals
         # (the mode's own configs: experts/configs.py _invariant_choose)
         raise ValueError(_invariant.refusal(
             f"config with mode {config.mode!r}", "the CUDA-core mode sums a token's K terms across lanes, and the "
-            "per-pair mode's tiles keep the aligned mode's sums only for dense weights without adapters"))
+            "per-pair mode keeps the aligned mode's sums only without adapters, on dense weights or on 4-bit ones "
+            "with split_slots"))
     if fp8_products and (config.gemm1.half_tails or config.gemm2.half_tails):
         raise ValueError(_invariant.refusal("config with half_tails on FP8 products", "a half block runs on "
                                             "mma.sync, whose FP8 sums round otherwise than wgmma's"))
@@ -194,7 +196,8 @@ def _options_and_out(x, w13, w2, act_quant, config, out, per_pair_kept: bool = F
     check_act_quant(act_quant, x.shape[-1], w2.shape[2])
     fmt = format_of(w13)
     _check_config(config, fmt == "fp8" or (fmt == "mxfp4" and act_quant == "fp8_group"),
-                  per_pair_kept and fmt == "dense")
+                  per_pair_kept and act_quant is None and (fmt == "dense" or fmt in FOUR_BIT_FORMATS and config
+                                                           is not None and config.split_slots))
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     check_out("out", out, tuple(x.shape), x.dtype, x.device,

@@ -402,6 +402,11 @@ INVARIANT_PER_PAIR = True
 # T x H / BLOCK_N programs, each streaming its k experts' tiles one after another). Not yet timed against each
 # other or against the aligned mode's four launches (benchmarks/experiments/ab_invariant_per_pair.py).
 INVARIANT_PER_PAIR_SPLIT_SLOTS = True  # (both read by the lru-cached _invariant_choose: cache_clear() after a change)
+# 4-bit weights where the default runs the CUDA-core decode kernels: the per-pair mode with GEMM2 per pair too (the
+# aligned GEMMs' own code on per-pair rows, so the same bits; checked under the interpreter). Off until a GPU times it
+# against the aligned mode (ab_invariant_per_pair.py --formats mxfp4 nvfp4): the 4-bit decode misses are in the GEMMs'
+# time, which this leaves as it is, and only the alignment's launch would go.
+INVARIANT_PER_PAIR_4BIT = False
 FP8_DOT_FORMATS = ("fp8", "w4a8")
 WGMMA_MIN_ROWS = 64
 
@@ -462,6 +467,11 @@ def _invariant_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_ex
     cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
     if cfg.mode != "aligned":
         cfg, source = _invariant_decode_tiles(num_tokens, num_experts, top_k, n1, k1, weight_format, cfg.mode)
+        if per_pair and INVARIANT_PER_PAIR_4BIT:
+            g1, g2 = (replace(_invariant_tile(g, weight_format), half_tails=False) for g in (cfg.gemm1, cfg.gemm2))
+            return ExpertsConfig(16, g1, g2, mode="per_pair", split_slots=True), (
+                f"batch-invariant: per-pair mode (no alignment: the aligned GEMMs' 16-row tiles on one pair each, "
+                f"GEMM2 per pair and the combine kernel, as the aligned mode's); tiles from {source}")
     g1, g2 = _invariant_tile(cfg.gemm1, weight_format), _invariant_tile(cfg.gemm2, weight_format)
     return ExpertsConfig(cfg.block_m, g1, g2), (
         f"batch-invariant: aligned mode (K steps, row blocks and tiles follow T: a step's K terms are one chain of "
