@@ -66,6 +66,10 @@ BROKEN = [
 ]
 
 
+# the gate's warning for a backend broken on purpose, where a later lookup (explain) checks another call kind
+_BROKEN_ON_PURPOSE = pytest.mark.filterwarnings("ignore:moekit. backend '.*' failed its accuracy check:RuntimeWarning")
+
+
 @pytest.fixture
 def registered(request):
     backend, _ = request.param
@@ -97,6 +101,7 @@ def _call(op):
 
 
 @pytest.mark.parametrize("registered", BROKEN, ids=[b.name for b, _ in BROKEN], indirect=True)
+@_BROKEN_ON_PURPOSE
 def test_the_gate_catches_each_broken_backend(registered):
     backend, op = registered
     run, ref, pick = _call(op)
@@ -194,6 +199,7 @@ def _reads_codes_as_packed(out, x, w13, w2, tw, ids, act, b13, b2, emap, cfg, aq
     fused_torch(out, x, *as_stored, tw, ids, act, b13, b2, emap)
 
 
+@_BROKEN_ON_PURPOSE
 def test_the_gate_checks_each_byte_layout_of_4_bit_codes():
     # a backend right on the checkpoints' byte layout and wrong on moekit's prepared one ("pairs") passes the check
     # of the first and is refused for the second: the layout is part of the shape class
@@ -302,6 +308,7 @@ def _case(T, k, E=7, H=32, I=16, seed=0):
     return x, w13, w2, tw, ids
 
 
+@_BROKEN_ON_PURPOSE
 def test_the_gate_checks_the_kernel_variant_each_call_runs():
     # dense calls of 1 token run the per-pair decode kernels, of 40 the aligned ones (the heuristic): the gate used to
     # check one small case in whichever mode it fell, so a decode-only fault served every decode call

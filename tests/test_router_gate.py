@@ -176,6 +176,7 @@ def test_the_gemm_check_runs_the_kernel_config_of_the_call():
                 assert any(n % config.block_t for n in sizes) or len(sizes) == 1
 
 
+@pytest.mark.filterwarnings("ignore:moekit. backend 'triton routing' failed its accuracy check:RuntimeWarning")
 def test_a_routing_kernel_ranking_fp16_scores_is_refused(fast_paths):
     # the planted near ties sat a bf16 step apart only: a kernel ranking fp16-rounded scores passed
     from moekit.routing import gate_case
