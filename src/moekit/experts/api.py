@@ -17,9 +17,9 @@ from .. import _invariant, gate
 from .._calls import CheckedCalls
 from .._checks import (check_disjoint, check_out, check_shape, check_tensor, may_sync, tensor_version,
                        warn_gradients_dropped)
-from ..formats import FOUR_BIT_FORMATS, format_of, to_parts
+from ..formats import format_of, to_parts
 from ..presets import ACTIVATIONS
-from . import backends
+from . import backends, configs
 from .backends import ExpertsCall, select_backend
 from .configs import ExpertsConfig
 from .lora import ExpertsLoRA, check_call as check_lora
@@ -32,8 +32,7 @@ weight_format = format_of  # the name this module has always exported
 def _check_config(config, fp8_products: bool = False, per_pair_kept: bool = False) -> None:
     """An explicit config is an ExpertsConfig; in batch-invariant mode, one whose order of sums the mode can keep
     (``fp8_products``: the call multiplies FP8 codes, W8A8 or W4A8; ``per_pair_kept``: the per-pair mode gives the
-    aligned mode's bits, for a standard-format call without adapters on dense weights, or on 4-bit weights with
-    16-bit activations and GEMM2 per pair: configs.INVARIANT_PER_PAIR)."""
+    aligned mode's bits: a standard-format call without adapters, configs.per_pair_keeps_aligned_bits)."""
     if config is None:
         return
     if not isinstance(config, ExpertsConfig):
@@ -196,8 +195,8 @@ def _options_and_out(x, w13, w2, act_quant, config, out, per_pair_kept: bool = F
     check_act_quant(act_quant, x.shape[-1], w2.shape[2])
     fmt = format_of(w13)
     _check_config(config, fmt == "fp8" or (fmt == "mxfp4" and act_quant == "fp8_group"),
-                  per_pair_kept and act_quant is None and (fmt == "dense" or fmt in FOUR_BIT_FORMATS and config
-                                                           is not None and config.split_slots))
+                  per_pair_kept and act_quant is None and config is not None
+                  and configs.per_pair_keeps_aligned_bits(fmt, config.split_slots))
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     check_out("out", out, tuple(x.shape), x.dtype, x.device,

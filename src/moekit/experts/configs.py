@@ -389,13 +389,13 @@ def choose(num_tokens: int, num_experts: int, top_k: int, n1: int, k1: int, devi
 # every T, without half tails, one K step per shape class, and GEMM2 columns within one 128-row weight block (one
 # scale per tile, which the kernel multiplies in another order than per-column scales).
 INVARIANT_MAX_STAGES = 6  # a dense K step shorter than the tuned one gets more stages (same bytes in flight)
-# Dense weights at the sizes where the default runs a decode mode (T <= 2 in the heuristic): the per-pair mode, two
-# launches where the aligned mode takes four (alignment, GEMM1, GEMM2, combine). A pair's GEMM1 row and GEMM2 slot
-# are the same 16-row tensor-core products with the same K steps as in an aligned row block, and its GEMM2 rounds
-# each slot's weighted output to the output dtype before adding the slots in order in fp32, as the aligned mode's
-# per-pair buffer and combine kernel do: the same bits. Not for adapters (their terms run other kernels in that
-# mode), the batched format, 4-bit weights (their aligned GEMMs take the weights as the MMA's A operand, the per-pair
-# GEMM2 as B) or FP8 products (64-row wgmma tiles at every T).
+# Dense weights at the sizes where the default runs a decode mode (T <= 2 in the heuristic): the per-pair mode, three
+# or two launches where the aligned mode takes four (alignment, GEMM1, GEMM2, combine). A pair's GEMM1 row and GEMM2
+# slot are the same 16-row tensor-core products with the same K steps as in an aligned row block, and its GEMM2
+# rounds each slot's weighted output to the output dtype before the slots are added in order in fp32, as the aligned
+# mode's per-pair buffer and combine kernel do: the same bits (per_pair_keeps_aligned_bits says where). Not for
+# adapters (their terms run other kernels in that mode), the batched format or FP8 products (64-row wgmma tiles at
+# every T); 4-bit weights below (INVARIANT_PER_PAIR_4BIT).
 INVARIANT_PER_PAIR = True
 # Its GEMM2: per pair into the aligned mode's buffer, then the combine kernel (True: three launches, one program per
 # pair and column tile, as the aligned GEMM2 runs at these sizes), or per token over its slots (False: two launches,
@@ -409,6 +409,13 @@ INVARIANT_PER_PAIR_SPLIT_SLOTS = True  # (both read by the lru-cached _invariant
 INVARIANT_PER_PAIR_4BIT = False
 FP8_DOT_FORMATS = ("fp8", "w4a8")
 WGMMA_MIN_ROWS = 64
+
+
+def per_pair_keeps_aligned_bits(weight_format: str, split_slots: bool) -> bool:
+    """Whether the per-pair mode gives the aligned mode's bits, for 16-bit activations without adapters: dense
+    weights in either GEMM2 form; 4-bit weights with GEMM2 per pair (``split_slots``: the aligned GEMMs' own code on
+    per-pair rows; per token, their GEMM2 takes the weights as the MMA's B operand, the aligned one as A)."""
+    return weight_format == "dense" or (weight_format in FOUR_BIT_FORMATS and split_slots)
 
 
 def _first_aligned_tokens(weight_format: str) -> int:
@@ -467,7 +474,7 @@ def _invariant_choose(keys: tuple[str, ...], shape: str, num_tokens: int, num_ex
     cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
     if cfg.mode != "aligned":
         cfg, source = _invariant_decode_tiles(num_tokens, num_experts, top_k, n1, k1, weight_format, cfg.mode)
-        if per_pair and INVARIANT_PER_PAIR_4BIT:
+        if per_pair and INVARIANT_PER_PAIR_4BIT and per_pair_keeps_aligned_bits(weight_format, True):
             g1, g2 = (replace(_invariant_tile(g, weight_format), half_tails=False) for g in (cfg.gemm1, cfg.gemm2))
             return ExpertsConfig(16, g1, g2, mode="per_pair", split_slots=True), (
                 f"batch-invariant: per-pair mode (no alignment: the aligned GEMMs' 16-row tiles on one pair each, "
@@ -514,12 +521,13 @@ def _invariant_pinned_choose(keys: tuple[str, ...], shape: str, num_tokens: int,
     Dense weights where the default runs a decode mode: the per-pair mode (``per_pair``, INVARIANT_PER_PAIR)."""
     bk1, bk2, steps_source = _reduction_steps(keys, shape, num_experts, n1, k1, weight_format)
     cfg, source = _choose(keys, shape, num_tokens, num_experts, top_k, n1, k1, weight_format, True)
-    if cfg.mode != "aligned" and per_pair and INVARIANT_PER_PAIR and weight_format == "dense":
+    split = INVARIANT_PER_PAIR_SPLIT_SLOTS
+    if (cfg.mode != "aligned" and per_pair and INVARIANT_PER_PAIR
+            and per_pair_keeps_aligned_bits(weight_format, split)):
         if cfg.mode != "per_pair":  # the CUDA-core GEMVs (which sum in another order): the heuristic's tiles
             source = f"the heuristic's per-pair tiles (the default runs mode {cfg.mode!r})"
             cfg = heuristic(min(num_tokens, PER_PAIR_MAX_TOKENS), num_experts, top_k, n1, k1, weight_format)
         g1, g2 = _with_block_k(cfg.gemm1, bk1, weight_format), _with_block_k(cfg.gemm2, bk2, weight_format)
-        split = INVARIANT_PER_PAIR_SPLIT_SLOTS
         gemm2 = ("GEMM2 per pair and the combine kernel, as the aligned mode's" if split else
                  "GEMM2 per token rounding each slot as the aligned mode's combine adds it")
         return ExpertsConfig(16, g1, g2, mode="per_pair", split_slots=split), (

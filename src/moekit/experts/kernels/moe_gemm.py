@@ -939,8 +939,8 @@ def gemm2_tokens_kernel(
     registers and written once (no per-slot buffer, no combine launch). Row 0 of each tile is the
     pair; the other rows pad the tensor-core shape. Each slot's weighted product is rounded to out's
     dtype before the fp32 sum, as the aligned mode's per-pair buffer is before combine_kernel adds it:
-    with 16-bit weights the two modes give the same bits (batch-invariant mode serves this one at
-    decode sizes)."""
+    with dense weights the two modes give the same bits (batch-invariant mode may serve this one at
+    decode sizes: configs.INVARIANT_PER_PAIR_SPLIT_SLOTS)."""
     num_n = tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0) // num_n
     offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
