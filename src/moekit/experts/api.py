@@ -29,17 +29,19 @@ BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 weight_format = format_of  # the name this module has always exported
 
 
-def _check_config(config, fp8_products: bool = False, per_pair_kept: bool = False) -> None:
+def _check_config(config, fp8_products: bool = False, per_pair_kept: bool = False, weight_format: str = "") -> None:
     """An explicit config is an ExpertsConfig; in batch-invariant mode, one whose order of sums the mode can keep
-    (``fp8_products``: the call multiplies FP8 codes, W8A8 or W4A8; ``per_pair_kept``: the per-pair mode gives the
-    aligned mode's bits: a standard-format call without adapters, configs.per_pair_keeps_aligned_bits)."""
+    (``fp8_products``: the call multiplies FP8 codes, W8A8 or W4A8; ``per_pair_kept``: a standard-format call
+    without adapters or activation quantization, where a per-pair config on ``weight_format`` keeps the aligned
+    mode's bits as configs.per_pair_keeps_aligned_bits says)."""
     if config is None:
         return
     if not isinstance(config, ExpertsConfig):
         raise TypeError(f"config must be a moekit.experts.ExpertsConfig or None, got {type(config).__name__}")
     if not _invariant.enabled():
         return
-    if config.mode != "aligned" and not (config.mode == "per_pair" and per_pair_kept):
+    if config.mode != "aligned" and not (config.mode == "per_pair" and per_pair_kept
+                                         and configs.per_pair_keeps_aligned_bits(weight_format, config.split_slots)):
         # (the mode's own configs: experts/configs.py _invariant_choose)
         raise ValueError(_invariant.refusal(
             f"config with mode {config.mode!r}", "the CUDA-core mode sums a token's K terms across lanes, and the "
@@ -195,8 +197,7 @@ def _options_and_out(x, w13, w2, act_quant, config, out, per_pair_kept: bool = F
     check_act_quant(act_quant, x.shape[-1], w2.shape[2])
     fmt = format_of(w13)
     _check_config(config, fmt == "fp8" or (fmt == "mxfp4" and act_quant == "fp8_group"),
-                  per_pair_kept and act_quant is None and config is not None
-                  and configs.per_pair_keeps_aligned_bits(fmt, config.split_slots))
+                  per_pair_kept and act_quant is None, fmt)
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     check_out("out", out, tuple(x.shape), x.dtype, x.device,
