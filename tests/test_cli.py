@@ -91,6 +91,36 @@ def test_verify_table_keeps_the_bracketed_names_of_its_rows(capsys):
     assert code == 0 and "fused_experts[mxfp4]" in out and "fused_experts[lora]" in out
 
 
+def test_verify_prints_a_row_per_op_and_impl_with_budgets_and_every_check_with_full(capsys, monkeypatch):
+    from moekit import metrics
+    from moekit.tools.verify import runner
+
+    args = ["verify", "--preset", "mixtral-8x7b", "gpt-oss-20b", "--tokens", "1", "7", "--backend", "torch",
+            "--no-isolate"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│ router_gemm ")]
+    assert len(rows) == 1 and "│ 4 " in rows[0] and f"/ {metrics.LOGITS_TOL.max_rel:.0e}" in rows[0], rows
+    assert "mixtral-8x7b@scaled" not in out and "failed checks" not in out and "max |got - ref| / max |ref|" in out
+    assert main(args + ["--full"]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith("│ router_gemm ") for line in out.splitlines()) == 1 + 4  # the summary, each case
+    assert "mixtral-8x7b@scaled" in out and "gpt-oss-20b@scaled" in out
+
+    real = runner.run_group
+
+    def one_fails(*a, **kw):  # a check that missed its budget: the summary counts it, its case is printed in full
+        done = real(*a, **kw)
+        done[0] = metrics.CheckResult(done[0].op, done[0].impl, done[0].preset, done[0].tokens, 1.0, 1.0, 1.0, False,
+                                      "planted", 1e-4, 1e-5)
+        return done
+
+    monkeypatch.setattr(runner, "run_group", one_fails)
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "1 FAILED" in out and "failed checks" in out and "planted" in out and "1.0e+00 / 1e-04" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about the CPU interpreter")
 def test_verify_bf16_on_cpu_skips_interpreted_kernels(capsys):
     assert main(["verify", "--preset", "qwen3-30b-a3b", "--tokens", "33", "--dtype", "bfloat16"]) == 0
@@ -108,6 +138,8 @@ def test_presets_and_explain_print(capsys):
     assert "router_gemm T=4 H=4096 E=8" in out
     if not torch.cuda.is_available():                   # what serves the call, in a CPU user's terms
         assert "torch   TAKEN" in out and "the Triton kernels need a CUDA GPU" in out and "bf16 dots" not in out
+    assert main(["explain", "--preset", "mixtral-8x7b", "--tokens", "4", "--dtype", "float16"]) == 0
+    assert "float16 activations" in capsys.readouterr().out
 
 
 PLUGIN = '''

@@ -47,7 +47,9 @@ def within(tol: Tolerance, max_rel: float | None, rms_rel: float | None) -> bool
 
 @dataclass
 class CheckResult:
-    """One check of an implementation against its reference (a row of `moekit verify`'s table)."""
+    """One check of an implementation against its reference (a row of `moekit verify`'s table). ``max_budget`` and
+    ``rms_budget``: what ``max_rel`` and ``rms_rel`` were held to (None: not a budget of this check; routes hold the
+    weights' absolute error to WEIGHT_TOL, invariance checks hold bits, a budget of 0)."""
 
     op: str
     impl: str
@@ -58,6 +60,8 @@ class CheckResult:
     agree: float = 1.0
     ok: bool = True
     detail: str = ""
+    max_budget: float | None = None
+    rms_budget: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +70,7 @@ class CheckResult:
 def score_values(r: CheckResult, got, ref, tol: Tolerance, written_in_place: bool = True) -> CheckResult:
     """Fill ``r`` with the errors of ``got`` against ``ref`` and whether they are within ``tol``."""
     r.max_rel, r.rms_rel = rel_errors(got, ref)
+    r.max_budget, r.rms_budget = tol.max_rel, tol.rms_rel
     r.ok = written_in_place and r.max_rel <= tol.max_rel and r.rms_rel <= tol.rms_rel
     r.detail = "" if written_in_place else "out= not written in place"
     return r
@@ -75,6 +80,7 @@ def score_routes(r: CheckResult, tw, tid, ref_w, ref_ids, separable, num_experts
     """Fill ``r`` with the top-k agreement on separable tokens, the weight error there, and whether
     both (and every id in [0, num_experts)) are within budget."""
     r.agree, r.max_rel = routes_agree(tw, tid, ref_w, ref_ids, separable)
+    r.max_budget = WEIGHT_TOL
     ids_valid = tid.numel() == 0 or bool((tid.min() >= 0) & (tid.max() < num_experts))
     r.ok = r.agree == 1.0 and r.max_rel <= WEIGHT_TOL and ids_valid
     return r

@@ -223,7 +223,8 @@ BUILTIN = (
                                        "weight, fixed-order combine; 4-bit weights dequantized in the kernel, "
                                        "FP8 W8A8 and MXFP4 W4A8 on FP8 tensor cores",
             _triton_fused, _triton_batched, lora=True, plans=True, variant=_triton_variant),
-    Backend("torch", _torch_rejects, "float reference: weights dequantized, every expert in fp32 (any device)",
+    Backend("torch", _torch_rejects, "float reference: every expert in fp32, quantized weights dequantized first "
+                                     "(any device)",
             torch_backend.fused_torch, torch_backend.batched_torch, lora=True),
 )
 BACKENDS: tuple[Backend, ...] = BUILTIN
@@ -322,8 +323,8 @@ def explain(call: ExpertsCall, backend: str = "auto") -> str:
     codes = "" if call.layout == "packed" else f" (codes in the {call.layout!r} byte layout)"
     lines = [f"experts call: {call.weight_format} weights{codes}, {act} activations{', LoRA' if call.lora else ''}, "
              f"{call.device}, T={call.num_tokens}, backend={backend!r}"
-             + (", batch-invariant mode (triton: aligned kernels, one K step per shape at every T; torch: matmuls "
-                f"of {_invariant.ROWS_PER_MATMUL} rows)" if _invariant.enabled() else "")]
+             + (", batch-invariant mode (triton: one tile and K step per shape at every T, aligned or per pair; "
+                f"torch: matmuls of {_invariant.ROWS_PER_MATMUL} rows)" if _invariant.enabled() else "")]
     taken = False
     for b in BACKENDS:
         if taken:

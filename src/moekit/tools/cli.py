@@ -83,7 +83,7 @@ def _explain(args, device, recipes) -> int:
         spec = presets.get(name)
         for T in args.tokens:
             print(f"[{name}] " + router_tiers.explain(T, spec.hidden_size, spec.num_experts, device).replace("\n", f"\n[{name}] "))
-            print(f"[{name}] " + explain_experts(spec, T, device, recipe=recipe))
+            print(f"[{name}] " + explain_experts(spec, T, device, getattr(torch, args.dtype), recipe=recipe))
     return 0
 
 
@@ -169,17 +169,12 @@ def _verify(args) -> int:
     results = _run_groups(groups, names, tokens, console, lambda group, on_case: (
         runner.run_isolated(group, passthrough, on_case)[0] if args.isolate
         else runner.run_group(group, names, tokens, dtype, device, impls, on_gpu, on_case)))
-    table = Table(title=f"accuracy against float64 ({time.time() - start:.0f} s)")
-    for col in ("op", "impl", "preset", "T", "max err", "rms rel", "top-k agree", "status"):
-        table.add_column(col)
-    for r in results:
-        # names such as fused_experts[mxfp4] are text, not rich markup (which would drop the bracket)
-        status = "[green]PASS[/]" if r.ok else f"[red]FAILED[/] {escape(r.detail)}"
-        routes = r.op.split("[")[0] in ("route", "fused_router")
-        table.add_row(escape(r.op), escape(r.impl), escape(r.preset), str(r.tokens), f"{r.max_rel:.1e}",
-                      "" if routes else f"{r.rms_rel:.1e}", f"{r.agree:.3f}" if routes else "", status)
-    console.print(table)
+    elapsed = time.time() - start
+    console.print(_summary_table(results, f"accuracy against float64 ({elapsed:.0f} s)"))
+    console.print(_ERROR_NOTE, markup=False, highlight=False)
     failed = [r for r in results if not r.ok]
+    if args.full or failed:
+        console.print(_case_table(results if args.full else failed, "every check" if args.full else "failed checks"))
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     if args.json:
         try:
@@ -187,6 +182,53 @@ def _verify(args) -> int:
         except OSError as exc:
             return _argtypes.fail("moekit verify", f"could not write --json {args.json}: {exc}")
     return 1 if failed else 0
+
+
+_ERROR_NOTE = ("max err: max |got - ref| / max |ref| (routes: the routing weights' absolute error; [invariant] rows: "
+               "bits, budget 0); rms rel: ||got - ref|| / ||ref||; each against the budget it was held to")
+
+
+def _against(value: float, budget: float | None) -> str:
+    return f"{value:.1e}" + ("" if budget is None else f" / {budget:.0e}")
+
+
+def _worst(rows, value, budget):
+    """The row whose error is the largest share of its budget (the largest error where none has a budget)."""
+    return max(rows, key=lambda r: (getattr(r, value) / b if (b := getattr(r, budget)) else getattr(r, value),
+                                    getattr(r, value)))
+
+
+def _summary_table(results, title: str) -> Table:
+    """One row per op and implementation: its checks, its worst errors against their budgets, and how many failed."""
+    table = Table(title=title)
+    for col in ("op", "impl", "checks", "worst max err / budget", "worst rms rel / budget", "top-k agree", "status"):
+        table.add_column(col)
+    groups: dict[tuple[str, str], list] = {}
+    for r in results:
+        groups.setdefault((r.op, r.impl), []).append(r)
+    for (op, impl), rows in groups.items():
+        routes = op.split("[")[0] in ("route", "fused_router")
+        worst_max, worst_rms = _worst(rows, "max_rel", "max_budget"), _worst(rows, "rms_rel", "rms_budget")
+        failed = sum(not r.ok for r in rows)
+        # names such as fused_experts[mxfp4] are text, not rich markup (which would drop the bracket)
+        table.add_row(escape(op), escape(impl), str(len(rows)), _against(worst_max.max_rel, worst_max.max_budget),
+                      "" if routes else _against(worst_rms.rms_rel, worst_rms.rms_budget),
+                      f"{min(r.agree for r in rows):.3f}" if routes else "",
+                      "[green]PASS[/]" if not failed else f"[red]{failed} FAILED[/]")
+    return table
+
+
+def _case_table(results, title: str) -> Table:
+    """One row per check (preset and token count), with why it failed."""
+    table = Table(title=title)
+    for col in ("op", "impl", "preset", "T", "max err / budget", "rms rel / budget", "top-k agree", "status"):
+        table.add_column(col)
+    for r in results:
+        status = "[green]PASS[/]" if r.ok else f"[red]FAILED[/] {escape(r.detail)}"
+        routes = r.op.split("[")[0] in ("route", "fused_router")
+        table.add_row(escape(r.op), escape(r.impl), escape(r.preset), str(r.tokens), _against(r.max_rel, r.max_budget),
+                      "" if routes else _against(r.rms_rel, r.rms_budget), f"{r.agree:.3f}" if routes else "", status)
+    return table
 
 
 def _run_groups(groups, names, tokens, console, run):
@@ -300,7 +342,12 @@ def case_line(row: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = _argtypes.Parser(prog="moekit", description="Accurate, fast MoE inference layers.")
     sub = p.add_subparsers(dest="command")
-    v = sub.add_parser("verify", help="check every implementation on this machine against float64 references")
+    v = sub.add_parser("verify", help="check every implementation on this machine against float64 references",
+                       description="Check every implementation this machine has (router GEMM, routing, experts in "
+                       "every weight format, the whole layer) against float64 references and exit non-zero on any "
+                       "failure. On a CPU: the torch paths and the Triton kernels through Triton's interpreter, on "
+                       "scaled-down presets; on a GPU: every preset at its real sizes. Each backend group runs in its "
+                       "own process, so one that crashes is reported and the others go on.")
     v.add_argument("--preset", nargs="+", type=_argtypes.preset_name, help="presets to check (default: all)")
     v.add_argument("--tokens", nargs="+", type=_argtypes.token_count,
                    help="token counts (default: 0 1 7 33 on CPU, 0 1 8 64 129 1000 on GPU)")
@@ -312,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch-invariant", action="store_true",
                    help=f"run in batch-invariant mode ({_invariant.ENV}=1) and add its bitwise invariance checks: a "
                         "token alone against the same token in batches of other tokens, at several positions")
+    v.add_argument("--full", action="store_true",
+                   help="print every check (preset and token count), not one row per op and implementation; the "
+                        "failed checks are printed in full either way, and --json holds every check")
     v.add_argument("--progress-lines", action="store_true", help=argparse.SUPPRESS)  # a child's reports
     v.set_defaults(func=cmd_verify)
     b = sub.add_parser("bench", help="time moekit's experts against the peers on this GPU (CUDA graphs)")
@@ -334,7 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description=tune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     tune.add_arguments(t)
     t.set_defaults(func=lambda args: tune.run(t, args))
-    e = sub.add_parser("explain", help="which implementation serves each op, and why")
+    e = sub.add_parser("explain", help="which implementation serves each op, and why",
+                       description="For each preset and token count: which router tier, routing and experts backend "
+                       "serve the call on this machine, the block configuration and kernels launched, and why the "
+                       "other candidates were passed over. Nothing is launched.")
     e.add_argument("--preset", nargs="+", type=_argtypes.preset_name,
                    help="presets to explain (default: all; with --weights native, those with a checkpoint format)")
     e.add_argument("--tokens", nargs="+", type=_argtypes.token_count, default=[1, 16, 128, 4096],
@@ -342,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--weights", default="bf16",
                    help="bf16 (default), 'native' (each preset's checkpoint format) or one of mxfp4, nvfp4, fp8_block, "
                         "fp8_channel")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="the activations' dtype (and the weights' where they are dense)")
     e.add_argument("--batch-invariant", action="store_true", help="explain batch-invariant mode's choices")
     e.set_defaults(func=cmd_explain)
     sub.add_parser("presets", help="the table of model presets").set_defaults(func=cmd_presets)

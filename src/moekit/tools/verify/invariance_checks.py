@@ -34,7 +34,7 @@ def format_tag(weights: str, act_quant: str | None) -> str:
 def result(op: str, impl: str, preset: str, sizes: Sequence[int], mismatch: str | None) -> CheckResult:
     """A report row: ``tokens`` is the largest batch; ``detail`` says where bits differed."""
     return CheckResult(f"{op}[invariant]", impl, preset, max(sizes), 0.0, 0.0, 1.0, mismatch is None,
-                       "" if mismatch is None else f"not batch-invariant: {mismatch}")
+                       "" if mismatch is None else f"not batch-invariant: {mismatch}", max_budget=0.0)
 
 
 def _checked(op, impl, preset, sizes, check: Callable[[], str | None]) -> CheckResult:
