@@ -122,6 +122,12 @@ def test_verify_prints_a_row_per_op_and_impl_with_budgets_and_every_check_with_f
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about the CPU interpreter")
+def test_verify_says_why_bf16_on_cpu_has_no_triton_group(capsys):
+    code = main(["verify", "--preset", "mixtral-8x7b", "--tokens", "1", "--dtype", "bfloat16", "--backend", "triton"])
+    assert code == 2 and "got 'triton': Triton's interpreter computes bf16 dots wrongly" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about the CPU interpreter")
 def test_verify_bf16_on_cpu_skips_interpreted_kernels(capsys):
     assert main(["verify", "--preset", "qwen3-30b-a3b", "--tokens", "33", "--dtype", "bfloat16"]) == 0
     assert "interpreter computes bf16 dots wrongly" in capsys.readouterr().out

@@ -151,7 +151,11 @@ def _verify(args) -> int:
     groups = runner.groups(device, dtype, impls)
     if args.backend:
         if args.backend not in groups:
-            return _argtypes.fail("moekit verify", f"--backend must be one of {groups} here, got {args.backend!r}")
+            bf16_off = not on_gpu and dtype == torch.bfloat16 and args.backend in runner.groups(
+                device, dtype, implementations(device))
+            why = (": Triton's interpreter computes bf16 dots wrongly, so its kernels are checked in fp16 on the CPU "
+                   "(run without --dtype) and in bf16 on a GPU" if bf16_off else "")
+            return _argtypes.fail("moekit verify", f"--backend must be one of {groups} here, got {args.backend!r}{why}")
         groups = [args.backend]
     if args.backend and not args.isolate and args.progress_lines:  # a child: its parent prints the table
         report = runner.report_case
