@@ -651,6 +651,27 @@ def test_four_bit_decode_kernels_with_k_in_several_chunks(fmt, gemv, slots, k, l
                 TOL[torch.float32])
 
 
+@pytest.mark.parametrize("config,why", [
+    (ExpertsConfig(16, GemmConfig(16, 16), GemmConfig(16, 16), mode="per_pair"), "GEMM2 per token: a tile's padding "
+     "rows multiply the Inf by 0 (NaN), and the sum over the tile's rows took them"),
+    (ExpertsConfig(16, GemmConfig(16, 16), GemmConfig(16, 16)), "aligned: the padding rows are never stored"),
+])
+def test_an_inf_in_w2_gives_the_references_inf_not_nan(config, why):
+    E, H, I, T, k = 3, 32, 16, 2, 2
+    w13, w2, _, _ = _weights(E, H, I, torch.float32, False)
+    w2[1, 5, 3] = float("inf")                                     # expert 1, output column 5
+    x = torch.randn(T, H)
+    tw, tid = torch.rand(T, k) + 0.1, torch.tensor([[1, 0], [2, 0]], dtype=torch.int32)
+    out = _poisoned((T, H), torch.float32)
+    fused_experts(x, w13, w2, tw, tid, out=out, backend="triton", config=config)
+    ref = reference.fused_experts(x, w13, w2, tw, tid)
+    assert ref[0, 5].isinf() and ref[1].isfinite().all(), "the case: one Inf element, in token 0's output only"
+    assert torch.equal(out.isinf(), ref.isinf()) and not out.isnan().any(), why
+    assert torch.equal(out[0, 5], ref[0, 5].float())
+    check_close(why, out[:, [c for c in range(H) if c != 5]], ref[:, [c for c in range(H) if c != 5]],
+                TOL[torch.float32])
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_four_bit_per_pair_gemm2_per_pair_gives_the_aligned_modes_bits(fmt):
     # the per-pair mode with split slots runs the aligned mode's GEMM kernels on one pair per 16-row block: the same

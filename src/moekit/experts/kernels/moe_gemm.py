@@ -966,7 +966,9 @@ def gemm2_tokens_kernel(
                                     n_ok, k0, stride_sn, W_BLOCKED, W_TILE_SCALE, DOT_PRECISION)
                 else:
                     acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-            y = tl.sum(acc, axis=0)  # rows other than 0 are zero
+            # row 0 alone: the padding rows are 0 * w, NaN where w2 holds an Inf (the pair's own row is Inf there,
+            # as the reference's and the aligned mode's are)
+            y = tl.sum(tl.where(row0, acc, 0.0), axis=0)
             if FORMAT == NVFP4:
                 y = y / tl.load(gs_ptr + e)
             if (FORMAT == FP8 or FORMAT == FP8_EMULATED) and not W_BLOCKED:
