@@ -29,7 +29,8 @@ SUPPORTED_TRITON = ("3.6.",)  # the private function it wraps, as that release h
 
 @functools.cache
 def speed_up() -> bool:
-    """Install the shortcut once per process; False (and nothing changed) on another Triton."""
+    """Install the shortcut and the in-order dots once per process; False (and nothing changed) on another
+    Triton."""
     try:
         import triton
         import triton.language as tl
@@ -53,8 +54,8 @@ def speed_up() -> bool:
 
 
 def _in_order(x: np.ndarray, dtype) -> np.ndarray:
-    """``x`` as ``dtype``, in a view whose rows have a stride of two elements: numpy's matmul then takes its own
-    loop (an output element's terms summed one after another along K) instead of BLAS."""
+    """``x`` as ``dtype``, in a view whose last axis steps two elements: numpy's matmul then takes its own loop (an
+    output element's terms summed one after another along K) instead of BLAS."""
     spread = np.empty(x.shape[:-1] + (2 * x.shape[-1],), dtype)
     view = spread[..., ::2]
     view[...] = x

@@ -192,6 +192,11 @@ _ERROR_NOTE = ("max err: max |got - ref| / max |ref| (routes: the routing weight
                "bits, budget 0); rms rel: ||got - ref|| / ||ref||; each against the budget it was held to")
 
 
+def _is_route(op: str) -> bool:
+    """A routing row: top-k agreement and the weights' error, no RMS."""
+    return op.split("[")[0] in ("route", "fused_router")
+
+
 def _against(value: float, budget: float | None) -> str:
     return f"{value:.1e}" + ("" if budget is None else f" / {budget:.0e}")
 
@@ -211,7 +216,7 @@ def _summary_table(results, title: str) -> Table:
     for r in results:
         groups.setdefault((r.op, r.impl), []).append(r)
     for (op, impl), rows in groups.items():
-        routes = op.split("[")[0] in ("route", "fused_router")
+        routes = _is_route(op)
         worst_max, worst_rms = _worst(rows, "max_rel", "max_budget"), _worst(rows, "rms_rel", "rms_budget")
         failed = sum(not r.ok for r in rows)
         # names such as fused_experts[mxfp4] are text, not rich markup (which would drop the bracket)
@@ -229,7 +234,7 @@ def _case_table(results, title: str) -> Table:
         table.add_column(col)
     for r in results:
         status = "[green]PASS[/]" if r.ok else f"[red]FAILED[/] {escape(r.detail)}"
-        routes = r.op.split("[")[0] in ("route", "fused_router")
+        routes = _is_route(r.op)
         table.add_row(escape(r.op), escape(r.impl), escape(r.preset), str(r.tokens), _against(r.max_rel, r.max_budget),
                       "" if routes else _against(r.rms_rel, r.rms_budget), f"{r.agree:.3f}" if routes else "", status)
     return table
